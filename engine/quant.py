@@ -266,17 +266,15 @@ def quant_fp4_weight(w: Tensor) -> tuple[Tensor, Tensor]:
     return pack_fp4(codes.flatten(-2)), s.to(torch.float8_e8m0fnu)
 
 
-def _matmul_fp32_ieee(a: Tensor, b: Tensor) -> Tensor:
-    """a @ b in true fp32: TF32 / bf16x3 modes would break the exactness argument of `linear`.
-    Switches torch's process-wide matmul precision for the call if needed (not thread-safe)."""
-    prev = torch.get_float32_matmul_precision()
-    if prev == "highest":
-        return a @ b
-    torch.set_float32_matmul_precision("highest")
-    try:
-        return a @ b
-    finally:
-        torch.set_float32_matmul_precision(prev)
+def exact_matmul(a: Tensor, b: Tensor) -> Tensor:
+    """a @ b computed in float64 and returned in float32 (callers round further as they need).
+
+    The golden model's products: the exact dot product rounded once, which every fp32-accumulating
+    kernel approximates, and which does not depend on how many rows are in the batch (fp32 GEMM
+    libraries switch between gemv and blocked gemm by M, changing summation order; after bf16
+    rounding that made a prefill and a decode step of the same position differ).
+    """
+    return (a.double() @ b.double()).float()
 
 
 def linear(x: Tensor, weight: Tensor, scale: Tensor | None = None) -> Tensor:
@@ -286,11 +284,12 @@ def linear(x: Tensor, weight: Tensor, scale: Tensor | None = None) -> Tensor:
     - uint8 / int8 / float4_e2m1fn_x2 weight [out, in/2] + scale [out, in/32]: packed FP4 weight.
       An 8-bit weight is FP8 only when its dtype says so; raw FP8 bytes must be viewed as
       float8_e4m3fn first. The scale's shape is checked against the dtype's layout (ValueError).
-    - bf16 / fp32 weight, no scale: F.linear in the weight's dtype (x cast to it).
+    - bf16 / fp32 weight, no scale: the product in float64, rounded to the weight's dtype.
     For both quantised kinds x (bf16 [..., in], in % 32 == 0) is quantised with `act_quant(x, 32)`
     and the result is bf16 [..., out]. Implementation: both operands are dequantised to fp32 (exact,
-    all scales are powers of two) and multiplied in one IEEE fp32 matmul. That equals the kernels'
-    per-32-block scaled sum accumulated in fp32, up to fp32 summation order (rarely 1 bf16 ULP).
+    all scales are powers of two) and multiplied with `exact_matmul`. That equals the kernels'
+    per-32-block scaled sum accumulated in fp32 up to fp32 summation order (rarely 1 bf16 ULP), and
+    is independent of the batch size.
     """
     if weight.dtype == torch.float8_e4m3fn:
         in_features = weight.size(-1)
@@ -299,7 +298,8 @@ def linear(x: Tensor, weight: Tensor, scale: Tensor | None = None) -> Tensor:
     else:
         if scale is not None:
             raise ValueError(f"a {weight.dtype} weight takes no scale, got one of shape {tuple(scale.shape)}")
-        return F.linear(x.to(weight.dtype), weight)
+        y = exact_matmul(x.reshape(-1, x.size(-1)), weight.T)
+        return y.view(*x.shape[:-1], weight.size(0)).to(weight.dtype)
     if scale is None:
         raise ValueError(f"a {weight.dtype} weight {tuple(weight.shape)} needs a scale")
     if x.size(-1) != in_features or in_features % BLOCK:
@@ -314,5 +314,5 @@ def linear(x: Tensor, weight: Tensor, scale: Tensor | None = None) -> Tensor:
     else:
         w = dequant_fp4_weight(weight, scale)  # [out, in] fp32
     a = _act_dequant(*act_quant(x, BLOCK), BLOCK)  # [..., in] fp32
-    y = _matmul_fp32_ieee(a.reshape(-1, in_features), w.T)  # [M, out]
+    y = exact_matmul(a.reshape(-1, in_features), w.T)  # [M, out]
     return y.view(*x.shape[:-1], w.size(0)).to(torch.bfloat16)

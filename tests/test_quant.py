@@ -461,7 +461,7 @@ def test_linear_fp4_vs_float64_all_weight_dtypes():
         assert_bitwise(linear(x, packed.view(view), s), y, f"fp4 linear ({view})")
 
 
-def test_linear_forces_ieee_fp32_and_restores_precision():
+def test_linear_is_unaffected_by_matmul_precision_mode():
     x = torch.randn(9, 64, generator=torch.Generator().manual_seed(16)).to(BF16)
     q, s = quant_fp8_weight(torch.randn(33, 64, generator=torch.Generator().manual_seed(17)))
     want = linear(x, q, s)
@@ -478,10 +478,23 @@ def test_linear_forces_ieee_fp32_and_restores_precision():
 def test_linear_unquantised():
     x = torch.randn(3, 4, 32, generator=torch.Generator().manual_seed(10)).to(BF16)
     w = torch.randn(8, 32, generator=torch.Generator().manual_seed(11))
-    assert_bitwise(linear(x, w.to(BF16)), F.linear(x, w.to(BF16)), "bf16 linear")
+    # the exact product rounded once: float64 accumulation of these 32 terms is exact to ~1e-16
+    exact = F.linear(x.double(), w.to(BF16).double())
+    assert_bitwise(linear(x, w.to(BF16)), exact.float().to(BF16), "bf16 linear")
     y = linear(x, w)
     assert y.dtype == torch.float32
-    assert_bitwise(y, F.linear(x.float(), w), "fp32 linear")
+    assert_bitwise(y, F.linear(x.double(), w.double()).float(), "fp32 linear")
+
+
+def test_linear_rows_do_not_depend_on_batch_size():
+    x = (torch.randn(37, 96, generator=torch.Generator().manual_seed(20)) * 0.3).to(BF16)
+    q8, s8 = quant_fp8_weight(torch.randn(72, 96, generator=torch.Generator().manual_seed(21)))
+    q4, s4 = quant_fp4_weight(torch.randn(72, 96, generator=torch.Generator().manual_seed(22)))
+    wb = torch.randn(72, 96, generator=torch.Generator().manual_seed(23)).to(BF16)
+    for w, s in ((q8, s8), (q4, s4), (wb, None)):
+        batch = linear(x, w, s)
+        for r in (0, 17, 36):
+            assert_bitwise(linear(x[r:r + 1], w, s), batch[r:r + 1], f"row {r} alone vs in a batch of 37")
 
 
 def test_linear_errors_name_shapes():

@@ -37,12 +37,12 @@ def sparse_attn(q: torch.Tensor, kv: torch.Tensor, sink: torch.Tensor, idx: torc
         valid = ix >= 0
         rows = torch.gather(kv.unsqueeze(1).expand(B, ix.size(1), -1, D), 2,
                             ix.clamp_min(0).unsqueeze(-1).expand(-1, -1, -1, D)).float()  # [B,m,K,D]
-        logits = torch.einsum("bmhd,bmkd->bmhk", q[:, m0:m0 + 256].float(), rows) * scale
+        logits = torch.einsum("bmhd,bmkd->bmhk", q[:, m0:m0 + 256].double(), rows.double()).float() * scale
         logits = logits.masked_fill(~valid.unsqueeze(2), float("-inf"))
         mx = logits.amax(-1).clamp_min(SINK_FREE_MAX)  # [B,m,H]
         p = torch.exp(logits - mx.unsqueeze(-1))
         denom = p.sum(-1) + torch.exp(sink.float().view(1, 1, H) - mx)
-        o = torch.einsum("bmhk,bmkd->bmhd", p.to(torch.bfloat16).float(), rows) / denom.unsqueeze(-1)
+        o = torch.einsum("bmhk,bmkd->bmhd", p.to(torch.bfloat16).double(), rows.double()).float() / denom.unsqueeze(-1)
         out[:, m0:m0 + 256] = o.to(q.dtype)
     return out
 
@@ -151,8 +151,8 @@ class Indexer(nn.Module):
         q = self.wq_b(qr).unflatten(-1, (self.n_heads, self.head_dim))
         q = fp4_qdq(apply_rotary(q, rope.at(qpos).unsqueeze(0)), 32, "ue8m0")
         w = self.weights_proj(x) * (self.head_dim ** -0.5 * self.n_heads ** -0.5)  # [B,M,H] bf16
-        score = torch.einsum("bshd,btd->bsht", q, src.index_k[:, :T])  # bf16 [B,M,H,T]
-        score = (score.relu() * w.unsqueeze(-1)).sum(dim=2)  # [B,M,T]
+        score = torch.einsum("bshd,btd->bsht", q.double(), src.index_k[:, :T].double()).to(q.dtype)  # bf16 [B,M,H,T]
+        score = (score.relu() * w.unsqueeze(-1)).double().sum(dim=2).to(q.dtype)  # [B,M,T]
         visible = (qpos + 1) // self.ratio  # [M]
         score = score.masked_fill(torch.arange(T, device=x.device) >= visible.unsqueeze(-1), float("-inf"))
         if self.role.is_candidate_source:
@@ -209,7 +209,7 @@ class Attention(nn.Module):
         B, M = o.shape[:2]
         o = o.reshape(B, M, self.groups, -1)
         wo_a = self.wo_a.dequantized(torch.bfloat16).view(self.groups, self.o_lora, -1)  # block-diagonal groups
-        o = torch.einsum("bsgd,grd->bsgr", o, wo_a)
+        o = torch.einsum("bsgd,grd->bsgr", o.double(), wo_a.double()).to(o.dtype)
         return self.wo_b(o.flatten(2))
 
     def forward(self, x: torch.Tensor, start_pos: int, cache: ModelCache, shared: StepShared, q_from: int = 0,

@@ -8,9 +8,14 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engine.quant import dequant_fp8_weight, linear
+from engine.quant import dequant_fp8_weight, exact_matmul, linear
 
 WeightFormat = Literal["fp8", "fp4", "bf16", "fp32"]
+
+
+def fp32_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """x @ weight^T with fp32 output, computed exactly (batch-size independent; see quant.exact_matmul)."""
+    return exact_matmul(x.reshape(-1, x.size(-1)), weight.T).view(*x.shape[:-1], weight.size(0))
 
 
 def register(module: nn.Module, name: str, shape: tuple[int, ...], dtype: torch.dtype) -> None:
@@ -39,7 +44,7 @@ class Linear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.compute == "fp32":
-            return F.linear(x.float(), self.weight.float())
+            return fp32_linear(x, self.weight)
         return linear(x, self.weight, self.scale)
 
     def dequantized(self, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
@@ -73,11 +78,17 @@ class Embedding(nn.Module):
 
 
 class Head(nn.Module):
-    """bf16 in the checkpoint, fp32 math (the reference keeps it fp32): fp32 logits."""
+    """bf16 in the checkpoint, fp32 math (the reference keeps it fp32): fp32 logits.
+
+    Computed exactly in float64 (see quant.exact_matmul); the float64 copy of the weight is made once
+    per weight tensor (re-made when the weight is replaced or moved)."""
 
     def __init__(self, vocab_size: int, dim: int):
         super().__init__()
         register(self, "weight", (vocab_size, dim), torch.bfloat16)
+        self._fp32: tuple[torch.Tensor, torch.Tensor] | None = None  # (source weight, fp32 copy)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x.float(), self.weight.float())
+        if self._fp32 is None or self._fp32[0] is not self.weight:
+            self._fp32 = (self.weight, self.weight.double())
+        return (x.double() @ self._fp32[1].T).float()

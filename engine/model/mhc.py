@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
 
 def hc_split_sinkhorn(mixes: torch.Tensor, scale: torch.Tensor, base: torch.Tensor, hc: int, iters: int,
@@ -28,20 +27,22 @@ def hc_split_sinkhorn(mixes: torch.Tensor, scale: torch.Tensor, base: torch.Tens
 def hc_mixes(x: torch.Tensor, fn: torch.Tensor, scale: torch.Tensor, base: torch.Tensor, hc: int, iters: int,
              hc_eps: float, norm_eps: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """x [B,S,hc,D] -> (pre, post, comb) from one projection of the flattened, RMS-normalised stream."""
-    flat = x.flatten(2).float()  # [B,S,hc*D]
+    flat = x.flatten(2).double()  # [B,S,hc*D]
     rstd = torch.rsqrt(flat.square().mean(-1, keepdim=True) + norm_eps)
-    return hc_split_sinkhorn(F.linear(flat, fn.float()) * rstd, scale.float(), base.float(), hc, iters, hc_eps)
+    mixes = (flat @ fn.double().T) * rstd
+    return hc_split_sinkhorn(mixes.float(), scale.float(), base.float(), hc, iters, hc_eps)
 
 
 def hc_pre(x: torch.Tensor, pre: torch.Tensor) -> torch.Tensor:
-    """Collapse the copies: [B,S,hc,D] x [B,S,hc] -> [B,S,D] (fp32 math, x's dtype out)."""
-    return torch.sum(pre.unsqueeze(-1) * x.float(), dim=2).to(x.dtype)
+    """Collapse the copies: [B,S,hc,D] x [B,S,hc] -> [B,S,D] (exact sums in float64, rounded to x's dtype)."""
+    return torch.sum(pre.double().unsqueeze(-1) * x.double(), dim=2).to(x.dtype)
 
 
 def hc_post(y: torch.Tensor, residual: torch.Tensor, post: torch.Tensor, comb: torch.Tensor) -> torch.Tensor:
-    """Expand a sublayer output back: out[k] = post[k]*y + sum_j comb[j,k]*residual[j]. -> [B,S,hc,D] y.dtype."""
-    out = post.unsqueeze(-1) * y.unsqueeze(-2) + torch.sum(comb.unsqueeze(-1) * residual.unsqueeze(-2), dim=2)
-    return out.to(y.dtype)
+    """Expand a sublayer output back: out[k] = post[k]*y + sum_j comb[j,k]*residual[j] -> [B,S,hc,D] y.dtype
+    (float64 sums rounded once: the fp32 reference up to summation order, independent of the batch shape)."""
+    mixed = torch.sum(comb.double().unsqueeze(-1) * residual.double().unsqueeze(-2), dim=2)
+    return (post.double().unsqueeze(-1) * y.double().unsqueeze(-2) + mixed).to(y.dtype)
 
 
 def identity_pre_mix(batch: int, seqlen: int, hc: int, device: torch.device) -> torch.Tensor:

@@ -7,7 +7,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine.config import ModelConfig
-from engine.model.layers import Linear, register
+from engine.model.layers import Linear, fp32_linear, register
 
 
 class Gate(nn.Module):
@@ -22,7 +22,7 @@ class Gate(nn.Module):
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """x [T,D] -> (weights fp32 [T,k], expert ids [T,k])."""
-        scores = F.linear(x.float(), self.weight.float()) / self.temp
+        scores = fp32_linear(x, self.weight) / self.temp
         if self.score_func == "sqrtsoftplus":
             scores = F.softplus(scores).sqrt()
         elif self.score_func == "sigmoid":

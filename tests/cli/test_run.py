@@ -1,0 +1,118 @@
+"""`python -m engine.run`: determinism, prefill-vs-decode agreement of dumped logits, prompts, errors."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from engine.presets import tiny_config
+from engine.run import main
+from engine.tools.make_checkpoint import make_checkpoint
+
+PROMPT = [0, 128803, 791, 3625, 11, 1002, 4571, 304, 2204, 5, 17, 400, 9001, 12, 13, 14, 15, 16, 17, 18, 19, 20,
+          21, 22, 23, 24, 25]  # 27 ids: longer than the tiny window (16), so ratio-2 groups and top-k all engage
+FORCED = [300, 301, 302, 303, 304, 305, 306, 307, 308, 309, 310]
+# Prefill and one-token decode run the same per-row arithmetic in the golden model (deterministic
+# top-k ties, float64 products rounded once), so rows agree bitwise on this machine; 1e-6 of the
+# largest logit leaves room for another CPU's vector kernels and is far below what a real bug produces.
+REL_TOL = 1e-6
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory) -> Path:
+    return make_checkpoint(tmp_path_factory.mktemp("tiny") / "ckpt", tiny_config(), seed=0)
+
+
+def run_cli(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "engine.run", *args], capture_output=True, text=True, timeout=300)
+
+
+def dump(ckpt: Path, out: Path, prompt: list[int], forced: list[int]) -> dict[str, torch.Tensor]:
+    r = run_cli("--ckpt", str(ckpt), "--prompt-ids", ",".join(map(str, prompt)), "--force-ids",
+                ",".join(map(str, forced)), "--no-bounded-replay", "--dump-logits", str(out))
+    assert r.returncode == 0, r.stderr
+    return load_file(out)
+
+
+def test_dump_logits_deterministic_across_processes_and_prefill_equals_decode(ckpt, tmp_path):
+    a = dump(ckpt, tmp_path / "a.safetensors", PROMPT, FORCED)
+    b = dump(ckpt, tmp_path / "b.safetensors", PROMPT, FORCED)
+    assert (tmp_path / "a.safetensors").read_bytes() == (tmp_path / "b.safetensors").read_bytes()
+    T = len(PROMPT) + len(FORCED)
+    assert a["input_ids"].tolist() == PROMPT + FORCED
+    assert a["logits"].shape == (T, tiny_config().vocab_size) and a["logits"].dtype == torch.float32
+    assert torch.isfinite(a["logits"]).all()
+    # the same positions scored by one prefill (c: everything is prompt) vs step-by-step decode (a)
+    c = dump(ckpt, tmp_path / "c.safetensors", PROMPT + FORCED, [400])
+    n = len(PROMPT)
+    decode_rows, prefill_rows = a["logits"][n:], c["logits"][n:T]
+    scale = prefill_rows.abs().max()
+    err = (decode_rows - prefill_rows).abs().max()
+    assert err <= REL_TOL * scale, f"decode vs prefill logits differ by {err} (max |logit| {scale})"
+    assert torch.equal(decode_rows.argmax(-1), prefill_rows.argmax(-1))
+    assert torch.equal(a["logits"][:n], c["logits"][:n]) or (a["logits"][:n] - c["logits"][:n]).abs().max() <= REL_TOL * scale
+
+
+def test_bounded_replay_dump_marks_uncomputed_prompt_rows(ckpt, tmp_path):
+    out = tmp_path / "r.safetensors"
+    r = run_cli("--ckpt", str(ckpt), "--prompt-ids", ",".join(map(str, PROMPT)), "--force-ids", "5,6",
+                "--dump-logits", str(out))
+    assert r.returncode == 0, r.stderr
+    logits = load_file(out)["logits"]
+    window = tiny_config().window_size
+    replay_start = len(PROMPT) - window
+    assert torch.isnan(logits[:replay_start]).all()
+    assert torch.isfinite(logits[replay_start:]).all()
+
+
+def test_generates_text_and_timing(ckpt):
+    r = run_cli("--ckpt", str(ckpt), "--prompt", "Once upon a time", "--max-new-tokens", "8", "--seed", "3")
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.strip()
+    assert "tok/s" in r.stderr and "ms/token" in r.stderr
+
+
+def test_print_prompt_renders_chat_request(ckpt, tmp_path, capsys):
+    req = tmp_path / "req.json"
+    req.write_text(json.dumps({"messages": [{"role": "user", "content": "Hi"}], "reasoning_effort": "none"}))
+    assert main(["--ckpt", str(ckpt), "--request", str(req), "--print-prompt"]) == 0
+    shown = json.loads(capsys.readouterr().out)
+    assert shown["prompt"] == "<｜begin▁of▁sentence｜><｜User｜>Hi<｜Assistant｜></think>"
+    assert shown["prompt_token_ids"][0] == 0 and shown["prompt_token_ids"][-1] == 128822  # BOS ... </think>
+    assert 128803 in shown["prompt_token_ids"] and 128804 in shown["prompt_token_ids"]
+
+
+def test_parse_completion(tmp_path, capsys):
+    text = tmp_path / "c.txt"
+    text.write_text("plan it</think>Done.<｜end▁of▁sentence｜>")
+    assert main(["--parse-completion", str(text)]) == 0
+    assert json.loads(capsys.readouterr().out) == {"reasoning_content": "plan it", "content": "Done.", "tool_calls": []}
+
+
+@pytest.mark.parametrize("argv, needle", [
+    (["--prompt-ids", "1,x"], "--prompt-ids"),
+    (["--prompt-ids", "1,999999"], "outside the vocabulary"),
+    (["--prompt-ids", "1", "--force-ids", "-3"], "--force-ids"),
+    (["--prompt", ""], "empty"),
+    (["--prompt", "hi", "--max-new-tokens", "-1"], "--max-new-tokens"),
+    ([], "give one of"),
+])
+def test_malformed_input_exits_2_with_reason(ckpt, capsys, argv, needle):
+    assert main(["--ckpt", str(ckpt), *argv]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("error:") and needle in err and "\n" not in err
+
+
+def test_bad_request_and_missing_checkpoint(tmp_path, capsys):
+    bad = tmp_path / "bad.json"
+    bad.write_text("{not json")
+    assert main(["--ckpt", str(tmp_path), "--request", str(bad)]) == 2
+    assert "not valid JSON" in capsys.readouterr().err
+    assert main(["--ckpt", str(tmp_path / "nope"), "--prompt", "hi"]) == 2
+    assert "config.json" in capsys.readouterr().err
