@@ -201,6 +201,9 @@ def _validate(cfg: ModelConfig, expected: dict[str, TensorSpec], weight_map: dic
                                 + (f"maps it to {listed}" if listed else "does not list it"))
             else:
                 located[name] = fname
+    if weight_map is not None:  # expected names are reported below as missing
+        problems += [f"{INDEX_FILE} maps tensor {n} to {s}, which does not contain it"
+                     for n, s in weight_map.items() if n not in located and n not in expected]
     missing = []
     for name, spec in expected.items():
         if skip(name):

@@ -25,8 +25,9 @@ def sparse_attn(q: torch.Tensor, kv: torch.Tensor, sink: torch.Tensor, idx: torc
     """Multi-query attention over listed rows of one shared K=V head, with a per-head sink.
 
     q [B,M,H,D] bf16, kv [B,N,D] bf16, sink [H] fp32 (joins the denominator only, not scaled),
-    idx [B,M,K] int (-1 = ignored) -> [B,M,H,D] bf16. Logits in fp32; probabilities rounded to bf16
-    before the PV product; the denominator sums the fp32 probabilities.
+    idx [B,M,K] int (-1 = ignored) -> [B,M,H,D] bf16. The reference's fp32 math is done in float64
+    (as everywhere in the golden model); probabilities are rounded to bf16 before the PV product; the
+    denominator sums the unrounded probabilities.
     """
     B, M, H, D = q.shape
     if idx.size(-1) == 0:
@@ -36,13 +37,13 @@ def sparse_attn(q: torch.Tensor, kv: torch.Tensor, sink: torch.Tensor, idx: torc
         ix = idx[:, m0:m0 + 256].long()
         valid = ix >= 0
         rows = torch.gather(kv.unsqueeze(1).expand(B, ix.size(1), -1, D), 2,
-                            ix.clamp_min(0).unsqueeze(-1).expand(-1, -1, -1, D)).float()  # [B,m,K,D]
-        logits = torch.einsum("bmhd,bmkd->bmhk", q[:, m0:m0 + 256].double(), rows.double()).float() * scale
+                            ix.clamp_min(0).unsqueeze(-1).expand(-1, -1, -1, D)).double()  # [B,m,K,D]
+        logits = torch.einsum("bmhd,bmkd->bmhk", q[:, m0:m0 + 256].double(), rows) * scale
         logits = logits.masked_fill(~valid.unsqueeze(2), float("-inf"))
         mx = logits.amax(-1).clamp_min(SINK_FREE_MAX)  # [B,m,H]
         p = torch.exp(logits - mx.unsqueeze(-1))
-        denom = p.sum(-1) + torch.exp(sink.float().view(1, 1, H) - mx)
-        o = torch.einsum("bmhk,bmkd->bmhd", p.to(torch.bfloat16).double(), rows.double()).float() / denom.unsqueeze(-1)
+        denom = p.sum(-1) + torch.exp(sink.double().view(1, 1, H) - mx)
+        o = torch.einsum("bmhk,bmkd->bmhd", p.to(torch.bfloat16).double(), rows) / denom.unsqueeze(-1)
         out[:, m0:m0 + 256] = o.to(q.dtype)
     return out
 
@@ -101,7 +102,7 @@ class Compressor(nn.Module):
         r = self.ratio
         if r == 1:
             return self.norm(self.wkv(x))
-        kv, score = self.wkv(x), self.wgate(x)  # fp32 [B,S,hd]
+        kv, score = self.wkv(x), self.wgate(x)  # fp32 [B,S,hd] (the pending state keeps fp32, as the reference)
         pending = start_pos % r
         if pending:
             kv = torch.cat([src.pending_kv[:, :pending], kv], dim=1)
@@ -114,7 +115,7 @@ class Compressor(nn.Module):
             return None
         kv = kv[:, :complete].unflatten(1, (-1, r))
         score = score[:, :complete].unflatten(1, (-1, r))
-        pooled = (kv * score.softmax(dim=2)).sum(dim=2)  # [B,G,hd] fp32
+        pooled = (kv.double() * score.double().softmax(dim=2)).sum(dim=2)  # [B,G,hd]
         return self.norm(pooled.to(x.dtype))
 
 

@@ -38,12 +38,12 @@ class Engram(nn.Module):
         """x [B,S,hc,D] bf16 stream, hash_ids [B,S,n_hash_cols] -> stream with the gated value added to every copy."""
         kv = self.wkv(self.embed(hash_ids).flatten(-2))  # [B,S,(hc+1)*D]
         key, value = kv.split([self.hc * self.dim, self.dim], dim=-1)
-        key = key.float().unflatten(-1, (self.hc, self.dim))
-        h = x.float()
-        w = self.q_weight.float() * self.k_weight.float()  # only the product is ever used
+        key = key.double().unflatten(-1, (self.hc, self.dim))
+        h = x.double()
+        w = self.q_weight.double() * self.k_weight.double()  # only the product is ever used
         rstd = torch.rsqrt(h.square().mean(-1) + self.eps) * torch.rsqrt(key.square().mean(-1) + self.eps)
         dot = (h * w * key).sum(-1) * rstd * self.dim ** -0.5  # [B,S,hc]
         gate = torch.sigmoid(torch.copysign(dot.abs().clamp_min(1e-6).sqrt(), dot))  # signed sqrt
         if token_mask is not None:
             gate = gate.masked_fill(~token_mask.unsqueeze(-1), 0)
-        return (h + gate.unsqueeze(-1) * value.float().unsqueeze(-2)).to(x.dtype)
+        return (h + gate.unsqueeze(-1) * value.double().unsqueeze(-2)).to(x.dtype)

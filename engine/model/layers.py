@@ -55,7 +55,7 @@ class Linear(nn.Module):
 
 
 class RMSNorm(nn.Module):
-    """y = (w * (x * rsqrt(mean(x^2) + eps))) in fp32, cast back to x's dtype."""
+    """y = (w * (x * rsqrt(mean(x^2) + eps))), the reference's fp32 math done in float64, cast to x's dtype."""
 
     def __init__(self, dim: int, eps: float):
         super().__init__()
@@ -63,9 +63,9 @@ class RMSNorm(nn.Module):
         register(self, "weight", (dim,), torch.bfloat16)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        xf = x.float()
+        xf = x.double()
         xf = xf * torch.rsqrt(xf.square().mean(-1, keepdim=True) + self.eps)
-        return (self.weight.float() * xf).to(x.dtype)
+        return (self.weight.double() * xf).to(x.dtype)
 
 
 class Embedding(nn.Module):

@@ -12,7 +12,7 @@ def hc_split_sinkhorn(mixes: torch.Tensor, scale: torch.Tensor, base: torch.Tens
     comb is made (approximately) doubly stochastic: softmax over rows + eps, then a column
     normalisation, then iters-1 rounds of row then column normalisation (ends on columns).
     """
-    m = mixes.float()
+    m = mixes.double()
     pre = torch.sigmoid(m[..., :hc] * scale[0] + base[:hc]) + eps
     post = 2 * torch.sigmoid(m[..., hc:2 * hc] * scale[1] + base[hc:2 * hc])
     comb = (m[..., 2 * hc:] * scale[2] + base[2 * hc:]).unflatten(-1, (hc, hc))
@@ -21,7 +21,7 @@ def hc_split_sinkhorn(mixes: torch.Tensor, scale: torch.Tensor, base: torch.Tens
     for _ in range(iters - 1):
         comb = comb / (comb.sum(dim=-1, keepdim=True) + eps)
         comb = comb / (comb.sum(dim=-2, keepdim=True) + eps)
-    return pre, post, comb
+    return pre.float(), post.float(), comb.float()
 
 
 def hc_mixes(x: torch.Tensor, fn: torch.Tensor, scale: torch.Tensor, base: torch.Tensor, hc: int, iters: int,

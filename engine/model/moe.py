@@ -7,11 +7,12 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine.config import ModelConfig
-from engine.model.layers import Linear, fp32_linear, register
+from engine.model.layers import Linear, register
 
 
 class Gate(nn.Module):
-    """Scores in fp32 from the bf16 weight; the bias only selects, weights come from raw scores."""
+    """Scores from the bf16 weight (the reference's fp32 math, in float64); the bias only selects,
+    the weights come from the raw scores."""
 
     def __init__(self, cfg: ModelConfig, n_experts: int, topk: int):
         super().__init__()
@@ -21,8 +22,8 @@ class Gate(nn.Module):
         register(self, "bias", (n_experts,), torch.float32)
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """x [T,D] -> (weights fp32 [T,k], expert ids [T,k])."""
-        scores = fp32_linear(x, self.weight) / self.temp
+        """x [T,D] -> (weights float64 [T,k], expert ids [T,k])."""
+        scores = (x.double() @ self.weight.double().T) / self.temp
         if self.score_func == "sqrtsoftplus":
             scores = F.softplus(scores).sqrt()
         elif self.score_func == "sigmoid":
@@ -46,7 +47,7 @@ class Expert(nn.Module):
         self.limit = limit
 
     def forward(self, x: torch.Tensor, weights: torch.Tensor | None = None) -> torch.Tensor:
-        gate, up = self.w1(x).float(), self.w3(x).float()
+        gate, up = self.w1(x).double(), self.w3(x).double()
         if self.limit > 0:
             up = up.clamp(-self.limit, self.limit)
             gate = gate.clamp(max=self.limit)
@@ -70,9 +71,9 @@ class MoE(nn.Module):
         shape = x.shape
         x = x.reshape(-1, shape[-1])
         weights, ids = self.gate(x)
-        y = torch.zeros_like(x, dtype=torch.float32)
+        y = torch.zeros_like(x, dtype=torch.float64)
         for e in torch.unique(ids).tolist():
             rows, slot = torch.where(ids == e)
-            y[rows] += self.experts[e](x[rows], weights[rows, slot, None]).float()
-        y += self.shared_experts(x).float()
+            y[rows] += self.experts[e](x[rows], weights[rows, slot, None]).double()
+        y += self.shared_experts(x).double()
         return y.to(x.dtype).view(shape)

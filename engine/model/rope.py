@@ -52,13 +52,15 @@ class RotaryTable:
 
 
 def apply_rotary(x: torch.Tensor, cis: torch.Tensor, inverse: bool = False) -> torch.Tensor:
-    """Rotate the last `2*cis.shape[-1]` dims of x (pairs interleaved) in fp32; returns x's dtype.
+    """Rotate the last `2*cis.shape[-1]` dims of x (pairs interleaved); the reference's fp32 complex
+    product done in float64 (the complex64 table is the reference's), rounded to x's dtype.
 
     x: [B, S, ..., d]; cis: [B or 1, S, d_rot/2] broadcast over any head dims between S and d.
     """
     rd = cis.shape[-1] * 2
     head = x[..., :-rd]
-    tail = torch.view_as_complex(x[..., -rd:].float().unflatten(-1, (-1, 2)).contiguous())
+    tail = torch.view_as_complex(x[..., -rd:].double().unflatten(-1, (-1, 2)).contiguous())
+    cis = cis.to(torch.complex128)
     if inverse:
         cis = cis.conj()
     while cis.dim() < tail.dim():

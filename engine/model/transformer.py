@@ -4,6 +4,13 @@ One forward call processes tokens at positions start_pos.. for a static batch ov
 a prefill (start_pos 0), one-token decode steps, or any chunk. Decoder SWA bounded replay (spec 4.8)
 is a switch: on, a call with more than `window_size` tokens runs the decoder (layers >= the CED cut)
 only on its last window of tokens, after the cut layer has written its KV for every token.
+
+Numerics: the reference's storage formats and roundings (bf16 activations and caches, FP8/FP4 QDQ,
+bf16 casts exactly where the reference casts), with every fp32 step of the reference (reductions,
+GEMM accumulation, softmax, Sinkhorn, RoPE products) computed in float64 and rounded once. That is
+the value an fp32 kernel approximates, independent of batch shape and device, so a prefill, a decode
+step, a chunk and a CUDA run of the same position agree bit for bit except where a float64 result
+falls on a rounding boundary. Top-k ties go to the lower index (`stable_topk`).
 """
 
 from __future__ import annotations
