@@ -240,6 +240,8 @@ class ModelConfig:
         unknown = set(d) - known - _REFERENCE_RUNTIME_KEYS
         if unknown:
             raise ConfigError(f"reference config: unknown keys {sorted(unknown)}")
+        if d.get("n_hash_layers", 0):
+            raise ConfigError(f"n_hash_layers: hash routing is not part of V4.1, got {d['n_hash_layers']}")
         kwargs = {k: _coerce(k, v) for k, v in d.items() if k in known}
         return cls(**kwargs)
 
@@ -251,7 +253,7 @@ class ModelConfig:
         kwargs: dict[str, Any] = {}
         for ref_key, hf_key in _REF_TO_HF.items():
             if hf_key in text:
-                kwargs[ref_key] = _coerce(ref_key, text[hf_key])
+                kwargs[ref_key] = _coerce(ref_key, text[hf_key], f"text_config.{hf_key}")
             elif ref_key in _HF_REQUIRED:
                 raise ConfigError(f"text_config.{hf_key}: missing (required)")
         rs = text.get("rope_scaling")
@@ -265,14 +267,17 @@ class ModelConfig:
                                     ("beta_slow", "beta_slow"), ("original_seq_len", "original_max_position_embeddings")):
                 if hf_key not in rs:
                     raise ConfigError(f"text_config.rope_scaling.{hf_key}: missing")
-                kwargs[ref_key] = _coerce(ref_key, rs[hf_key])
+                kwargs[ref_key] = _coerce(ref_key, rs[hf_key], f"text_config.rope_scaling.{hf_key}")
         else:
             kwargs["original_seq_len"] = 0
         if text.get("num_key_value_heads", 1) != 1:
             raise ConfigError(f"text_config.num_key_value_heads: V4.1 has one shared KV head, got {text['num_key_value_heads']}")
-        if text.get("n_hash_layers", 0):
-            raise ConfigError("text_config.n_hash_layers: hash routing is not part of V4.1")
+        for key in ("n_hash_layers", "num_hash_layers"):
+            if text.get(key, 0):
+                raise ConfigError(f"text_config.{key}: hash routing is not part of V4.1, got {text[key]}")
         q = d.get("quantization_config")
+        if q is not None and not isinstance(q, dict):
+            raise ConfigError("quantization_config: must be an object")
         if q is not None:
             if q.get("weight_block_size", [32, 32]) != [32, 32]:
                 raise ConfigError(f"quantization_config.weight_block_size: expected [32, 32], got {q['weight_block_size']}")
@@ -287,11 +292,13 @@ class ModelConfig:
             if key in d:
                 kwargs[key] = _coerce(key, d[key])
         vision = d.get("vision_config")
+        if vision is not None and not isinstance(vision, dict):
+            raise ConfigError("vision_config: must be an object")
         if isinstance(vision, dict):
             for ref_key, hf_key in _VISION_TO_HF.items():
                 if hf_key in vision:
-                    kwargs[ref_key] = _coerce(ref_key, vision[hf_key])
-        elif "vision_config" not in d:
+                    kwargs[ref_key] = _coerce(ref_key, vision[hf_key], f"vision_config.{hf_key}")
+        else:
             kwargs["vision_n_layers"] = 0
         return cls(**kwargs)
 
@@ -388,7 +395,15 @@ _INT_TUPLES = {"compress_ratios", "kv_source_layers", "index_source_layers", "en
                "engram_num_embeddings", "dspark_target_layer_ids"}
 
 
-def _coerce(key: str, value: Any) -> Any:
+def _coerce(key: str, value: Any, name: str | None = None) -> Any:
+    """Check and convert a JSON value for field `key`; errors name the key as the file spells it (`name`)."""
+    try:
+        return _coerce_value(key, value)
+    except ConfigError as e:
+        raise ConfigError(str(e).replace(f"{key}:", f"{name or key}:", 1)) from None
+
+
+def _coerce_value(key: str, value: Any) -> Any:
     if key in _INT_TUPLES:
         if not isinstance(value, (list, tuple)) or not all(isinstance(v, int) and not isinstance(v, bool) for v in value):
             raise ConfigError(f"{key}: expected a list of integers, got {value!r}")
