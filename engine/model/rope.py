@@ -42,13 +42,17 @@ class RotaryTable:
                  beta_fast: int = 32, beta_slow: int = 1):
         self.args = (dim, base, original_seq_len, factor, beta_fast, beta_slow)
         self.dim = dim
+        self._on_device: dict[torch.device, torch.Tensor] = {}  # the table's copy per device
 
     def at(self, positions: torch.Tensor) -> torch.Tensor:
         """complex64 [..., dim/2] for integer positions of any shape."""
         need = int(positions.max().item()) + 1 if positions.numel() else 1
-        length = 1 << max(need - 1, 1).bit_length()
-        table = _cis_table(self.args[0], length, *self.args[1:])
-        return table.to(positions.device)[positions.long()]
+        table = self._on_device.get(positions.device)
+        if table is None or table.size(0) < need:
+            length = 1 << max(need - 1, 1).bit_length()
+            table = _cis_table(self.args[0], length, *self.args[1:]).to(positions.device)
+            self._on_device[positions.device] = table
+        return table[positions.long()]
 
 
 def apply_rotary(x: torch.Tensor, cis: torch.Tensor, inverse: bool = False) -> torch.Tensor:
