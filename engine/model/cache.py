@@ -46,7 +46,7 @@ class ModelCache:
             entries = max_seq_len // r + 1
             pending = (zeros(batch, r, cfg.head_dim, dtype=torch.float32), zeros(batch, r, cfg.head_dim, dtype=torch.float32)) if r > 1 else (None, None)
             sources[s] = SourceCache(zeros(batch, entries, cfg.head_dim), zeros(batch, entries, cfg.index_head_dim), *pending)
-        history = torch.full((batch, max(cfg.engram_max_ngram_size - 1, 0)), -1, dtype=torch.long, device=device)
+        history = torch.empty((batch, 0), dtype=torch.long, device=device)  # set from the Engram tables by the model
         return cls(batch, max_seq_len, swa, sources, history)
 
 

@@ -21,7 +21,7 @@ import torch
 from torch import nn
 
 from engine.config import ModelConfig
-from engine.engram_tables import EngramTables, hash_ngrams, next_history
+from engine.engram_tables import EngramTables, hash_ngrams, initial_history, next_history
 from engine.model.block import Block
 from engine.model.cache import ModelCache, StepShared
 from engine.model.dspark import DSparkStage, DraftOutput, sample
@@ -55,7 +55,7 @@ class Transformer(nn.Module):
         device = device if device is not None else self.embed.weight.device
         cache = ModelCache.allocate(self.cfg, batch, max_seq_len, device)
         if self.engram_tables is not None:
-            cache.engram_history.fill_(self.engram_tables.pad_id)
+            cache.engram_history = initial_history(self.engram_tables, batch, device)
         return cache
 
     @torch.inference_mode()
