@@ -138,10 +138,14 @@ class Indexer(nn.Module):
             self.wk = Linear(cfg.head_dim, cfg.index_head_dim, "bf16")
             self.k_norm = RMSNorm(cfg.index_head_dim, cfg.norm_eps)
 
+    def index_keys(self, latent: torch.Tensor, first_group: int, rope: RotaryTable) -> torch.Tensor:
+        """latent [B,G,hd] pre-RoPE of groups first_group.. -> index keys [B,G,index_hd] bf16, before MXFP4."""
+        gpos = (first_group + torch.arange(latent.size(1), device=latent.device)) * self.ratio
+        return apply_rotary(self.k_norm(self.wk(latent)), rope.at(gpos).unsqueeze(0))
+
     def write_keys(self, latent: torch.Tensor, first_group: int, rope: RotaryTable, src: SourceCache) -> None:
         """latent [B,G,hd] pre-RoPE -> MXFP4 index keys of groups first_group.. into the source cache."""
-        gpos = (first_group + torch.arange(latent.size(1), device=latent.device)) * self.ratio
-        k = apply_rotary(self.k_norm(self.wk(latent)), rope.at(gpos).unsqueeze(0))
+        k = self.index_keys(latent, first_group, rope)
         src.index_k[:, first_group:first_group + k.size(1)] = fp4_qdq(k, 32, "ue8m0")
 
     def forward(self, x: torch.Tensor, qr: torch.Tensor, qpos: torch.Tensor, end_pos: int, rope: RotaryTable,
@@ -194,10 +198,19 @@ class Attention(nn.Module):
         else:
             self.rope = RotaryTable(self.rd, cfg.rope_theta)
 
+    def window_kv_unquantized(self, x: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+        """x [B,S,D] -> window KV [B,S,hd] bf16 (post-RoPE), before FP8."""
+        return apply_rotary(self.kv_norm(self.wkv(x)), self.rope.at(pos).unsqueeze(0))
+
     def window_kv(self, x: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
         """x [B,S,D] -> FP8-QDQ window KV [B,S,hd] (post-RoPE, whole vector quantised)."""
-        kv = apply_rotary(self.kv_norm(self.wkv(x)), self.rope.at(pos).unsqueeze(0))
-        return act_quant_qdq(kv, 32)
+        return act_quant_qdq(self.window_kv_unquantized(x, pos), 32)
+
+    def rotate_latent(self, latent: torch.Tensor, first_group: int) -> torch.Tensor:
+        """Pre-RoPE latents [B,G,hd] of groups first_group.. -> main KV before FP4, each group stamped
+        with its first token's position."""
+        gpos = (first_group + torch.arange(latent.size(1), device=latent.device)) * self.role.ratio
+        return apply_rotary(latent, self.rope.at(gpos).unsqueeze(0))
 
     def queries(self, x: torch.Tensor, pos: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         qr = self.q_norm(self.wq_a(x))  # [B,M,q_lora]
@@ -214,10 +227,11 @@ class Attention(nn.Module):
         return self.wo_b(o.flatten(2))
 
     def forward(self, x: torch.Tensor, start_pos: int, cache: ModelCache, shared: StepShared, q_from: int = 0,
-                window_floor: int = 0) -> torch.Tensor:
-        """x [B,S,D] (normed, positions start_pos..) writes this layer's KV for all S tokens and returns
-        the attention output of the queries x[:, q_from:] -> [B,S-q_from,D]. Queries see window KV at
-        positions >= window_floor only (decoder SWA bounded replay)."""
+                window_floor: int = 0, global_from: int = 0) -> torch.Tensor:
+        """x [B,S,D] (normed, positions start_pos..) writes this layer's window KV for all S tokens (global
+        KV only for positions >= global_from) and returns the attention output of the queries
+        x[:, q_from:] -> [B,S-q_from,D]. Queries see window KV at positions >= window_floor only (SWA
+        bounded replay)."""
         B, S, _ = x.shape
         end_pos = start_pos + S
         pos = torch.arange(start_pos, end_pos, device=x.device)
@@ -231,8 +245,10 @@ class Attention(nn.Module):
         if self.role.ratio > 0:
             ratio = self.role.ratio
             src = cache.sources[self.role.kv_source]
-            latent = self.compressor(x, start_pos, src) if self.compressor is not None else None
-            first_group = start_pos // ratio
+            global_start = max(start_pos, global_from)
+            latent = (self.compressor(x[:, global_start - start_pos:], global_start, src)
+                      if self.compressor is not None else None)
+            first_group = global_start // ratio
             if latent is not None and self.indexer is not None:
                 self.indexer.write_keys(latent, first_group, self.rope, src)  # from the pre-RoPE latent
             if self.indexer is not None:
@@ -241,8 +257,7 @@ class Attention(nn.Module):
             else:
                 topk = shared.topk[self.role.index_source]
             if latent is not None:
-                gpos = (first_group + torch.arange(latent.size(1), device=x.device)) * ratio
-                latent = apply_rotary(latent, self.rope.at(gpos).unsqueeze(0))  # stamped with the group's first token
+                latent = self.rotate_latent(latent, first_group)
                 src.main_kv[:, first_group:first_group + latent.size(1)] = fp4_qdq(latent, 16, "e4m3")
             kv = torch.cat([kv, src.main_kv[:, :end_pos // ratio]], dim=1)
             idx = torch.cat([idx, torch.where(topk >= 0, topk + end_pos, -1)], dim=-1)

@@ -35,13 +35,15 @@ class Block(nn.Module):
         return hc_mixes(x, getattr(self, f"hc_{part}_fn"), getattr(self, f"hc_{part}_scale"),
                         getattr(self, f"hc_{part}_base"), c.hc_mult, c.hc_sinkhorn_iters, c.hc_eps, c.norm_eps)
 
-    def forward(self, X: torch.Tensor, pre_mix: torch.Tensor, attend, q_from: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
-        """X [B,S,hc,D], pre_mix [B,S,hc] (the previous sublayer's pre) -> (X' [B,S-q_from,hc,D], ffn pre).
+    def forward(self, X: torch.Tensor, pre_mix: torch.Tensor, attend,
+                q_from: int | torch.Tensor = 0) -> tuple[torch.Tensor, torch.Tensor]:
+        """X [B,S,hc,D], pre_mix [B,S,hc] (the previous sublayer's pre) -> (X' [B,R,hc,D], ffn pre).
 
-        `attend(x_normed [B,S,D]) -> [B,S-q_from,D]` is the attention call; the stream keeps only the
-        rows from q_from on (bounded replay's cut layer writes KV for all rows, continues on the tail)."""
+        `attend(x_normed [B,S,D]) -> [B,R,D]` is the attention call; the stream keeps only the rows
+        from q_from on, or the rows listed in a q_from index tensor (bounded replay's cut layer writes
+        KV for all rows, continues on the tail)."""
         y = attend(self.attn_norm(hc_pre(X, pre_mix)))
-        R = X[:, q_from:]
+        R = X[:, q_from:] if isinstance(q_from, int) else X[:, q_from]
         a_pre, a_post, a_comb = self.mixes(R, "attn")
         X = hc_post(y, R, a_post, a_comb)
         f_pre, f_post, f_comb = self.mixes(X, "ffn")

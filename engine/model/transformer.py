@@ -60,12 +60,20 @@ class Transformer(nn.Module):
 
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, start_pos: int, cache: ModelCache, *, bounded_replay: bool = False,
-                full_logits: bool = False) -> ForwardOutput:
-        """input_ids [B,S] at positions start_pos.. (must equal cache.seq_len)."""
+                full_logits: bool = False, swa_floor: int = 0, global_from: int | None = None) -> ForwardOutput:
+        """input_ids [B,S] at positions start_pos.. (must equal cache.seq_len).
+
+        Encoder SWA bounded replay (spec 4.8, a prefix-cache hit at h without its SWA state) is the call
+        with start_pos = swa_floor = h - window and global_from = h: every layer's queries see window KV
+        at positions >= swa_floor only, and rows below global_from write no global KV (main KV, index
+        keys, compressor state): the cache already holds it."""
         cfg = self.cfg
         B, S = input_ids.shape
         if start_pos != cache.seq_len:
             raise ValueError(f"start_pos {start_pos} != cache.seq_len {cache.seq_len}: steps must be contiguous")
+        global_from = start_pos if global_from is None else global_from
+        if not start_pos <= global_from < start_pos + S:
+            raise ValueError(f"global_from {global_from} must lie in this call's positions {start_pos}..{start_pos + S - 1}")
         if start_pos + S > cache.max_seq_len:
             raise ValueError(f"positions up to {start_pos + S} exceed the cache's max_seq_len {cache.max_seq_len}")
         hashes = None
@@ -77,7 +85,7 @@ class Transformer(nn.Module):
         shared = StepShared()
         replay = bounded_replay and S > cfg.window_size
         row_pos = start_pos  # absolute position of h's row 0
-        floor = 0
+        floor = swa_floor
         taps = []
         for i, layer in enumerate(self.layers):
             if layer.engram is not None:
@@ -86,9 +94,9 @@ class Transformer(nn.Module):
                 taps.append(h.mean(dim=2))
             q_from = 0
             if replay and i == cfg.ced_cut:
-                q_from, floor = S - cfg.window_size, start_pos + S - cfg.window_size
+                q_from, floor = S - cfg.window_size, max(swa_floor, start_pos + S - cfg.window_size)
             attend = (lambda x, l=layer, p=row_pos, q=q_from, f=floor:
-                      l.attn(x, p, cache, shared, q_from=q, window_floor=f))
+                      l.attn(x, p, cache, shared, q_from=q, window_floor=f, global_from=global_from))
             h, pre_mix = layer(h, pre_mix, attend, q_from)
             row_pos += q_from
         x = self.norm(hc_pre(h, pre_mix))  # final collapse with the last block's FFN pre (no hc_head in V4.1)

@@ -1,0 +1,1 @@
+"""The serving engine: requests, block pools, scheduler, batched runner, sampler, engine loop."""

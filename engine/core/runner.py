@@ -1,0 +1,188 @@
+"""The batched model runner: the golden model's layers over a flat stream of every scheduled chunk's
+positions (prefills and decodes of different lengths in one step), reading and writing the paged pools.
+
+Per-position math (embedding, Engram, mHC, norms, projections, MoE, head) runs on the whole stream at
+once through the golden modules, so a request's numbers do not depend on what shares its batch. The
+per-request parts (window and global KV writes, compressor groups, indexer, sparse attention) loop over
+chunks and call `engine.kernels` by name. Decoder bounded replay drops a chunk's rows below its
+request's `decoder_from` at the CED cut layer, which still writes KV for all of them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from engine.core.kv_cache import PagedKVCache
+from engine.core.scheduler import SchedulerOutput
+from engine.engram_tables import hash_ngrams, initial_history, next_history
+from engine.kernels import paged
+from engine.model.attention import Attention, sparse_attn, window_indices
+from engine.model.cache import SourceCache, StepShared
+from engine.model.mhc import hc_pre, identity_pre_mix
+from engine.model.transformer import Transformer
+
+
+@dataclass(slots=True)
+class Segment:
+    """One chunk's rows in the current stream: positions start..end-1 at stream rows offset.."""
+
+    index: int  # chunk index in the step
+    start: int
+    end: int
+    offset: int
+
+    @property
+    def rows(self) -> int:
+        return self.end - self.start
+
+
+class ModelRunner:
+    def __init__(self, model: Transformer, kv: PagedKVCache):
+        self.model, self.kv, self.cfg = model, kv, model.cfg
+        self.device = model.embed.weight.device
+
+    @torch.inference_mode()
+    def execute(self, out: SchedulerOutput) -> torch.Tensor:
+        """Runs one step; returns fp32 logits [num sampled chunks, vocab] in chunk order."""
+        self.kv.apply(out.copies)
+        model, cfg, chunks = self.model, self.cfg, out.chunks
+        if not chunks:
+            return torch.empty(0, cfg.vocab_size, device=self.device)
+        ids_list = [c.request.all_ids for c in chunks]
+        ids = torch.tensor([t for c, all_ids in zip(chunks, ids_list) for t in all_ids[c.start:c.end]],
+                           dtype=torch.long, device=self.device)
+        segs, off = [], 0
+        for i, c in enumerate(chunks):
+            segs.append(Segment(i, c.start, c.end, off))
+            off += c.end - c.start
+        hashes = self._engram_hashes(chunks, ids_list, segs, ids)
+        rows = torch.arange(ids.numel(), device=self.device)  # stream row -> original row
+        h = model.embed(ids).view(1, -1, cfg.dim).unsqueeze(2).repeat(1, 1, cfg.hc_mult, 1)  # [1,T,hc,D]
+        pre_mix = identity_pre_mix(1, ids.numel(), cfg.hc_mult, self.device)
+        shared = [StepShared() for _ in chunks]
+        for i, layer in enumerate(model.layers):
+            if layer.engram is not None:
+                h = layer.engram(h, hashes[:, rows, layer.role.engram_index])
+            keep, out_segs = None, segs
+            if i == cfg.ced_cut:
+                out_segs, keep = self._decoder_rows(chunks, segs)
+                keep = keep.to(self.device)
+            decoder = i >= cfg.ced_cut
+            attend = (lambda x, a=layer.attn, si=segs, so=out_segs, d=decoder:
+                      self._attention(a, x, chunks, si, so, shared, d))
+            h, pre_mix = layer(h, pre_mix, attend, 0 if keep is None else keep)
+            if keep is not None:
+                rows, segs = rows[keep], out_segs
+        last = []
+        for c, s in zip(chunks, segs):
+            if c.sample:
+                assert s.rows > 0 and s.end == c.end, f"chunk {s.index} samples but has no decoder rows"
+                last.append(s.offset + s.rows - 1)
+        if not last:
+            return torch.empty(0, cfg.vocab_size, device=self.device)
+        sel = torch.tensor(last, device=self.device)
+        x = model.norm(hc_pre(h[:, sel], pre_mix[:, sel]))
+        return model.head(x)[0]
+
+    # ---- pieces -------------------------------------------------------------------------------------
+    def _engram_hashes(self, chunks, ids_list, segs, ids) -> torch.Tensor | None:
+        tables = self.model.engram_tables
+        if tables is None:
+            return None
+        out = []
+        K = tables.max_ngram_size - 1
+        for c, all_ids, s in zip(chunks, ids_list, segs):
+            before = torch.tensor([all_ids[max(0, c.start - K):c.start]], dtype=torch.long, device=self.device)
+            history = next_history(tables, initial_history(tables, 1, self.device), before)
+            out.append(hash_ngrams(tables, ids[s.offset:s.offset + s.rows].view(1, -1), history, c.start))
+        return torch.cat(out, dim=1)
+
+    @staticmethod
+    def _decoder_rows(chunks, segs: list[Segment]) -> tuple[list[Segment], torch.Tensor]:
+        """The rows the decoder layers run: each chunk's positions >= its request's decoder_from."""
+        out, keep, off = [], [], 0
+        for c, s in zip(chunks, segs):
+            first = min(max(s.start, c.request.decoder_from), s.end)
+            keep.append(torch.arange(s.offset + first - s.start, s.offset + s.rows))
+            out.append(Segment(s.index, first, s.end, off))
+            off += s.end - first
+        return out, torch.cat(keep)
+
+    def _attention(self, attn: Attention, x: torch.Tensor, chunks, segs_in: list[Segment], segs_out: list[Segment],
+                   shared: list[StepShared], decoder: bool) -> torch.Tensor:
+        """x [1,R,D] normed rows of segs_in -> attention output [1,R',D] for the rows of segs_out."""
+        kv, role, W = self.kv, attn.role, self.cfg.window_size
+        layer = role.layer_id
+        pos = torch.cat([torch.arange(s.start, s.end) for s in segs_in]).to(x.device)
+        slots = torch.cat([paged.swa_slots(chunks[s.index].request.swa_blocks, s.start, s.end, kv.layout.swa_block_size)
+                           for s in segs_in]).to(x.device)
+        paged.store_swa(kv.swa[layer], slots, attn.window_kv_unquantized(x, pos)[0])
+        if attn.compressor is not None:
+            for si in segs_in:
+                self._store_global(attn, x[:, si.offset:si.offset + si.rows], si, chunks[si.index].request)
+        qpos = torch.cat([torch.arange(s.start, s.end) for s in segs_out]).to(x.device)
+        if qpos.numel() == 0:
+            return x.new_zeros(1, 0, x.size(-1))
+        q_rows = torch.cat([torch.arange(si.offset + so.start - si.start, si.offset + si.rows)
+                            for si, so in zip(segs_in, segs_out)]).to(x.device)
+        xq = x[:, q_rows]
+        qr, q = attn.queries(xq, qpos)
+        outs = []
+        for so in segs_out:
+            if so.rows == 0:
+                continue
+            req = chunks[so.index].request
+            floor = req.decoder_floor if decoder else req.swa_floor
+            qsl = slice(so.offset, so.offset + so.rows)
+            lo = max(floor, so.start - W + 1, 0)
+            win = paged.gather_swa(kv.swa[layer], paged.swa_slots(req.swa_blocks, lo, so.end, kv.layout.swa_block_size),
+                                   self.cfg.head_dim).unsqueeze(0)  # [1, end-lo, hd]
+            idx = window_indices(qpos[qsl], W, floor)
+            idx = torch.where(idx >= 0, idx - lo, -1).unsqueeze(0)
+            rows = win
+            if role.ratio > 0:
+                main, topk = self._select(attn, xq[:, qsl], qr[:, qsl], qpos[qsl], so.end, req, shared[so.index])
+                rows = torch.cat([win, main], dim=1)
+                idx = torch.cat([idx, torch.where(topk >= 0, topk + win.size(1), -1)], dim=-1)
+            outs.append(sparse_attn(q[:, qsl], rows, attn.attn_sink, idx, attn.head_dim ** -0.5))
+        return attn.output(torch.cat(outs, dim=1), qpos)
+
+    def _store_global(self, attn: Attention, x: torch.Tensor, seg: Segment, req) -> None:
+        """A KV source: compress this chunk's positions >= global_from and store the completed groups'
+        main KV and index keys (the incomplete group waits in the request's pending slot)."""
+        kv, role = self.kv, attn.role
+        ratio, source = role.ratio, role.kv_source
+        start = max(seg.start, req.global_from)
+        if start >= seg.end:
+            return
+        pending = (None, None)
+        if ratio > 1:
+            slot = req.pending_slot
+            pending = (kv.pending_kv[source][slot:slot + 1], kv.pending_score[source][slot:slot + 1])
+        latent = attn.compressor(x[:, start - seg.start:], start, SourceCache(None, None, *pending))
+        if latent is None:
+            return
+        first = start // ratio
+        entries = paged.entry_slots(req.global_blocks, first, first + latent.size(1), kv.layout.global_block_size // ratio)
+        if attn.indexer is not None:
+            paged.store_index_k(kv.index_k[source], entries, attn.indexer.index_keys(latent, first, attn.rope)[0])
+        paged.store_main_kv(kv.main_kv[source], entries, attn.rotate_latent(latent, first)[0])
+
+    def _select(self, attn: Attention, xq: torch.Tensor, qr: torch.Tensor, qpos: torch.Tensor, end: int, req,
+                shared: StepShared) -> tuple[torch.Tensor, torch.Tensor]:
+        """The request's main KV [1,E,hd] (E = entries visible at `end`) and the top-k entry ids [1,M,K]
+        of its queries: from this layer's indexer, or published by its index source this step."""
+        kv, role, cfg = self.kv, attn.role, self.cfg
+        ratio, source = role.ratio, role.kv_source
+        entries = paged.entry_slots(req.global_blocks, 0, end // ratio, kv.layout.global_block_size // ratio)
+        main = paged.gather_main_kv(kv.main_kv[source], entries, cfg.head_dim).unsqueeze(0)
+        if attn.indexer is not None:
+            index_k = paged.gather_index_k(kv.index_k[source], entries, cfg.index_head_dim).unsqueeze(0)
+            topk = attn.indexer(xq, qr, qpos, end, attn.rope, SourceCache(main, index_k, None, None), shared)
+            shared.topk[role.layer_id] = topk
+        else:
+            topk = shared.topk[role.index_source]
+            assert topk.size(1) == qpos.numel(), f"layer {role.layer_id}: index source rows differ from its queries"
+        return main, topk

@@ -1,0 +1,245 @@
+"""engine/core/sampler.py against hand-computed supports, python-math softmax and batch-invariance checks.
+
+Token ids are compared exactly. Empirical distributions use fixed seeds (so the tests are deterministic)
+and Pearson's chi-square against the exact softmax, with the 0.1% critical value for V-1 dof.
+"""
+
+import math
+
+import pytest
+import torch
+
+from engine.core.sampler import SampleRow, gumbel_noise, noise_seed, sample
+from engine.core.sampling_params import SamplingParams
+
+CHI2_999 = {3: 16.27, 4: 18.47}  # chi-square critical values at p = 0.001 by degrees of freedom
+
+
+def _logits(probs: list[float]) -> torch.Tensor:
+    return torch.tensor([[math.log(p) for p in probs]], dtype=torch.float32)
+
+
+def _draws(logits_row: torch.Tensor, params: SamplingParams, num: int, step: int = 0) -> list[int]:
+    """num tokens from one logits row [1, V] under seeds 0..num-1, sampled as one batch."""
+    rows = [SampleRow(params, seed=s, step=step) for s in range(num)]
+    return sample(logits_row.expand(num, -1).contiguous(), rows).token_ids
+
+
+def _softmax(xs: list[float]) -> list[float]:
+    m = max(xs)
+    e = [math.exp(x - m) for x in xs]
+    return [v / sum(e) for v in e]
+
+
+def _chi2(draws: list[int], probs: list[float]) -> float:
+    n = len(draws)
+    return sum((draws.count(i) - n * p) ** 2 / (n * p) for i, p in enumerate(probs))
+
+
+# ---------------------------------------------------------------- greedy
+
+
+def test_greedy_is_argmax_ties_to_lower_id() -> None:
+    logits = torch.tensor([[0.1, 2.0, -1.0, 1.9], [5.0, 1.0, 5.0, 5.0], [float("-inf"), -1.0, -1.0, -3.0]])
+    params = SamplingParams(temperature=0.0, top_k=3, top_p=0.1, seed=7)  # filters are ignored when greedy
+    out = sample(logits, [SampleRow(params, seed=s, step=s) for s in range(3)])
+    assert out.token_ids == [1, 0, 1]
+    assert out.logprobs == [None, None, None]
+
+
+def test_empty_batch() -> None:
+    out = sample(torch.zeros(0, 7), [])
+    assert out.token_ids == [] and out.logprobs == []
+
+
+# ---------------------------------------------------------------- seeding and batch invariance
+
+
+def test_same_seed_step_same_token_anywhere_in_any_batch() -> None:
+    g = torch.Generator().manual_seed(0)
+    vocab = 257
+    target = torch.randn(1, vocab, generator=g) * 2
+    others = torch.randn(5, vocab, generator=g) * 2
+    other_rows = [
+        SampleRow(SamplingParams(temperature=0.0), seed=1, step=0),
+        SampleRow(SamplingParams(temperature=1.3, top_p=0.7), seed=2, step=5),
+        SampleRow(SamplingParams(temperature=0.6, top_k=9), seed=3, step=1),
+        SampleRow(SamplingParams(temperature=1.0, min_p=0.2), seed=4, step=2),
+        SampleRow(SamplingParams(temperature=0.9), seed=5, step=3),
+    ]
+    for params in [SamplingParams(temperature=1.0), SamplingParams(temperature=0.7, top_k=20, top_p=0.9, min_p=0.01)]:
+        for seed, step in [(0, 0), (123, 4), (2**63 - 1, 10_000)]:
+            row = SampleRow(params, seed=seed, step=step)
+            alone = sample(target, [row]).token_ids[0]
+            first = sample(torch.cat([target, others]), [row, *other_rows]).token_ids[0]
+            last = sample(torch.cat([others[:3], target]), [*other_rows[:3], row]).token_ids[-1]
+            assert alone == first == last, f"{params} seed={seed} step={step}: {alone} {first} {last}"
+
+
+def test_noise_depends_only_on_seed_step_vocab() -> None:
+    assert torch.equal(gumbel_noise(42, 3, 100), gumbel_noise(42, 3, 100))
+    assert not torch.equal(gumbel_noise(42, 3, 100), gumbel_noise(42, 4, 100))
+    assert not torch.equal(gumbel_noise(42, 3, 100), gumbel_noise(43, 3, 100))
+    seeds = {noise_seed(s, t) for s in range(50) for t in range(50)}
+    assert len(seeds) == 2500 and all(0 <= x < 2**64 for x in seeds)
+
+
+def test_different_steps_give_different_draws() -> None:
+    vocab = 1000
+    logits = torch.zeros(1, vocab)
+    params = SamplingParams(temperature=1.0)
+    steps = 300
+    tokens = [sample(logits, [SampleRow(params, seed=9, step=t)]).token_ids[0] for t in range(steps)]
+    # uniform over 1000: 300 draws have ~258 distinct values on average (sd ~ 6)
+    assert len(set(tokens)) > 220, len(set(tokens))
+
+
+# ---------------------------------------------------------------- filters
+
+
+def test_top_k_one_equals_greedy_any_temperature() -> None:
+    g = torch.Generator().manual_seed(1)
+    logits = torch.randn(8, 50, generator=g)
+    logits[3, [4, 9]] = 10.0  # a tie at the max: top_k=1 keeps the lower id, like argmax
+    greedy = logits.argmax(dim=-1).tolist()
+    for temperature in (0.3, 1.0, 2.0):
+        rows = [SampleRow(SamplingParams(temperature=temperature, top_k=1), seed=s, step=s) for s in range(8)]
+        assert sample(logits, rows).token_ids == greedy
+
+
+def test_top_k_support_is_k_largest() -> None:
+    g = torch.Generator().manual_seed(2)
+    logits = torch.randn(1, 12, generator=g)
+    expected = set(logits[0].topk(3).indices.tolist())
+    assert set(_draws(logits, SamplingParams(temperature=1.5, top_k=3), 1500)) == expected
+
+
+def test_top_k_ties_at_kth_value_go_to_lower_id() -> None:
+    logits = torch.tensor([[1.0, 3.0, 3.0, 3.0, 0.0]])
+    assert set(_draws(logits, SamplingParams(temperature=1.0, top_k=2), 400)) == {1, 2}
+
+
+@pytest.mark.parametrize(
+    "top_p, support",
+    [(0.4, {0}), (0.79, {0, 1}), (0.8, {0, 1}), (0.81, {0, 1, 2}), (0.96, {0, 1, 2, 3}), (1.0, {0, 1, 2, 3})],
+)
+def test_top_p_support_hand_computed(top_p: float, support: set[int]) -> None:
+    # probs 0.5, 0.3, 0.15, 0.05: the smallest prefix with mass >= top_p
+    logits = _logits([0.5, 0.3, 0.15, 0.05])
+    assert set(_draws(logits, SamplingParams(temperature=1.0, top_p=top_p), 1500)) == support
+
+
+def test_top_p_applies_to_top_k_survivors_renormalised() -> None:
+    # top_k=2 leaves {0.5, 0.3} -> renormalised {0.625, 0.375}; top_p=0.6 is met by token 0 alone.
+    # (On the un-renormalised probs, 0.5 < 0.6 would also keep token 1.)
+    logits = _logits([0.5, 0.3, 0.15, 0.05])
+    assert set(_draws(logits, SamplingParams(temperature=1.0, top_k=2, top_p=0.6), 500)) == {0}
+
+
+@pytest.mark.parametrize("min_p, support", [(0.0, {0, 1, 2, 3}), (0.25, {0, 1, 2}), (0.35, {0, 1}), (0.9, {0})])
+def test_min_p_support_hand_computed(min_p: float, support: set[int]) -> None:
+    # probs 0.5, 0.3, 0.15, 0.05: keep p >= min_p * 0.5
+    logits = _logits([0.5, 0.3, 0.15, 0.05])
+    assert set(_draws(logits, SamplingParams(temperature=1.0, min_p=min_p), 1500)) == support
+
+
+# ---------------------------------------------------------------- distribution
+
+
+@pytest.mark.parametrize("temperature", [0.5, 1.0, 1.7])
+def test_empirical_distribution_matches_softmax(temperature: float) -> None:
+    raw = [1.0, 0.2, -0.5, 0.7, -2.0]
+    expected = _softmax([x / temperature for x in raw])
+    draws = _draws(torch.tensor([raw]), SamplingParams(temperature=temperature), 12_000)
+    chi2 = _chi2(draws, expected)
+    freqs = [round(draws.count(i) / len(draws), 4) for i in range(len(raw))]
+    assert chi2 < CHI2_999[4], f"T={temperature}: chi2 {chi2:.2f}, freqs {freqs} vs {expected}"
+
+
+def test_lower_temperature_is_sharper() -> None:
+    raw = torch.tensor([[1.0, 0.2, -0.5, 0.7, -2.0]])
+    top_freq = []
+    for temperature in (0.25, 0.5, 1.0, 2.0):
+        draws = _draws(raw, SamplingParams(temperature=temperature), 3000)
+        top_freq.append(draws.count(0) / len(draws))
+    assert top_freq == sorted(top_freq, reverse=True), top_freq
+    assert top_freq[0] > 0.6 and top_freq[-1] < 0.45, top_freq  # exact: 0.766, 0.537, 0.383, 0.286
+
+
+def test_filtered_distribution_is_renormalised_softmax() -> None:
+    # top_k=3 on 5 tokens: the survivors keep their softmax ratios
+    raw = [1.0, 0.2, -0.5, 0.7, -2.0]
+    kept = _softmax([raw[0], raw[1], raw[3]])
+    draws = _draws(torch.tensor([raw]), SamplingParams(temperature=1.0, top_k=3), 8000)
+    assert set(draws) == {0, 1, 3}
+    expected = [kept[0], kept[1], 0.0, kept[2], 0.0]
+    chi2 = sum((draws.count(i) - len(draws) * p) ** 2 / (len(draws) * p) for i, p in enumerate(expected) if p > 0)
+    assert chi2 < 13.82, f"chi2 {chi2:.2f} (2 dof, p=0.001)"
+
+
+# ---------------------------------------------------------------- logprobs
+
+
+def test_logprobs_match_raw_log_softmax_and_top_list() -> None:
+    g = torch.Generator().manual_seed(3)
+    logits = torch.randn(4, 30, generator=g) * 3
+    logits[2, [5, 17, 22]] = 9.0  # a three-way tie at the top: ids ascending in the top list
+    rows = [
+        SampleRow(SamplingParams(temperature=0.0, logprobs=5), seed=0, step=0),
+        SampleRow(SamplingParams(temperature=0.5, top_k=4, logprobs=3), seed=1, step=2),
+        SampleRow(SamplingParams(temperature=1.0, logprobs=0), seed=2, step=0),
+        SampleRow(SamplingParams(temperature=1.0), seed=3, step=0),
+    ]
+    out = sample(logits, rows)
+    ref = torch.log_softmax(logits.double(), dim=-1)
+    assert out.logprobs[3] is None
+    for i in range(3):
+        lp = out.logprobs[i]
+        assert lp is not None and lp.token_id == out.token_ids[i]
+        row = logits[i].double().tolist()
+        lse = max(row) + math.log(sum(math.exp(x - max(row)) for x in row))
+        assert lp.logprob == ref[i, lp.token_id].item()
+        assert abs(lp.logprob - (row[lp.token_id] - lse)) < 1e-12  # raw logits, not temperature-scaled
+        k = rows[i].params.logprobs
+        expected_ids = sorted(range(30), key=lambda t: (-row[t], t))[:k]
+        assert [t for t, _ in lp.top] == expected_ids, (i, lp.top)
+        assert all(isinstance(v, float) and v == ref[i, t].item() for t, v in lp.top)
+        assert [v for _, v in lp.top] == sorted((v for _, v in lp.top), reverse=True)
+    assert [t for t, _ in out.logprobs[2].top] == [] and out.logprobs[0].top[0][0] == out.token_ids[0]
+
+
+# ---------------------------------------------------------------- contract
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float64])
+def test_wrong_dtype_raises(dtype: torch.dtype) -> None:
+    with pytest.raises(AssertionError, match="fp32"):
+        sample(torch.zeros(1, 8, dtype=dtype), [SampleRow(SamplingParams(), seed=0, step=0)])
+
+
+def test_wrong_shape_raises() -> None:
+    row = SampleRow(SamplingParams(), seed=0, step=0)
+    with pytest.raises(AssertionError, match=r"\[N, V\]"):
+        sample(torch.zeros(8), [row])
+    with pytest.raises(AssertionError, match="SampleRows"):
+        sample(torch.zeros(2, 8), [row])
+
+
+# ---------------------------------------------------------------- device
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_cuda_matches_cpu() -> None:
+    g = torch.Generator().manual_seed(4)
+    logits = torch.randn(64, 4099, generator=g) * 2
+    rows = [
+        SampleRow(SamplingParams(temperature=0.2 + 0.03 * i, top_k=i % 7 * 10, top_p=1.0 - i % 3 * 0.2,
+                                 min_p=i % 4 * 0.02, logprobs=i % 3), seed=1000 + i, step=i)
+        for i in range(64)
+    ]
+    cpu, gpu = sample(logits, rows), sample(logits.cuda(), rows)
+    assert cpu.token_ids == gpu.token_ids
+    for a, b in zip(cpu.logprobs, gpu.logprobs):
+        assert a is not None and b is not None and [t for t, _ in a.top] == [t for t, _ in b.top]
+        assert abs(a.logprob - b.logprob) < 1e-9
