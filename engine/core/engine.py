@@ -60,6 +60,7 @@ class RequestOutput:
     finished: bool = False
     finish_reason: FinishReason | None = None
     stats: RequestStats | None = None
+    logits: tuple[int, torch.Tensor] | None = None  # keep_logits: (first position, fp32 [rows, vocab] on CPU)
 
 
 @dataclass(slots=True)
@@ -104,8 +105,9 @@ class LLMEngine:
 
     # ---- API ----------------------------------------------------------------------------------------
     def add_request(self, request_id: str, prompt_ids: list[int], params: SamplingParams = SamplingParams(),
-                    force_ids: list[int] | None = None, arrival_step: int = 0) -> None:
-        """Queue a request (and its n-1 siblings, ids request_id/1 ..). Raises RequestError or SamplingError."""
+                    force_ids: list[int] | None = None, keep_logits: bool = False) -> None:
+        """Queue a request (and its n-1 siblings, ids request_id/1 ..). Raises RequestError.
+        keep_logits: outputs carry the logits of every position the decoder computed (prompt rows too)."""
         try:
             params.validate()
         except SamplingError as e:
@@ -121,7 +123,8 @@ class LLMEngine:
             raise RequestError(f"the prompt has {len(prompt_ids)} tokens; the context window is {self.max_model_len} "
                                "and at least one token must be generated")
         seed = params.seed if params.seed is not None else self._rng.randrange(2**63)
-        req = self._new_request(request_id, request_id, 0, list(prompt_ids), params, seed, force_ids, arrival_step)
+        req = self._new_request(request_id, request_id, 0, list(prompt_ids), params, seed, force_ids)
+        req.keep_logits = keep_logits
         self.scheduler.add(req)
 
     def abort(self, request_id: str) -> bool:
@@ -141,7 +144,8 @@ class LLMEngine:
         if not out.chunks:
             return []
         t0 = time.monotonic()
-        logits = self.runner.execute(out)
+        step_logits = self.runner.execute(out)
+        logits = step_logits.sample
         elapsed = time.monotonic() - t0
         self.scheduler.advance(out)
         self.stats.num_steps += 1
@@ -161,6 +165,8 @@ class LLMEngine:
                 row_logits.append(i)
         outputs = self._append_tokens(rows, logits[row_logits] if rows else logits)
         self.stats.num_sampled_tokens += len(rows)
+        for index, (first_pos, kept) in step_logits.rows.items():
+            self._keep_logits(out.chunks[index].request, first_pos, kept, outputs)
         return outputs
 
     def generate(self, prompts: list[list[int]], params: SamplingParams = SamplingParams()) -> list[list[int]]:
@@ -176,14 +182,22 @@ class LLMEngine:
 
     # ---- internals ----------------------------------------------------------------------------------
     def _new_request(self, rid: str, group: str, choice: int, prompt: list[int], params: SamplingParams, seed: int,
-                     force_ids, arrival_step: int) -> Request:
+                     force_ids: list[int] | None) -> Request:
         req = Request(rid, prompt, params, seed, self.eos_token_id, self.max_model_len,
-                      list(force_ids) if force_ids else None, arrival_step)
+                      list(force_ids) if force_ids else None)
         req.fork_of = None if choice == 0 else group
         req.choice_index = choice
         req.stats.arrival_time = time.monotonic()
         self.requests[rid] = req
         return req
+
+    def _keep_logits(self, req: Request, first_pos: int, rows: torch.Tensor, outputs: list[RequestOutput]) -> None:
+        for o in outputs:
+            if o.request_id == req.request_id:
+                o.logits = (first_pos, rows.cpu())
+                return
+        outputs.append(RequestOutput(req.request_id, req.fork_of or req.request_id, req.choice_index, [], [],
+                                     len(req.prompt_ids), len(req.output_ids), logits=(first_pos, rows.cpu())))
 
     def _fork_siblings(self, parent: Request) -> list[Request]:
         """n > 1: when the first choice samples its first token, the others start from its prompt state."""
@@ -193,7 +207,7 @@ class LLMEngine:
         for i in range(1, parent.params.n):
             seed = (parent.seed + i * _SEED_STEP) % 2**63
             child = self._new_request(f"{parent.request_id}/{i}", parent.request_id, i, parent.prompt_ids,
-                                      parent.params, seed, parent.force_ids, parent.arrival_step)
+                                      parent.params, seed, parent.force_ids)
             if self.scheduler.fork(parent, child):
                 forked.append(child)
             else:

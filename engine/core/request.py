@@ -57,7 +57,7 @@ class Request:
     eos_token_id: int | None
     max_total_len: int  # prompt + output cap from the context window
     force_ids: list[int] | None = None  # teacher forcing: output i is force_ids[i] while they last
-    arrival_step: int = 0
+    keep_logits: bool = False  # return the logits of every computed decoder row, not just the sampled ones
     output_ids: list[int] = field(default_factory=list)
     logprobs: list[TokenLogprob | None] = field(default_factory=list)
     status: RequestStatus = RequestStatus.WAITING

@@ -38,18 +38,25 @@ class Segment:
         return self.end - self.start
 
 
+@dataclass(slots=True)
+class StepLogits:
+    sample: torch.Tensor  # fp32 [num sampled chunks, vocab], chunk order: position end-1 of each
+    rows: dict[int, tuple[int, torch.Tensor]]  # chunk index -> (first position, fp32 [rows, vocab])
+
+
 class ModelRunner:
     def __init__(self, model: Transformer, kv: PagedKVCache):
         self.model, self.kv, self.cfg = model, kv, model.cfg
         self.device = model.embed.weight.device
 
     @torch.inference_mode()
-    def execute(self, out: SchedulerOutput) -> torch.Tensor:
-        """Runs one step; returns fp32 logits [num sampled chunks, vocab] in chunk order."""
+    def execute(self, out: SchedulerOutput) -> "StepLogits":
+        """Runs one step: logits of the sampled chunks' last positions, and of every decoder row of
+        chunks whose request keeps its logits."""
         self.kv.apply(out.copies)
         model, cfg, chunks = self.model, self.cfg, out.chunks
         if not chunks:
-            return torch.empty(0, cfg.vocab_size, device=self.device)
+            return StepLogits(torch.empty(0, cfg.vocab_size, device=self.device), {})
         ids_list = [c.request.all_ids for c in chunks]
         ids = torch.tensor([t for c, all_ids in zip(chunks, ids_list) for t in all_ids[c.start:c.end]],
                            dtype=torch.long, device=self.device)
@@ -75,16 +82,24 @@ class ModelRunner:
             h, pre_mix = layer(h, pre_mix, attend, 0 if keep is None else keep)
             if keep is not None:
                 rows, segs = rows[keep], out_segs
-        last = []
+        picks, kept = [], []  # stream rows for the head; (chunk, first_pos, first pick) of kept logits
         for c, s in zip(chunks, segs):
+            if c.request.keep_logits and s.rows:
+                kept.append((s.index, s.start, len(picks), s.rows))
+                picks += range(s.offset, s.offset + s.rows)
             if c.sample:
                 assert s.rows > 0 and s.end == c.end, f"chunk {s.index} samples but has no decoder rows"
-                last.append(s.offset + s.rows - 1)
-        if not last:
-            return torch.empty(0, cfg.vocab_size, device=self.device)
-        sel = torch.tensor(last, device=self.device)
-        x = model.norm(hc_pre(h[:, sel], pre_mix[:, sel]))
-        return model.head(x)[0]
+                picks.append(s.offset + s.rows - 1)
+        if not picks:
+            return StepLogits(torch.empty(0, cfg.vocab_size, device=self.device), {})
+        sel = torch.tensor(picks, device=self.device)
+        logits = model.head(model.norm(hc_pre(h[:, sel], pre_mix[:, sel])))[0]  # fp32 [len(picks), V]
+        is_sample = torch.ones(len(picks), dtype=torch.bool)
+        rows = {}
+        for index, first_pos, at, n in kept:
+            is_sample[at:at + n] = False
+            rows[index] = (first_pos, logits[at:at + n])
+        return StepLogits(logits[is_sample.to(self.device)], rows)
 
     # ---- pieces -------------------------------------------------------------------------------------
     def _engram_hashes(self, chunks, ids_list, segs, ids) -> torch.Tensor | None:

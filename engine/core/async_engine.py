@@ -1,0 +1,158 @@
+"""The asyncio face of the engine for the server: `generate()` streams a request group's outputs.
+
+One background task drives `engine.step()` while any stream waits, and sleeps on an event when none
+does. Every engine call (add_request, abort, step) runs on one worker thread, so the engine is never
+used concurrently and the event loop never blocks on the model. A consumer that stops iterating
+(break, exception, cancellation = client disconnect) aborts its group, freeing its cache.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator, Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import TypeVar
+
+from engine.core.engine import LLMEngine, RequestOutput
+from engine.core.sampling_params import SamplingParams
+
+T = TypeVar("T")
+
+
+class EngineStuckError(RuntimeError):
+    """Requests wait but the scheduler can place none of them (e.g. a cache too small for a prompt)."""
+
+
+class EngineShutdownError(RuntimeError):
+    """The AsyncEngine was shut down while the request was streaming (or before it was added)."""
+
+
+_GROUP_DONE = None  # queue sentinel: every choice of the group finished
+
+
+@dataclass(slots=True)
+class _Stream:
+    num_choices: int
+    queue: asyncio.Queue = field(default_factory=asyncio.Queue)  # RequestOutput | BaseException | _GROUP_DONE
+    num_finished: int = 0
+
+
+class AsyncEngine:
+    def __init__(self, engine: LLMEngine):
+        self.engine = engine
+        self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="engine-step")
+        self._streams: dict[str, _Stream] = {}  # group id -> its consumer's stream
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._wake: asyncio.Event | None = None
+        self._driver: asyncio.Task | None = None
+        self._is_shut_down = False
+
+    async def generate(self, request_id: str, prompt_ids: list[int], params: SamplingParams = SamplingParams(),
+                       force_ids: list[int] | None = None) -> AsyncIterator[RequestOutput]:
+        """Every RequestOutput of the group (request_id and its n-1 siblings) as steps produce them;
+        returns when all n choices finished. RequestError propagates before anything is yielded."""
+        if self._is_shut_down:
+            raise EngineShutdownError("the engine is shut down")
+        self._start()
+        stream = _Stream(params.n)
+        # the add is queued on the worker before the driver can queue a step for this stream
+        added = self._on_worker(self.engine.add_request, request_id, prompt_ids, params, force_ids)
+        self._streams[request_id] = stream
+        try:
+            await added
+        except BaseException:
+            self._streams.pop(request_id, None)
+            raise
+        self._wake.set()
+        is_done = False
+        try:
+            while True:
+                item = await stream.queue.get()
+                if item is _GROUP_DONE:
+                    is_done = True
+                    return
+                if isinstance(item, BaseException):
+                    raise item
+                yield item
+        finally:
+            if not is_done:
+                self._streams.pop(request_id, None)
+                if not self._is_shut_down:  # shutdown aborts everything itself
+                    # shielded: a second cancellation must not leave the group holding its cache
+                    await asyncio.shield(self._on_worker(self.engine.abort, request_id))
+
+    async def shutdown(self) -> None:
+        """Stop stepping, abort every request, fail the waiting streams, release the worker thread."""
+        if self._is_shut_down:
+            return
+        self._is_shut_down = True
+        if self._driver is not None:
+            self._driver.cancel()
+            try:
+                await self._driver
+            except asyncio.CancelledError:
+                pass
+        if self._loop is not None:
+            await self._on_worker(self._abort_all)  # queued behind a step still running on the worker
+        error = EngineShutdownError("the engine shut down while the request was running")
+        for stream in self._streams.values():
+            stream.queue.put_nowait(error)
+        self._streams.clear()
+        self._worker.shutdown(wait=True)
+
+    # ---- internals ----------------------------------------------------------------------------------
+    def _start(self) -> None:
+        loop = asyncio.get_running_loop()
+        if self._loop is None:
+            self._loop, self._wake = loop, asyncio.Event()
+            self._driver = loop.create_task(self._drive(), name="engine-driver")
+        elif self._loop is not loop:
+            raise RuntimeError("an AsyncEngine serves the event loop it first ran on; make one per loop")
+
+    def _on_worker(self, fn: Callable[..., T], *args) -> asyncio.Future[T]:
+        return self._loop.run_in_executor(self._worker, fn, *args)
+
+    async def _drive(self) -> None:
+        """Step while streams wait; deliver each output to its group's stream; sleep when none waits."""
+        num_idle = 0  # consecutive steps that scheduled nothing
+        while True:
+            await self._wake.wait()
+            self._wake.clear()
+            while self._streams:
+                try:
+                    num_steps = self.engine.stats.num_steps
+                    outputs = await self._on_worker(self.engine.step)
+                except Exception as e:  # noqa: BLE001 -- handed to every consumer, which raises it
+                    self._fail_all(e)
+                    break
+                num_idle = 0 if self.engine.stats.num_steps > num_steps else num_idle + 1
+                for out in outputs:
+                    self._deliver(out)
+                # one empty step is normal (everything was just preempted); two in a row mean no
+                # request fits, and nothing changes until a request is added or aborted
+                if num_idle >= 2 and self._streams:
+                    self._fail_all(EngineStuckError("no waiting request can be scheduled: the cache is too small "
+                                                    "for its next chunk"))
+                    break
+
+    def _deliver(self, out: RequestOutput) -> None:
+        stream = self._streams.get(out.group_id)
+        if stream is None:
+            return  # the consumer has gone; its abort is queued on the worker
+        stream.queue.put_nowait(out)
+        if out.finished:
+            stream.num_finished += 1
+            if stream.num_finished == stream.num_choices:
+                del self._streams[out.group_id]
+                stream.queue.put_nowait(_GROUP_DONE)
+
+    def _fail_all(self, error: BaseException) -> None:
+        """The error ends every waiting stream (each consumer raises it and aborts its group)."""
+        for stream in self._streams.values():
+            stream.queue.put_nowait(error)
+        self._streams.clear()
+
+    def _abort_all(self) -> None:
+        for request_id in list(self.engine.requests):
+            self.engine.abort(request_id)
