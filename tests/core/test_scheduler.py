@@ -1,0 +1,160 @@
+"""Scheduler and cache manager without a model: exact chunks, block ids, window-block release,
+preemption, snapshots and integrity. Layout: 4-token global blocks, 2-token window blocks, window 4."""
+
+from __future__ import annotations
+
+import sys
+
+import pytest
+
+from engine.core.cache_manager import CacheLayout, KVCacheManager
+from engine.core.request import FinishReason, Request
+from engine.core.sampling_params import SamplingParams
+from engine.core.scheduler import Scheduler, SchedulerConfig
+
+W = 4
+
+
+def make(num_global=8, num_swa=12, slots=3, snapshots=1, budget=6, seqs=3, chunk=None, replay=True, caching=True):
+    layout = CacheLayout(4, 2, W, num_global, num_swa, slots, snapshots)
+    cache = KVCacheManager(layout, b"salt", enable_prefix_caching=caching)
+    return Scheduler(SchedulerConfig(W, seqs, budget, chunk, replay), cache)
+
+
+def req(rid: str, prompt: list[int], max_tokens: int = 8) -> Request:
+    return Request(rid, prompt, SamplingParams(max_tokens=max_tokens), seed=0, eos_token_id=None, max_total_len=1000)
+
+
+def step(s: Scheduler, tokens: dict[str, int] | None = None):
+    """schedule + advance + append a token to every request that sampled; returns [(id, start, end)]."""
+    out = s.schedule()
+    s.advance(out)
+    for c in out.chunks:
+        if c.sample:
+            c.request.output_ids.append((tokens or {}).get(c.request.request_id, 7))
+    s.check_integrity()
+    return [(c.request.request_id, c.start, c.end) for c in out.chunks], out
+
+
+def test_scheduler_module_imports_no_torch():
+    import subprocess
+
+    code = ("import sys; import engine.core.scheduler, engine.core.cache_manager, engine.core.block_pool, "
+            "engine.core.request; assert 'torch' not in sys.modules, 'torch imported'")
+    subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_budget_chunks_and_exact_block_ids():
+    s = make(budget=6)
+    a, b = req("a", list(range(10))), req("b", list(range(100, 103)))
+    s.add(a)
+    s.add(b)
+    chunks, _ = step(s)
+    assert chunks == [("a", 0, 6)]  # the budget stops at a's first chunk; b waits
+    assert a.global_blocks == [0, 1] and a.swa_blocks == {0: 0, 1: 1, 2: 2}
+    chunks, _ = step(s)
+    assert chunks == [("a", 6, 10), ("b", 0, 2)]
+    # a's positions <= 2 are out of every later window (6 - 4 + 1 = 3): window block 0 went back first
+    assert a.global_blocks == [0, 1, 2] and a.swa_blocks == {1: 1, 2: 2, 3: 3, 4: 4}
+    assert b.global_blocks == [3] and b.swa_blocks == {0: 5}
+    chunks, _ = step(s)
+    assert chunks == [("a", 10, 11), ("b", 2, 3)]
+    # positions <= 6 are out of every later window: window blocks 1, 2 went back; a released block
+    # joins the back of the free queue, so the never-used ids 6, 7 come first
+    assert a.swa_blocks == {3: 3, 4: 4, 5: 6}
+    assert b.swa_blocks == {0: 5, 1: 7}
+
+
+def test_decoder_replay_planned_at_admission():
+    s = make(budget=20, num_global=8)
+    long, short = req("long", list(range(11))), req("short", list(range(4)))
+    s.add(long)
+    s.add(short)
+    step(s)
+    assert (long.decoder_from, long.decoder_floor) == (11 - W, 11 - W)
+    assert (short.decoder_from, short.decoder_floor) == (0, 0)  # 4 tokens: not more than the window
+    off = make(budget=20, replay=False)
+    r = req("r", list(range(11)))
+    off.add(r)
+    step(off)
+    assert r.decoder_from == 0
+
+
+def test_preemption_frees_the_newest_request_and_recomputes_it():
+    s = make(num_global=3, budget=12, seqs=3, snapshots=0)
+    a, b = req("a", list(range(7))), req("b", list(range(50, 54)))
+    s.add(a)
+    s.add(b)
+    step(s)
+    assert a.global_blocks == [0, 1] and b.global_blocks == [2]
+    chunks, _ = step(s)  # a: position 7, b: position 4 -> b needs a second block: none left
+    assert chunks == [("a", 7, 8)]
+    assert b.num_computed == 0 and b.global_blocks == [] and s.waiting[0] is b
+    assert b.stats.num_preemptions == 1 and len(b.output_ids) == 1
+    s.finish(a, FinishReason.STOP)
+    assert s.cache.global_pool.num_in_use == 0
+    chunks, _ = step(s)
+    assert chunks == [("b", 0, 5)]  # recomputes prompt + its output (block 0 was registered by a: no hit)
+    assert b.global_blocks == [2, 1]  # free FIFO: block 2 (b's, released first), then 1 (a's tail, unregistered)
+
+
+def test_finished_request_becomes_a_snapshot_and_the_next_turn_adopts_it():
+    s = make(num_global=8, budget=16)
+    a = req("a", list(range(9)), max_tokens=2)
+    s.add(a)
+    step(s)
+    step(s)
+    s.finish(a, FinishReason.LENGTH)
+    assert a.global_blocks == [] and len(s.cache.snapshots) == 1
+    snap = next(iter(s.cache.snapshots.values()))
+    assert snap.token_ids == list(range(9)) + [7] and snap.global_blocks == [0, 1, 2]
+    assert s.cache.global_pool.ref_count(0) == 1  # held by the snapshot
+    turn2 = req("b", list(range(9)) + [7, 7, 42, 43])
+    s.add(turn2)
+    chunks, _ = step(s)
+    assert chunks == [("b", 10, 13)]
+    assert turn2.global_blocks == [0, 1, 2, 3] and turn2.stats.num_cached_tokens == 10
+    assert not s.cache.snapshots
+    third = req("c", list(range(8)) + [99, 98])  # shares the first two full blocks, not the snapshot
+    s.add(third)
+    chunks, _ = step(s)
+    assert ("c", 8 - W, 10) in chunks  # encoder replay of the last window before the 8-token hit
+    assert third.global_blocks[:2] == [0, 1] and third.stats.num_replayed_tokens == W
+    assert s.cache.global_pool.ref_count(0) == 2
+
+
+def test_snapshots_are_dropped_oldest_first_when_blocks_run_short():
+    s = make(num_global=4, budget=16, snapshots=2)
+    for rid, base in (("a", 0), ("b", 100)):
+        r = req(rid, list(range(base, base + 5)), max_tokens=1)
+        s.add(r)
+        step(s)
+        s.finish(r, FinishReason.LENGTH)
+    assert len(s.cache.snapshots) == 2 and s.cache.global_pool.num_in_use == 4
+    c = req("c", list(range(200, 203)))
+    s.add(c)
+    step(s)
+    assert len(s.cache.snapshots) == 1  # a's went to make room
+    assert next(iter(s.cache.snapshots.values())).token_ids == list(range(100, 105))
+
+
+def test_abort_releases_everything():
+    s = make()
+    a = req("a", list(range(10)))
+    s.add(a)
+    step(s)
+    assert s.abort("a") is a and a.finish_reason is FinishReason.ABORT
+    assert s.cache.global_pool.num_in_use == 0 and s.cache.swa_pool.num_in_use == 0
+    assert not s.cache.snapshots
+    s.check_integrity()
+    assert s.abort("a") is None
+
+
+def test_integrity_check_catches_a_leak():
+    s = make()
+    a = req("a", list(range(5)))
+    s.add(a)
+    step(s)
+    a.global_blocks.pop()  # the request forgets a block it holds
+    with pytest.raises(AssertionError, match="global block 1"):
+        s.check_integrity()
