@@ -29,6 +29,7 @@ from engine.core.sampling_params import SamplingParams
 EXIT_BAD_INPUT = 2
 MAX_TEMPERATURE = 2.0  # SamplingParams' range
 BATCH_FIELDS = ("prompt_ids", "force_ids", "max_new_tokens", "temperature", "seed", "arrival_step")
+DEFAULTS = EngineConfig()
 
 
 class UsageError(ValueError):
@@ -47,6 +48,7 @@ class Job:
     temperature: float
     seed: int
     arrival_step: int = 0
+    label: str = "the prompt"  # names the job in error messages
 
     @property
     def num_kept(self) -> int:
@@ -150,6 +152,7 @@ def read_batch(path: str, args: argparse.Namespace) -> list[Job]:
             temperature=_temperature(obj.get("temperature", args.temperature), f"{where}: temperature"),
             seed=_int_field(obj, "seed", args.seed, 0, where),
             arrival_step=_int_field(obj, "arrival_step", 0, 0, where),
+            label=where,
         ))
     if not jobs:
         raise UsageError(f"--batch: {path} holds no requests")
@@ -209,9 +212,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "with --batch a folder of <line>.safetensors")
     p.add_argument("--prefix-cache", action="store_true", help="keep the prefix cache across the lines of a batch")
     p.add_argument("--chunk-size", type=int, help="cap on one request's prompt positions per step (chunked prefill)")
-    p.add_argument("--max-batch-tokens", type=int, default=EngineConfig.max_num_batched_tokens,
+    p.add_argument("--max-batch-tokens", type=int, default=DEFAULTS.max_num_batched_tokens,
                    help="positions computed per step, all requests together")
-    p.add_argument("--max-seqs", type=int, default=EngineConfig.max_num_seqs, help="requests running at once")
+    p.add_argument("--max-seqs", type=int, default=DEFAULTS.max_num_seqs, help="requests running at once")
     p.add_argument("--print-prompt", action="store_true", help='print {"prompt", "prompt_token_ids"} as JSON and exit')
     p.add_argument("--parse-completion", metavar="FILE.txt",
                    help="print the parse of a completion (reasoning_content, content, tool_calls) as JSON and exit")
@@ -267,7 +270,7 @@ def run(args: argparse.Namespace) -> int:
     if jobs is not None:
         for job in jobs:
             for name, ids in (("prompt_ids", job.prompt_ids), ("force_ids", job.force_ids or [])):
-                _check_vocab(ids, vocab_size, f"--batch line {job.line}: {name}")
+                _check_vocab(ids, vocab_size, f"{job.label}: {name}")
         return run_batch(engine, jobs, args)
 
     if args.prompt_ids is not None:
@@ -338,7 +341,7 @@ def run_jobs(engine: LLMEngine, jobs: list[Job], keep_logits: bool) -> dict[int,
             try:
                 engine.add_request(request_id, job.prompt_ids, job.params, job.force_ids, keep_logits=keep_logits)
             except RequestError as e:
-                raise UsageError(f"line {job.line}: {e}") from None
+                raise UsageError(f"{job.label}: {e}") from None
             by_id[request_id] = done[job.line]
         for out in engine.step():
             collect(by_id[out.request_id], out)

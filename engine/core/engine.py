@@ -9,17 +9,20 @@ from __future__ import annotations
 
 import random
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import Protocol
 
 import torch
 
 from engine.config import ModelConfig
-from engine.core.cache_manager import KVCacheManager
+from engine.core.cache_manager import CacheLayout, KVCacheManager
 from engine.core.kv_cache import PagedKVCache, size_layout
+from engine.core.plan import StepPlan, plan_step
 from engine.core.prefix_hash import fingerprint
 from engine.core.request import FinishReason, Request, RequestStats, TokenLogprob
-from engine.core.runner import ModelRunner
+from engine.core.runner import ModelRunner, StepLogits
 from engine.core.sampler import SampleRow, sample
 from engine.core.sampling_params import SamplingError, SamplingParams
 from engine.core.scheduler import Scheduler, SchedulerConfig
@@ -73,25 +76,49 @@ class EngineStats:
     step_times: list[float] = field(default_factory=list)
 
 
+class Executor(Protocol):
+    """Runs one step's plan on the model and returns its logits (in-process, or a Ray shard actor)."""
+
+    def execute(self, plan: StepPlan) -> StepLogits: ...
+
+
+class LocalExecutor:
+    """The model and its paged pools in this process."""
+
+    def __init__(self, model: Transformer, layout: CacheLayout):
+        self.kv = PagedKVCache(model.cfg, layout, model.embed.weight.device)
+        self.runner = ModelRunner(model, self.kv)
+
+    def execute(self, plan: StepPlan) -> StepLogits:
+        return self.runner.execute(plan)
+
+
+def cache_layout(cfg: ModelConfig, config: EngineConfig) -> CacheLayout:
+    return size_layout(cfg, config.cache_memory_bytes, max_num_seqs=config.max_num_seqs,
+                       max_num_batched_tokens=config.max_num_batched_tokens, max_snapshots=config.max_snapshots,
+                       global_block_size=config.global_block_size, swa_block_size=config.swa_block_size)
+
+
 class LLMEngine:
-    def __init__(self, model: Transformer, config: EngineConfig = EngineConfig(), *, eos_token_id: int | None = None,
-                 weights_identity: str = "unnamed"):
-        cfg: ModelConfig = model.cfg
-        self.model, self.cfg, self.config = model, cfg, config
+    def __init__(self, cfg: ModelConfig, config: EngineConfig, make_executor: Callable[[CacheLayout], Executor], *,
+                 eos_token_id: int | None = None, weights_identity: str = "unnamed"):
+        self.cfg, self.config = cfg, config
         self.eos_token_id = eos_token_id if eos_token_id is not None else cfg.eos_token_id
         self.max_model_len = config.max_model_len or cfg.max_position_embeddings
-        layout = size_layout(cfg, config.cache_memory_bytes, max_num_seqs=config.max_num_seqs,
-                             max_num_batched_tokens=config.max_num_batched_tokens, max_snapshots=config.max_snapshots,
-                             global_block_size=config.global_block_size, swa_block_size=config.swa_block_size)
+        layout = cache_layout(cfg, config)
         salt = fingerprint(cfg.to_hf_dict(), weights_identity, asdict(layout) | {"records": "fp8-528/nvfp4-288/mxfp4-68"})
         self.cache = KVCacheManager(layout, salt, config.enable_prefix_caching)
         self.scheduler = Scheduler(SchedulerConfig(cfg.window_size, config.max_num_seqs, config.max_num_batched_tokens,
                                                    config.max_chunk_tokens, config.bounded_replay), self.cache)
-        self.kv = PagedKVCache(cfg, layout, model.embed.weight.device)
-        self.runner = ModelRunner(model, self.kv)
+        self.executor = make_executor(layout)
         self.requests: dict[str, Request] = {}
         self.stats = EngineStats()
         self._rng = random.Random()
+
+    @classmethod
+    def local(cls, model: Transformer, config: EngineConfig = EngineConfig(), **kw) -> "LLMEngine":
+        """The engine and the model in this process."""
+        return cls(model.cfg, config, lambda layout: LocalExecutor(model, layout), **kw)
 
     @classmethod
     def from_checkpoint(cls, ckpt_dir: str | Path, config: EngineConfig = EngineConfig(), device: str = "cpu",
@@ -99,7 +126,8 @@ class LLMEngine:
         from engine.load import load_model
 
         loaded = load_model(ckpt_dir, device, with_mtp=False, progress=progress)
-        engine = cls(loaded.model, config, eos_token_id=loaded.tokenizer.eos_id, weights_identity=str(Path(ckpt_dir).resolve()))
+        engine = cls.local(loaded.model, config, eos_token_id=loaded.tokenizer.eos_id,
+                           weights_identity=str(Path(ckpt_dir).resolve()))
         engine.tokenizer = loaded.tokenizer
         return engine
 
@@ -144,7 +172,7 @@ class LLMEngine:
         if not out.chunks:
             return []
         t0 = time.monotonic()
-        step_logits = self.runner.execute(out)
+        step_logits = self.executor.execute(plan_step(out))
         logits = step_logits.sample
         elapsed = time.monotonic() - t0
         self.scheduler.advance(out)

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import torch
 
 from engine.core.kv_cache import PagedKVCache
-from engine.core.scheduler import SchedulerOutput
+from engine.core.plan import ENGRAM_LOOKBACK, ChunkPlan, StepPlan
 from engine.engram_tables import hash_ngrams, initial_history, next_history
 from engine.kernels import paged
 from engine.model.attention import Attention, sparse_attn, window_indices
@@ -50,21 +50,19 @@ class ModelRunner:
         self.device = model.embed.weight.device
 
     @torch.inference_mode()
-    def execute(self, out: SchedulerOutput) -> "StepLogits":
+    def execute(self, out: StepPlan) -> "StepLogits":
         """Runs one step: logits of the sampled chunks' last positions, and of every decoder row of
         chunks whose request keeps its logits."""
         self.kv.apply(out.copies)
         model, cfg, chunks = self.model, self.cfg, out.chunks
         if not chunks:
             return StepLogits(torch.empty(0, cfg.vocab_size, device=self.device), {})
-        ids_list = [c.request.all_ids for c in chunks]
-        ids = torch.tensor([t for c, all_ids in zip(chunks, ids_list) for t in all_ids[c.start:c.end]],
-                           dtype=torch.long, device=self.device)
+        ids = torch.tensor([t for c in chunks for t in c.token_ids], dtype=torch.long, device=self.device)
         segs, off = [], 0
         for i, c in enumerate(chunks):
             segs.append(Segment(i, c.start, c.end, off))
             off += c.end - c.start
-        hashes = self._engram_hashes(chunks, ids_list, segs, ids)
+        hashes = self._engram_hashes(chunks, segs, ids)
         rows = torch.arange(ids.numel(), device=self.device)  # stream row -> original row
         h = model.embed(ids).view(1, -1, cfg.dim).unsqueeze(2).repeat(1, 1, cfg.hc_mult, 1)  # [1,T,hc,D]
         pre_mix = identity_pre_mix(1, ids.numel(), cfg.hc_mult, self.device)
@@ -84,7 +82,7 @@ class ModelRunner:
                 rows, segs = rows[keep], out_segs
         picks, kept = [], []  # stream rows for the head; (chunk, first_pos, first pick) of kept logits
         for c, s in zip(chunks, segs):
-            if c.request.keep_logits and s.rows:
+            if c.keep_logits and s.rows:
                 kept.append((s.index, s.start, len(picks), s.rows))
                 picks += range(s.offset, s.offset + s.rows)
             if c.sample:
@@ -102,14 +100,16 @@ class ModelRunner:
         return StepLogits(logits[is_sample.to(self.device)], rows)
 
     # ---- pieces -------------------------------------------------------------------------------------
-    def _engram_hashes(self, chunks, ids_list, segs, ids) -> torch.Tensor | None:
+    def _engram_hashes(self, chunks: list[ChunkPlan], segs, ids) -> torch.Tensor | None:
         tables = self.model.engram_tables
         if tables is None:
             return None
         out = []
         K = tables.max_ngram_size - 1
-        for c, all_ids, s in zip(chunks, ids_list, segs):
-            before = torch.tensor([all_ids[max(0, c.start - K):c.start]], dtype=torch.long, device=self.device)
+        assert K <= ENGRAM_LOOKBACK, f"Engram n-grams of {K + 1} need more look-back than plans carry"
+        for c, s in zip(chunks, segs):
+            before = torch.tensor([c.prev_ids[len(c.prev_ids) - min(K, len(c.prev_ids)):]], dtype=torch.long,
+                                  device=self.device)
             history = next_history(tables, initial_history(tables, 1, self.device), before)
             out.append(hash_ngrams(tables, ids[s.offset:s.offset + s.rows].view(1, -1), history, c.start))
         return torch.cat(out, dim=1)
@@ -119,7 +119,7 @@ class ModelRunner:
         """The rows the decoder layers run: each chunk's positions >= its request's decoder_from."""
         out, keep, off = [], [], 0
         for c, s in zip(chunks, segs):
-            first = min(max(s.start, c.request.decoder_from), s.end)
+            first = min(max(s.start, c.decoder_from), s.end)
             keep.append(torch.arange(s.offset + first - s.start, s.offset + s.rows))
             out.append(Segment(s.index, first, s.end, off))
             off += s.end - first
@@ -131,12 +131,12 @@ class ModelRunner:
         kv, role, W = self.kv, attn.role, self.cfg.window_size
         layer = role.layer_id
         pos = torch.cat([torch.arange(s.start, s.end) for s in segs_in]).to(x.device)
-        slots = torch.cat([paged.swa_slots(chunks[s.index].request.swa_blocks, s.start, s.end, kv.layout.swa_block_size)
+        slots = torch.cat([paged.swa_slots(chunks[s.index].swa_blocks, s.start, s.end, kv.layout.swa_block_size)
                            for s in segs_in]).to(x.device)
         paged.store_swa(kv.swa[layer], slots, attn.window_kv_unquantized(x, pos)[0])
         if attn.compressor is not None:
             for si in segs_in:
-                self._store_global(attn, x[:, si.offset:si.offset + si.rows], si, chunks[si.index].request)
+                self._store_global(attn, x[:, si.offset:si.offset + si.rows], si, chunks[si.index])
         qpos = torch.cat([torch.arange(s.start, s.end) for s in segs_out]).to(x.device)
         if qpos.numel() == 0:
             return x.new_zeros(1, 0, x.size(-1))
@@ -148,7 +148,7 @@ class ModelRunner:
         for so in segs_out:
             if so.rows == 0:
                 continue
-            req = chunks[so.index].request
+            req = chunks[so.index]
             floor = req.decoder_floor if decoder else req.swa_floor
             qsl = slice(so.offset, so.offset + so.rows)
             lo = max(floor, so.start - W + 1, 0)
@@ -164,7 +164,7 @@ class ModelRunner:
             outs.append(sparse_attn(q[:, qsl], rows, attn.attn_sink, idx, attn.head_dim ** -0.5))
         return attn.output(torch.cat(outs, dim=1), qpos)
 
-    def _store_global(self, attn: Attention, x: torch.Tensor, seg: Segment, req) -> None:
+    def _store_global(self, attn: Attention, x: torch.Tensor, seg: Segment, req: ChunkPlan) -> None:
         """A KV source: compress this chunk's positions >= global_from and store the completed groups'
         main KV and index keys (the incomplete group waits in the request's pending slot)."""
         kv, role = self.kv, attn.role
@@ -185,7 +185,7 @@ class ModelRunner:
             paged.store_index_k(kv.index_k[source], entries, attn.indexer.index_keys(latent, first, attn.rope)[0])
         paged.store_main_kv(kv.main_kv[source], entries, attn.rotate_latent(latent, first)[0])
 
-    def _select(self, attn: Attention, xq: torch.Tensor, qr: torch.Tensor, qpos: torch.Tensor, end: int, req,
+    def _select(self, attn: Attention, xq: torch.Tensor, qr: torch.Tensor, qpos: torch.Tensor, end: int, req: ChunkPlan,
                 shared: StepShared) -> tuple[torch.Tensor, torch.Tensor]:
         """The request's main KV [1,E,hd] (E = entries visible at `end`) and the top-k entry ids [1,M,K]
         of its queries: from this layer's indexer, or published by its index source this step."""

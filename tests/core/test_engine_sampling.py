@@ -17,7 +17,7 @@ SAMPLED = SamplingParams(max_tokens=6, temperature=0.9, top_p=0.95, top_k=50, se
 
 
 def fresh(model, **kw) -> LLMEngine:
-    return LLMEngine(model, EngineConfig(enable_prefix_caching=False, **kw), eos_token_id=-1)
+    return LLMEngine.local(model, EngineConfig(enable_prefix_caching=False, **kw), eos_token_id=-1)
 
 
 def test_seeded_sampling_is_independent_of_batch_composition(tiny_model):
@@ -80,7 +80,7 @@ def test_stop_ids_max_tokens_and_context_cap(tiny_model):
     outs = [o for _ in range(20) for o in engine.step()]
     assert [t for o in outs for t in o.new_token_ids] == greedy[:3]
     assert outs[-1].finished and outs[-1].finish_reason is FinishReason.STOP
-    eos_engine = LLMEngine(model, EngineConfig(), eos_token_id=greedy[1])
+    eos_engine = LLMEngine.local(model, EngineConfig(), eos_token_id=greedy[1])
     assert eos_engine.generate([prompt], SamplingParams(max_tokens=5))[0] == greedy[:2]
     assert eos_engine.generate([prompt], SamplingParams(max_tokens=5, ignore_eos=True))[0] == greedy
     capped = fresh(model, max_model_len=12)

@@ -26,7 +26,7 @@ ARRIVALS = [0, 0, 1, 2, 2, 3, 5, 6]
 
 def engine_for(model, **kw) -> LLMEngine:
     cfg = dict(max_num_batched_tokens=48, enable_prefix_caching=False) | kw
-    return LLMEngine(model, EngineConfig(**cfg), eos_token_id=-1)  # no EOS: every request runs NUM_NEW tokens
+    return LLMEngine.local(model, EngineConfig(**cfg), eos_token_id=-1)  # no EOS: every request runs NUM_NEW tokens
 
 
 def assert_matches_golden(model, prompt, result, replay: bool) -> None:

@@ -30,7 +30,7 @@ COLD_COSINE_MIN, COLD_COSINE_MEAN = 0.75, 0.9
 
 
 def make_engine(model, replay: bool) -> LLMEngine:
-    return LLMEngine(model, EngineConfig(bounded_replay=replay, max_num_batched_tokens=256), eos_token_id=-1)
+    return LLMEngine.local(model, EngineConfig(bounded_replay=replay, max_num_batched_tokens=256), eos_token_id=-1)
 
 
 def one(engine, rid, prompt, num_new=NUM_NEW):
@@ -149,7 +149,7 @@ def test_no_hit_below_one_block_and_hit_rate_accounting(tiny_model):
 
 def test_replicas_with_different_fingerprints_never_share(tiny_model):
     model = tiny_model.model
-    a = LLMEngine(model, EngineConfig(), weights_identity="ckpt-A")
-    b = LLMEngine(model, EngineConfig(), weights_identity="ckpt-B")
-    c = LLMEngine(model, EngineConfig(global_block_size=32), weights_identity="ckpt-A")
+    a = LLMEngine.local(model, EngineConfig(), weights_identity="ckpt-A")
+    b = LLMEngine.local(model, EngineConfig(), weights_identity="ckpt-B")
+    c = LLMEngine.local(model, EngineConfig(global_block_size=32), weights_identity="ckpt-A")
     assert len({a.cache.salt, b.cache.salt, c.cache.salt}) == 3

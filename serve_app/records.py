@@ -1,0 +1,53 @@
+"""Plain records passed between the ingress and the engine deployment (picklable, no Ray, no torch)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from engine.core.request import TokenLogprob
+from engine.core.sampling_params import SamplingParams
+
+
+@dataclass(frozen=True, slots=True)
+class GenerateRequest:
+    request_id: str
+    prompt_ids: list[int]
+    params: SamplingParams  # stop strings are the ingress's business; stop ids go to the engine
+
+
+@dataclass(frozen=True, slots=True)
+class RequestMetrics:
+    """One choice's timing, sent with its last chunk (for the request_end log line and metrics)."""
+
+    ttft_s: float  # arrival at the engine -> first token
+    e2e_s: float  # arrival -> finish
+    queue_s: float  # arrival -> first scheduled
+    num_iterations: int
+    average_iteration_ms: float
+    average_accept_length: float  # tokens per decode step (1.0 without speculative decoding)
+    num_preemptions: int
+
+
+@dataclass(frozen=True, slots=True)
+class GenerateChunk:
+    """What one engine step produced for one choice of a request."""
+
+    choice_index: int
+    token_ids: list[int]
+    logprobs: list[TokenLogprob | None]
+    finish_reason: str | None  # "stop" | "length" | "abort" on the choice's last chunk
+    num_prompt_tokens: int
+    num_cached_tokens: int  # prompt tokens served from the prefix cache
+    num_output_tokens: int  # this choice's tokens so far
+    metrics: RequestMetrics | None = None  # on the last chunk
+
+
+@dataclass(frozen=True, slots=True)
+class EngineStatus:
+    ready: bool  # weights loaded and a warm-up step ran
+    model_name: str
+    max_model_len: int
+    num_running: int
+    num_waiting: int
+    cache_usage: float  # fraction of global blocks in use
+    prefix_hit_rate: float
