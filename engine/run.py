@@ -39,7 +39,8 @@ class UsageError(ValueError):
 @dataclass(frozen=True, slots=True)
 class Job:
     """One prompt to run. Teacher forcing feeds every forced id (the golden CLI's contract: the dump
-    has a row after the last one), so the engine generates one token past them, which is dropped."""
+    has a row after the last one), so the engine generates one token past them, which is dropped;
+    max_new_tokens 0 likewise generates one dropped token (the engine always samples at least one)."""
 
     line: int  # 1-based line of the batch file (1 for a single prompt)
     prompt_ids: list[int]
@@ -69,6 +70,7 @@ class Finished:
     logit_rows: list[tuple[int, torch.Tensor]] = field(default_factory=list)  # (first position, fp32 [rows, V])
     finish_reason: FinishReason | None = None
     stats: RequestStats | None = None
+    finish_step: int = 0  # engine.step() calls made when it finished (arrivals count them from 0)
 
     @property
     def kept_ids(self) -> list[int]:
@@ -193,7 +195,8 @@ def build_parser() -> argparse.ArgumentParser:
     src = p.add_mutually_exclusive_group()
     src.add_argument("--prompt", help="raw prompt text (no chat template, no BOS added)")
     src.add_argument("--prompt-ids", help="comma-separated prompt token ids")
-    src.add_argument("--request", help="an OpenAI chat-completions request body (JSON file), rendered in the V4.1 format")
+    src.add_argument("--request",
+                     help="an OpenAI chat-completions request body (JSON file), rendered in the V4.1 format")
     src.add_argument("--batch", metavar="FILE.jsonl",
                      help='one request per line: {"prompt_ids": [...], "force_ids": [...], "max_new_tokens": N, '
                           '"temperature": T, "seed": S, "arrival_step": k} (all but prompt_ids optional, defaulting '
@@ -264,6 +267,7 @@ def run(args: argparse.Namespace) -> int:
     check_args(args)
     jobs = read_batch(args.batch, args) if args.batch else None
     force_ids = parse_ids(args.force_ids, "--force-ids") if args.force_ids else None
+    prompt_ids = parse_ids(args.prompt_ids, "--prompt-ids") if args.prompt_ids is not None else None
 
     engine = LLMEngine.from_checkpoint(args.ckpt, engine_config(args), args.device, progress=True)
     tok, vocab_size = engine.tokenizer, engine.cfg.vocab_size
@@ -273,8 +277,7 @@ def run(args: argparse.Namespace) -> int:
                 _check_vocab(ids, vocab_size, f"{job.label}: {name}")
         return run_batch(engine, jobs, args)
 
-    if args.prompt_ids is not None:
-        prompt_ids = parse_ids(args.prompt_ids, "--prompt-ids")
+    if prompt_ids is not None:
         prompt = tok.decode(prompt_ids)
     else:
         prompt = render_request(body) if body is not None else args.prompt
@@ -312,15 +315,17 @@ def run_batch(engine: LLMEngine, jobs: list[Job], args: argparse.Namespace) -> i
         d = done[job.line]
         print(json.dumps({"line": job.line, "output_ids": d.kept_ids, "text": engine.tokenizer.decode(d.kept_ids),
                           "finish_reason": d.reason, "prompt_tokens": len(job.prompt_ids),
-                          "cached_tokens": d.stats.num_cached_tokens, "iterations": d.stats.num_iterations},
+                          "cached_tokens": d.stats.num_cached_tokens, "iterations": d.stats.num_iterations,
+                          "finish_step": d.finish_step},
                          ensure_ascii=False))
         if dump_dir is not None:
             save_dump(d, engine.cfg.vocab_size, dump_dir / f"{job.line}.safetensors")
     s = engine.stats
     generated = sum(len(d.kept_ids) for d in done.values())
+    ms_per_step = 1000 * s.busy_time / max(1, s.num_steps)
     print(f"batch: {len(jobs)} requests, {s.num_steps} steps, {s.num_computed_tokens} positions computed, "
           f"{generated} tokens kept; wall {wall:.2f} s ({generated / wall:.1f} tok/s, "
-          f"{s.num_computed_tokens / wall:.1f} positions/s); busy {1000 * s.busy_time / max(1, s.num_steps):.2f} ms/step; "
+          f"{s.num_computed_tokens / wall:.1f} positions/s); busy {ms_per_step:.2f} ms/step; "
           f"{s.num_preemptions} preemptions; prefix cache hit rate {engine.cache.hit_rate:.1%}", file=sys.stderr)
     return 0
 
@@ -343,18 +348,19 @@ def run_jobs(engine: LLMEngine, jobs: list[Job], keep_logits: bool) -> dict[int,
             except RequestError as e:
                 raise UsageError(f"{job.label}: {e}") from None
             by_id[request_id] = done[job.line]
-        for out in engine.step():
-            collect(by_id[out.request_id], out)
+        outputs = engine.step()
         num_steps += 1
+        for out in outputs:
+            collect(by_id[out.request_id], out, num_steps)
     return done
 
 
-def collect(d: Finished, out: RequestOutput) -> None:
+def collect(d: Finished, out: RequestOutput, num_steps: int) -> None:
     d.output_ids += out.new_token_ids
     if out.logits is not None:
         d.logit_rows.append(out.logits)
     if out.finished:
-        d.finish_reason, d.stats = out.finish_reason, out.stats
+        d.finish_reason, d.stats, d.finish_step = out.finish_reason, out.stats, num_steps
 
 
 def save_dump(d: Finished, vocab_size: int, path: Path) -> None:

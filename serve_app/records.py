@@ -8,6 +8,13 @@ from engine.core.request import TokenLogprob
 from engine.core.sampling_params import SamplingParams
 
 
+class EngineRejected(ValueError):
+    """The engine refused the request before queueing it (bad ids, prompt too long for the context window,
+    bad sampling parameters, n above the server's limit, a request id in use); the message says why.
+    The ingress answers 400. Through a DeploymentHandle it arrives as a RayTaskError that is also an
+    instance of EngineRejected, so `except EngineRejected` works."""
+
+
 @dataclass(frozen=True, slots=True)
 class GenerateRequest:
     request_id: str

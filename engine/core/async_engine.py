@@ -14,7 +14,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import TypeVar
 
-from engine.core.engine import LLMEngine, RequestOutput
+from engine.core.engine import LLMEngine, RequestError, RequestOutput
 from engine.core.sampling_params import SamplingParams
 
 T = TypeVar("T")
@@ -55,14 +55,20 @@ class AsyncEngine:
         if self._is_shut_down:
             raise EngineShutdownError("the engine is shut down")
         self._start()
+        if request_id in self._streams:  # the engine would refuse it too, but after we replaced the stream
+            raise RequestError(f"request id {request_id!r} is already in use")
         stream = _Stream(params.n)
         # the add is queued on the worker before the driver can queue a step for this stream
         added = self._on_worker(self.engine.add_request, request_id, prompt_ids, params, force_ids)
         self._streams[request_id] = stream
         try:
             await added
-        except BaseException:
+        except RequestError:
             self._streams.pop(request_id, None)
+            raise
+        except BaseException:  # cancelled while adding: the add may still land on the worker
+            self._streams.pop(request_id, None)
+            await self._abort(request_id)
             raise
         self._wake.set()
         is_done = False
@@ -78,9 +84,7 @@ class AsyncEngine:
         finally:
             if not is_done:
                 self._streams.pop(request_id, None)
-                if not self._is_shut_down:  # shutdown aborts everything itself
-                    # shielded: a second cancellation must not leave the group holding its cache
-                    await asyncio.shield(self._on_worker(self.engine.abort, request_id))
+                await self._abort(request_id)
 
     async def shutdown(self) -> None:
         """Stop stepping, abort every request, fail the waiting streams, release the worker thread."""
@@ -109,6 +113,11 @@ class AsyncEngine:
             self._driver = loop.create_task(self._drive(), name="engine-driver")
         elif self._loop is not loop:
             raise RuntimeError("an AsyncEngine serves the event loop it first ran on; make one per loop")
+
+    async def _abort(self, request_id: str) -> None:
+        if not self._is_shut_down:  # shutdown aborts everything itself
+            # shielded: a second cancellation must not leave the group holding its cache
+            await asyncio.shield(self._on_worker(self.engine.abort, request_id))
 
     def _on_worker(self, fn: Callable[..., T], *args) -> asyncio.Future[T]:
         return self._loop.run_in_executor(self._worker, fn, *args)

@@ -9,7 +9,8 @@ window (SWA) blocks, compressor pending slots, and snapshots of finished request
 - Pending slot: the compressor's incomplete ratio-r group (one per running request or snapshot).
 - Snapshot: a finished request's whole state at its end (global blocks incl. the partial tail, its
   window KV, its pending group). The next turn of that conversation resumes from it exactly; a block
-  hit without it rebuilds window KV by encoder bounded replay of the last `window` cached tokens.
+  hit without it rebuilds window KV by encoder bounded replay of the last `window` cached tokens (or,
+  with exact_hits, by recomputing every cached position's window KV while reusing its global KV).
   One request adopts a snapshot (it then writes into the tail blocks); snapshots are dropped oldest
   first when full or when a pool runs short.
 """
@@ -66,8 +67,12 @@ class CopyOp:
 
 
 class KVCacheManager:
-    def __init__(self, layout: CacheLayout, salt: bytes, enable_prefix_caching: bool = True):
+    def __init__(self, layout: CacheLayout, salt: bytes, enable_prefix_caching: bool = True,
+                 exact_hits: bool = False):
+        """exact_hits: a block hit rebuilds window KV from position 0 (bit-exact, as a cold run; the
+        global KV is still reused) instead of by encoder bounded replay of the last window."""
         self.layout, self.salt, self.enable_prefix_caching = layout, salt, enable_prefix_caching
+        self.exact_hits = exact_hits
         self.global_pool = BlockPool(layout.num_global_blocks, enable_caching=enable_prefix_caching)
         self.swa_pool = BlockPool(layout.num_swa_blocks, enable_caching=False)
         self.free_pending = list(range(layout.num_pending_slots - 1, -1, -1))  # pop() hands out 0 first
@@ -118,7 +123,8 @@ class KVCacheManager:
             req.num_registered_blocks = len(hit.blocks)
             req.pending_slot = self.free_pending.pop()
             req.global_from = hit.num_tokens
-            req.num_computed = req.swa_floor = max(0, hit.num_tokens - W)  # encoder replay of the last window
+            rebuild = hit.num_tokens if self.exact_hits else W  # positions recomputed for their window KV
+            req.num_computed = req.swa_floor = max(0, hit.num_tokens - rebuild)
             req.stats.num_replayed_tokens = hit.num_tokens - req.num_computed
         req.stats.num_cached_tokens = hit.num_tokens
         return True

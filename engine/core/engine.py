@@ -10,7 +10,7 @@ from __future__ import annotations
 import random
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Protocol
 
@@ -72,8 +72,7 @@ class EngineStats:
     num_computed_tokens: int = 0
     num_sampled_tokens: int = 0
     num_preemptions: int = 0
-    busy_time: float = 0.0
-    step_times: list[float] = field(default_factory=list)
+    busy_time: float = 0.0  # seconds inside executor.execute
 
 
 class Executor(Protocol):
@@ -107,7 +106,8 @@ class LLMEngine:
         self.max_model_len = config.max_model_len or cfg.max_position_embeddings
         layout = cache_layout(cfg, config)
         salt = fingerprint(cfg.to_hf_dict(), weights_identity, asdict(layout) | {"records": "fp8-528/nvfp4-288/mxfp4-68"})
-        self.cache = KVCacheManager(layout, salt, config.enable_prefix_caching)
+        # bounded replay off is the reference-exact mode: prefix hits then rebuild window KV exactly too
+        self.cache = KVCacheManager(layout, salt, config.enable_prefix_caching, exact_hits=not config.bounded_replay)
         self.scheduler = Scheduler(SchedulerConfig(cfg.window_size, config.max_num_seqs, config.max_num_batched_tokens,
                                                    config.max_chunk_tokens, config.bounded_replay), self.cache)
         self.executor = make_executor(layout)
@@ -142,6 +142,8 @@ class LLMEngine:
             raise RequestError(str(e)) from None
         if request_id in self.requests:
             raise RequestError(f"request id {request_id!r} is already in use")
+        if "/" in request_id:
+            raise RequestError(f"request id {request_id!r} contains '/', which names the n > 1 choices")
         if not prompt_ids:
             raise RequestError("the prompt is empty")
         bad = [t for t in prompt_ids + list(force_ids or []) if not (isinstance(t, int) and 0 <= t < self.cfg.vocab_size)]
@@ -150,6 +152,9 @@ class LLMEngine:
         if len(prompt_ids) >= self.max_model_len:
             raise RequestError(f"the prompt has {len(prompt_ids)} tokens; the context window is {self.max_model_len} "
                                "and at least one token must be generated")
+        capacity = self.cache.layout.num_global_blocks * self.cache.layout.global_block_size
+        if len(prompt_ids) + 1 > capacity:
+            raise RequestError(f"the prompt has {len(prompt_ids)} tokens; this replica's KV cache holds {capacity}")
         seed = params.seed if params.seed is not None else self._rng.randrange(2**63)
         req = self._new_request(request_id, request_id, 0, list(prompt_ids), params, seed, force_ids)
         req.keep_logits = keep_logits
@@ -169,8 +174,10 @@ class LLMEngine:
 
     def step(self) -> list[RequestOutput]:
         out = self.scheduler.schedule()
+        self.stats.num_preemptions += len(out.preempted)
+        ended = [self._output(r, [], [], FinishReason.LENGTH) for r in out.cannot_grow]
         if not out.chunks:
-            return []
+            return ended
         t0 = time.monotonic()
         step_logits = self.executor.execute(plan_step(out))
         logits = step_logits.sample
@@ -178,9 +185,7 @@ class LLMEngine:
         self.scheduler.advance(out)
         self.stats.num_steps += 1
         self.stats.num_computed_tokens += out.num_tokens
-        self.stats.num_preemptions += len(out.preempted)
         self.stats.busy_time += elapsed
-        self.stats.step_times.append(elapsed)
         for c in out.chunks:
             if c.start < c.request.num_prompt_at_admission:
                 c.request.stats.prefill_time += elapsed
@@ -191,7 +196,7 @@ class LLMEngine:
             for req in [c.request, *self._fork_siblings(c.request)]:
                 rows.append(req)
                 row_logits.append(i)
-        outputs = self._append_tokens(rows, logits[row_logits] if rows else logits)
+        outputs = ended + self._append_tokens(rows, logits[row_logits] if rows else logits)
         self.stats.num_sampled_tokens += len(rows)
         for index, (first_pos, kept) in step_logits.rows.items():
             self._keep_logits(out.chunks[index].request, first_pos, kept, outputs)
@@ -260,10 +265,14 @@ class LLMEngine:
             if reason is not None:
                 self.scheduler.finish(req, reason)
                 self.requests.pop(req.request_id, None)
-            outputs.append(RequestOutput(req.request_id, req.fork_of or req.request_id, req.choice_index, [token],
-                                         [new_lp], len(req.prompt_ids), len(req.output_ids), reason is not None,
-                                         reason, req.stats))
+            outputs.append(self._output(req, [token], [new_lp], reason))
         return outputs
+
+    def _output(self, req: Request, tokens: list[int], logprobs: list, reason: FinishReason | None) -> RequestOutput:
+        if reason is not None:
+            self.requests.pop(req.request_id, None)
+        return RequestOutput(req.request_id, req.fork_of or req.request_id, req.choice_index, tokens, logprobs,
+                             len(req.prompt_ids), len(req.output_ids), reason is not None, reason, req.stats)
 
 
 def _logprob_of(lp, token: int, logits: torch.Tensor, row: int) -> float:

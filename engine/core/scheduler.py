@@ -50,6 +50,7 @@ class SchedulerOutput:
     chunks: list[ScheduledChunk] = field(default_factory=list)
     copies: list[CopyOp] = field(default_factory=list)  # block copies (forks) to apply before the forward
     preempted: list[str] = field(default_factory=list)
+    cannot_grow: list[Request] = field(default_factory=list)  # alone and still short of blocks: finished (length)
 
     @property
     def num_tokens(self) -> int:
@@ -79,6 +80,10 @@ class Scheduler:
             req = self.running[i]
             end = req.num_computed + self._chunk_len(req, budget)
             while not self.cache.allocate(req, end):
+                if len(self.running) == 1:  # nothing left to preempt: the cache cannot hold this request
+                    self.finish(req, FinishReason.LENGTH)
+                    out.cannot_grow.append(req)
+                    break
                 victim = self.running.pop()
                 self._preempt(victim)
                 out.preempted.append(victim.request_id)

@@ -1,16 +1,20 @@
-"""`python -m engine.run`: determinism, prefill-vs-decode agreement of dumped logits, prompts, errors."""
+"""`python -m engine.run`: determinism, prefill-vs-decode agreement of dumped logits, the engine's dump
+against the golden model, seeded sampling, prompts, errors."""
 
 from __future__ import annotations
 
 import json
+import math
 import subprocess
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 import torch
 from safetensors.torch import load_file
 
+from engine.load import load_model
 from engine.presets import tiny_config
 from engine.run import main
 from engine.tools.make_checkpoint import make_checkpoint
@@ -22,11 +26,60 @@ FORCED = [300, 301, 302, 303, 304, 305, 306, 307, 308, 309, 310]
 # top-k ties, float64 products rounded once), so rows agree bitwise on this machine; 1e-6 of the
 # largest logit leaves room for another CPU's vector kernels and is far below what a real bug produces.
 REL_TOL = 1e-6
+# The engine runs the golden layers over a flat stream of positions, so its logits rows should be the
+# golden model's bit for bit (they were on the 2-core CPU these tests were written on); 1e-5 is the
+# asserted bound, since a float64 summation-order change could flip one bf16 rounding.
+GOLDEN_TOL = 1e-5
 
 
 @pytest.fixture(scope="module")
 def ckpt(tmp_path_factory) -> Path:
     return make_checkpoint(tmp_path_factory.mktemp("tiny") / "ckpt", tiny_config(), seed=0)
+
+
+@dataclass(frozen=True)
+class GoldenRun:
+    new_ids: list[int]  # generated (greedy) or forced ids
+    fed_ids: list[int]  # prompt + every id fed back (the last generated id is not)
+    logits: torch.Tensor  # fp32 [len(fed_ids), vocab]; NaN rows where the decoder never ran (bounded replay)
+
+
+def golden_run(model, prompt: list[int], num_new: int, replay: bool, eos_id: int,
+               force_ids: list[int] | None = None) -> GoldenRun:
+    """The golden model alone, as the CLI used to run it: prefill with full logits, then one-token
+    decode steps; greedy until EOS or num_new tokens, or feeding every forced id."""
+    cache = model.new_cache(1, len(prompt) + num_new + len(force_ids or []) + 1)
+    out = model(torch.tensor([prompt]), 0, cache, bounded_replay=replay, full_logits=True)
+    rows = [torch.full((out.first_pos, out.logits.size(-1)), math.nan), out.logits[0]]
+    fed, new = list(prompt), []
+    while True:
+        new.append(force_ids[len(new)] if force_ids else int(rows[-1][-1].argmax()))
+        if force_ids is None and (new[-1] == eos_id or len(new) == num_new):
+            break
+        out = model(torch.tensor([[new[-1]]]), cache.seq_len, cache, full_logits=True)
+        fed.append(new[-1])
+        rows.append(out.logits[0])
+        if force_ids is not None and len(new) == len(force_ids):
+            break
+    return GoldenRun(new, fed, torch.cat(rows))
+
+
+def compare_logits(got: torch.Tensor, want: torch.Tensor, what: str) -> bool:
+    """Same shape, NaN rows exactly where the golden rows are NaN, computed rows within GOLDEN_TOL.
+    Returns whether the computed rows are bitwise equal."""
+    assert got.shape == want.shape and got.dtype == torch.float32, f"{what}: {tuple(got.shape)} vs {tuple(want.shape)}"
+    nan_rows = torch.isnan(want).all(-1)
+    assert torch.equal(torch.isnan(got).all(-1), nan_rows), f"{what}: NaN rows differ"
+    assert torch.isfinite(got[~nan_rows]).all(), f"{what}: non-finite values in computed rows"
+    diff = (got[~nan_rows] - want[~nan_rows]).abs()
+    worst = int(diff.max(-1).values.argmax())
+    assert diff.max() <= GOLDEN_TOL, f"{what}: max |logit diff| {diff.max():.3g} in computed row {worst}"
+    return torch.equal(got[~nan_rows], want[~nan_rows])
+
+
+@pytest.fixture(scope="module")
+def golden(tiny_checkpoint):
+    return load_model(tiny_checkpoint, with_mtp=False, progress=False)
 
 
 def run_cli(*args: str) -> subprocess.CompletedProcess:
@@ -101,6 +154,12 @@ def test_parse_completion(tmp_path, capsys):
     (["--prompt-ids", "1", "--force-ids", "-3"], "--force-ids"),
     (["--prompt", ""], "empty"),
     (["--prompt", "hi", "--max-new-tokens", "-1"], "--max-new-tokens"),
+    (["--prompt", "hi", "--temperature", "2.5"], "--temperature"),
+    (["--prompt", "hi", "--seed", "-1"], "--seed"),
+    (["--prompt", "hi", "--chunk-size", "0"], "--chunk-size"),
+    (["--prompt", "hi", "--max-batch-tokens", "0"], "--max-batch-tokens"),
+    (["--prompt", "hi", "--max-seqs", "-2"], "--max-seqs"),
+    (["--batch", "b.jsonl", "--print-prompt"], "--print-prompt"),
     ([], "give one of"),
 ])
 def test_malformed_input_exits_2_with_reason(ckpt, capsys, argv, needle):
@@ -116,3 +175,42 @@ def test_bad_request_and_missing_checkpoint(tmp_path, capsys):
     assert "not valid JSON" in capsys.readouterr().err
     assert main(["--ckpt", str(tmp_path / "nope"), "--prompt", "hi"]) == 2
     assert "config.json" in capsys.readouterr().err
+
+
+@pytest.mark.usefixtures("one_torch_thread")
+@pytest.mark.parametrize("replay", [True, False], ids=["replay-on", "replay-off"])
+def test_engine_text_and_dump_equal_golden_model(tiny_checkpoint, golden, tmp_path, capsys, replay):
+    """The CLI now runs the engine: its greedy text and its teacher-forced dump are the golden model's."""
+    eos, prompt = golden.tokenizer.eos_id, ",".join(map(str, PROMPT))
+    flags = [] if replay else ["--no-bounded-replay"]
+    forced = golden_run(golden.model, PROMPT, 0, replay, eos, force_ids=FORCED[:4])
+    out = tmp_path / "d.safetensors"
+    assert main(["--ckpt", str(tiny_checkpoint), "--prompt-ids", prompt, "--force-ids", ",".join(map(str, FORCED[:4])),
+                 "--dump-logits", str(out), *flags]) == 0
+    assert capsys.readouterr().out == golden.tokenizer.decode(FORCED[:4]) + "\n"
+    dumped = load_file(out)
+    assert dumped["input_ids"].tolist() == forced.fed_ids == PROMPT + FORCED[:4]
+    compare_logits(dumped["logits"], forced.logits, "teacher-forced dump")
+
+    greedy = golden_run(golden.model, PROMPT, 5, replay, eos)
+    assert main(["--ckpt", str(tiny_checkpoint), "--prompt-ids", prompt, "--max-new-tokens", "5", *flags]) == 0
+    cap = capsys.readouterr()
+    assert cap.out == golden.tokenizer.decode(greedy.new_ids) + "\n"
+    assert "tok/s" in cap.err and "ms/token" in cap.err
+
+
+@pytest.mark.usefixtures("one_torch_thread")
+def test_seeded_sampling_is_reproducible_and_zero_tokens_dump_the_prompt(tiny_checkpoint, golden, tmp_path, capsys):
+    def sampled(seed: str) -> str:
+        assert main(["--ckpt", str(tiny_checkpoint), "--prompt-ids", "5,6,7,8", "--max-new-tokens", "3",
+                     "--temperature", "1.0", "--seed", seed]) == 0
+        return capsys.readouterr().out
+
+    assert sampled("11") == sampled("11") != sampled("12")
+    out = tmp_path / "zero.safetensors"
+    assert main(["--ckpt", str(tiny_checkpoint), "--prompt-ids", "5,6,7,8", "--max-new-tokens", "0",
+                 "--dump-logits", str(out)]) == 0
+    assert capsys.readouterr().out == "\n"
+    dumped = load_file(out)
+    assert dumped["input_ids"].tolist() == [5, 6, 7, 8]
+    compare_logits(dumped["logits"], golden_run(golden.model, [5, 6, 7, 8], 1, True, -1).logits, "prompt-only dump")

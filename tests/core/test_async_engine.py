@@ -8,7 +8,7 @@ import contextlib
 
 import pytest
 
-from engine.core.async_engine import AsyncEngine
+from engine.core.async_engine import AsyncEngine, EngineStuckError
 from engine.core.engine import EngineConfig, LLMEngine, RequestError, RequestOutput
 from engine.core.sampling_params import SamplingParams
 
@@ -16,6 +16,11 @@ pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 PROMPTS = [[11, 12, 13, 14, 15], list(range(200, 220)), list(range(500, 533))]  # shorter than, 1.25x, 2x the window
 GREEDY = SamplingParams(max_tokens=4, ignore_eos=True)
+TIMEOUT_S = 60  # a lost stream must fail the test, not hang it
+
+
+def run(main):
+    return asyncio.run(asyncio.wait_for(main(), TIMEOUT_S))
 
 
 @pytest.fixture(scope="module")
@@ -53,7 +58,7 @@ def test_concurrent_streams_equal_offline_generate(engine):
         finally:
             await aengine.shutdown()
 
-    results = asyncio.run(main())
+    results = run(main)
     for i, (outs, want) in enumerate(zip(results, expected)):
         stream = outs[f"r{i}"]
         assert [t for o in stream for t in o.new_token_ids] == want, f"prompt {i}"
@@ -81,7 +86,7 @@ def test_n2_streams_both_choices(engine):
         finally:
             await aengine.shutdown()
 
-    outs = asyncio.run(main())
+    outs = run(main)
     assert sorted(outs) == ["pair", "pair/1"]
     for rid, choice in (("pair", 0), ("pair/1", 1)):
         stream = outs[rid]
@@ -124,7 +129,7 @@ def test_disconnect_aborts_and_frees_blocks(engine):
         await aengine.shutdown()
         return seen, neighbour_outs
 
-    seen, neighbour_outs = asyncio.run(main())
+    seen, neighbour_outs = run(main)
     assert 2 <= len(seen) < long.max_tokens
     assert [t for o in neighbour_outs["neighbour"] for t in o.new_token_ids] == expected
     assert_idle_and_clean(engine)
@@ -137,17 +142,31 @@ def test_step_error_reaches_every_consumer(engine, monkeypatch):
     async def main():
         aengine = AsyncEngine(engine)
         monkeypatch.setattr(engine, "step", broken_step)
-        results = await asyncio.gather(*(collect(aengine.generate(f"e{i}", p, GREEDY)) for i, p in enumerate(PROMPTS[:2])),
-                                       return_exceptions=True)
+        streams = [collect(aengine.generate(f"e{i}", p, GREEDY)) for i, p in enumerate(PROMPTS[:2])]
+        results = await asyncio.gather(*streams, return_exceptions=True)
         monkeypatch.undo()
         # the consumers aborted their requests; the engine serves the next one normally
         after = await collect(aengine.generate("after", PROMPTS[0], GREEDY))
         await aengine.shutdown()
         return results, after
 
-    results, after = asyncio.run(main())
+    results, after = run(main)
     assert all(isinstance(r, RuntimeError) and str(r) == "device lost" for r in results), results
     assert [t for o in after["after"] for t in o.new_token_ids] == engine.generate([PROMPTS[0]], GREEDY)[0]
+    assert_idle_and_clean(engine)
+
+
+def test_scheduler_that_places_nothing_fails_the_streams(engine, monkeypatch):
+    """Two steps in a row that compute nothing mean no waiting request fits: fail, don't spin."""
+    async def main():
+        aengine = AsyncEngine(engine)
+        monkeypatch.setattr(engine, "step", lambda: [])
+        with pytest.raises(EngineStuckError):
+            await collect(aengine.generate("stuck", PROMPTS[0], GREEDY))
+        monkeypatch.undo()
+        await aengine.shutdown()
+
+    run(main)
     assert_idle_and_clean(engine)
 
 
@@ -167,7 +186,12 @@ def test_request_error_before_anything_is_yielded_and_idle_driver_sleeps(engine,
             await anext(aengine.generate("bad", [], GREEDY))
         with pytest.raises(RequestError, match="max_tokens"):
             await anext(aengine.generate("bad", [1, 2], SamplingParams(max_tokens=0)))
-        await collect(aengine.generate("ok", PROMPTS[0], SamplingParams(max_tokens=2, ignore_eos=True)))
+        first = asyncio.create_task(collect(aengine.generate("ok", PROMPTS[0], SamplingParams(max_tokens=2,
+                                                                                             ignore_eos=True))))
+        await asyncio.sleep(0)  # "ok" is registered
+        with pytest.raises(RequestError, match="already in use"):
+            await anext(aengine.generate("ok", PROMPTS[1], GREEDY))
+        assert len((await first)["ok"]) == 2  # the refused duplicate left the first stream alone
         num_calls = len(calls)
         await asyncio.sleep(0.2)  # a busy driver would call step() many times here
         idle_calls = len(calls) - num_calls
@@ -176,6 +200,6 @@ def test_request_error_before_anything_is_yielded_and_idle_driver_sleeps(engine,
             await anext(aengine.generate("late", PROMPTS[0], GREEDY))
         return num_calls, idle_calls
 
-    num_calls, idle_calls = asyncio.run(main())
+    num_calls, idle_calls = run(main)
     assert num_calls == 2 and idle_calls == 0
     assert_idle_and_clean(engine)

@@ -114,3 +114,22 @@ def test_teacher_forcing_and_abort(tiny_model):
     assert engine.abort("z") and not engine.abort("z")
     assert not engine.has_unfinished
     engine.scheduler.check_integrity()
+
+
+def test_requests_larger_than_the_cache_end_instead_of_looping(tiny_model):
+    from engine.core.kv_cache import global_bytes_per_block, size_layout
+
+    cfg = tiny_model.cfg
+    probe = size_layout(cfg, 1 << 30, max_num_seqs=2, max_num_batched_tokens=64, max_snapshots=0)
+    fixed = (1 << 30) - probe.num_global_blocks * global_bytes_per_block(cfg, 64)
+    engine = fresh(tiny_model.model, max_num_seqs=2, max_num_batched_tokens=64, max_snapshots=0,
+                   cache_memory_bytes=fixed + global_bytes_per_block(cfg, 64))
+    assert engine.cache.layout.num_global_blocks == 1
+    with pytest.raises(RequestError, match="KV cache holds 64"):
+        engine.add_request("big", random_prompt(64, seed=8), SamplingParams())
+    engine.add_request("grows", random_prompt(60, seed=9), SamplingParams(max_tokens=20))
+    outs = [o for _ in range(30) for o in engine.step()]
+    assert outs[-1].finished and outs[-1].finish_reason is FinishReason.LENGTH
+    assert sum(len(o.new_token_ids) for o in outs) == 5  # the prompt, then positions 60..63; 64 needs a block
+    assert not engine.has_unfinished
+    engine.scheduler.check_integrity()

@@ -153,3 +153,18 @@ def test_replicas_with_different_fingerprints_never_share(tiny_model):
     b = LLMEngine.local(model, EngineConfig(), weights_identity="ckpt-B")
     c = LLMEngine.local(model, EngineConfig(global_block_size=32), weights_identity="ckpt-A")
     assert len({a.cache.salt, b.cache.salt, c.cache.salt}) == 3
+
+
+def test_block_hit_with_replay_off_is_exact(tiny_model):
+    """Bounded replay off is the reference-exact mode: a block hit reuses the global KV but recomputes
+    every cached position's window KV, so the result equals a cold run bit for bit."""
+    model = tiny_model.model
+    engine = make_engine(model, replay=False)
+    cached = random_prompt(100, seed=10)
+    one(engine, "a", cached)
+    prompt = cached[:90] + random_prompt(12, seed=11)
+    tokens, rows, stats = one(engine, "b", prompt)
+    assert (stats.num_cached_tokens, stats.num_replayed_tokens) == (64, 64)
+    cold = golden_greedy(model, prompt, NUM_NEW, replay=False)
+    assert tokens == cold.tokens
+    assert torch.equal(logits_at(rows, sorted(rows)), cold.logits)

@@ -1,0 +1,448 @@
+"""serve_app.protocol / serve_app.errors: request validation (every rejection is a 4xx naming the
+field), defaults, prompt building, sampling-parameter mapping, and response bodies checked against
+the `openai` package's own types."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+from openai.types import Completion, Model
+from openai.types.chat import ChatCompletion, ChatCompletionChunk
+
+from engine.core.request import TokenLogprob
+from engine.core.sampling_params import SamplingParams
+from engine.tokenizer import load_tokenizer, write_tokenizer_files
+from serve_app import protocol as p
+from serve_app.errors import APIError, bad_request, overloaded, rate_limited
+from serve_app.streaming import ChatChoiceStream, TokenStrings
+
+USER = [{"role": "user", "content": "Hi"}]
+WEATHER = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "Weather of a city",
+        "parameters": {"type": "object", "properties": {"city": {"type": "string"}}},
+    },
+}
+TIME = {"type": "function", "function": {"name": "get_time", "parameters": {"type": "object", "properties": {}}}}
+
+
+@pytest.fixture(scope="module")
+def tok(tmp_path_factory):
+    out = tmp_path_factory.mktemp("tok")
+    write_tokenizer_files(out)
+    return load_tokenizer(out)
+
+
+def chat(**fields) -> dict:
+    return {"model": "m", "messages": USER, **fields}
+
+
+def completion(**fields) -> dict:
+    return {"model": "m", "prompt": "Hello", **fields}
+
+
+def rejected(fn, *args, **kwargs) -> APIError:
+    with pytest.raises(APIError) as info:
+        fn(*args, **kwargs)
+    return info.value
+
+
+# --- errors and bodies ---------------------------------------------------------------------------
+
+
+def test_api_error_body_is_openai_shaped():
+    err = bad_request("temperature: must be a number", "temperature")
+    assert err.status == 400
+    assert err.body() == {"error": {"message": "temperature: must be a number", "type": "invalid_request_error",
+                                    "param": "temperature", "code": None}}
+    assert overloaded("queue full", retry_after_s=3).headers == {"Retry-After": "3"}
+    assert overloaded("queue full").status == 503
+    assert rate_limited("slow down", 1).status == 429
+
+
+def test_parse_json_body():
+    assert p.parse_json_body(b'{"a": 1}', 100) == {"a": 1}
+    assert rejected(p.parse_json_body, b'{"a": 1}', 5).status == 413
+    for raw in (b'{"a": ', b'{"a": NaN}', b"\xff\xfe", b""):
+        err = rejected(p.parse_json_body, raw, 100)
+        assert (err.status, err.message.startswith("invalid JSON")) == (400, True), raw
+    err = rejected(p.parse_json_body, b"[1, 2]", 100)
+    assert err.status == 400 and "JSON object" in err.message
+
+
+def test_check_model_unknown_is_404_model_not_found():
+    p.check_model("dsv41", ["dsv41"])
+    err = rejected(p.check_model, "gpt-9", ["dsv41"])
+    assert (err.status, err.code, err.param) == (404, "model_not_found", "model")
+    assert "gpt-9" in err.body()["error"]["message"]
+
+
+# --- chat request validation ---------------------------------------------------------------------
+
+CHAT_REJECTIONS = [
+    ({"model": None}, "model"),
+    ({"model": 3}, "model"),
+    ({"model": ""}, "model"),
+    ({"messages": None}, "messages"),
+    ({"messages": "Hi"}, "messages"),
+    ({"messages": []}, "messages"),
+    ({"messages": ["Hi"]}, "messages[0]"),
+    ({"messages": [{"content": "Hi"}]}, "messages[0].role"),
+    ({"messages": [*USER, {"role": "robot", "content": "x"}]}, "messages[1].role"),
+    ({"messages": [{"role": "user", "content": "x", "name": 5}]}, "messages[0].name"),
+    ({"temperature": 2.5}, "temperature"),
+    ({"temperature": -0.1}, "temperature"),
+    ({"temperature": "0.5"}, "temperature"),
+    ({"temperature": True}, "temperature"),
+    ({"top_p": 0}, "top_p"),
+    ({"top_p": 1.01}, "top_p"),
+    ({"top_k": -2}, "top_k"),
+    ({"top_k": 1.5}, "top_k"),
+    ({"min_p": 1.5}, "min_p"),
+    ({"seed": -1}, "seed"),
+    ({"seed": "7"}, "seed"),
+    ({"seed": 2**63}, "seed"),
+    ({"n": 0}, "n"),
+    ({"n": 9}, "n"),  # above the default cap of 8
+    ({"n": 2.0}, "n"),
+    ({"max_tokens": 0}, "max_tokens"),
+    ({"max_tokens": "10"}, "max_tokens"),
+    ({"max_completion_tokens": -1}, "max_completion_tokens"),
+    ({"max_completion_tokens": 5, "max_tokens": "5"}, "max_tokens"),  # both are checked
+    ({"stop": ["a", "b", "c", "d", "e"]}, "stop"),
+    ({"stop": [1]}, "stop"),
+    ({"stop": ""}, "stop"),
+    ({"stop": 3}, "stop"),
+    ({"stop_token_ids": [-1]}, "stop_token_ids"),
+    ({"stop_token_ids": "1"}, "stop_token_ids"),
+    ({"logprobs": "yes"}, "logprobs"),
+    ({"logprobs": True, "top_logprobs": 21}, "top_logprobs"),
+    ({"top_logprobs": 5}, "top_logprobs"),  # needs logprobs
+    ({"stream": "true"}, "stream"),
+    ({"stream_options": {"include_usage": True}}, "stream_options"),  # needs stream
+    ({"stream": True, "stream_options": {"include_usage": "x"}}, "stream_options.include_usage"),
+    ({"stream": True, "stream_options": True}, "stream_options"),
+    ({"presence_penalty": 0.5}, "presence_penalty"),
+    ({"frequency_penalty": 1}, "frequency_penalty"),
+    ({"frequency_penalty": "0"}, "frequency_penalty"),
+    ({"repetition_penalty": 1.1}, "repetition_penalty"),
+    ({"logit_bias": {"50256": -100}}, "logit_bias"),
+    ({"response_format": {"type": "json_object"}}, "response_format"),
+    ({"tools": WEATHER}, "tools"),
+    ({"tools": [{"type": "retrieval"}]}, "tools[0].type"),
+    ({"tools": [{"type": "function"}]}, "tools[0].function"),
+    ({"tools": [{"type": "function", "function": {"name": "bad name"}}]}, "tools[0].function.name"),
+    ({"tools": [{"type": "function", "function": {"name": 'x">'}}]}, "tools[0].function.name"),
+    ({"tools": [WEATHER, WEATHER]}, "tools[1].function.name"),
+    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": "{}"}}]},
+     "tools[0].function.parameters"),
+    ({"tools": [{"type": "function", "function": {"name": "f", "description": 1}}]},
+     "tools[0].function.description"),
+    ({"tool_choice": "required"}, "tool_choice"),  # without tools
+    ({"tool_choice": "auto"}, "tool_choice"),
+    ({"tools": [WEATHER], "tool_choice": "sometimes"}, "tool_choice"),
+    ({"tools": [WEATHER], "tool_choice": {"type": "function", "function": {"name": "nope"}}},
+     "tool_choice.function.name"),
+    ({"tools": [WEATHER], "tool_choice": {"type": "function"}}, "tool_choice"),
+    ({"reasoning_effort": "medium"}, "reasoning_effort"),
+    ({"reasoning_effort": 0}, "reasoning_effort"),
+    ({"reasoning_effort": 101}, "reasoning_effort"),
+    ({"reasoning_effort": "101"}, "reasoning_effort"),
+    ({"reasoning_effort": True}, "reasoning_effort"),
+    ({"user": 5}, "user"),
+]
+
+
+@pytest.mark.parametrize(("fields", "param"), CHAT_REJECTIONS, ids=[c[1] + ":" + json.dumps(c[0])[:40]
+                                                                     for c in CHAT_REJECTIONS])
+def test_chat_request_rejections_name_the_field(fields, param):
+    body = {k: v for k, v in chat(**fields).items() if v is not None}
+    err = rejected(p.parse_chat_request, body)
+    assert err.status == 400, err
+    assert err.param == param, err
+    assert err.message.startswith(param + ":"), err.message
+    assert err.body()["error"]["type"] == "invalid_request_error"
+
+
+def test_chat_n_cap_is_configurable():
+    assert p.parse_chat_request(chat(n=4), max_n=4).n == 4
+    err = rejected(p.parse_chat_request, chat(n=5), max_n=4)
+    assert (err.param, "[1, 4]" in err.message) == ("n", True)
+
+
+def test_chat_defaults_and_nulls():
+    req = p.parse_chat_request(chat())
+    assert (req.temperature, req.top_p, req.top_k, req.min_p, req.seed, req.n) == (1.0, 1.0, 0, 0.0, None, 1)
+    assert (req.max_tokens, req.stop, req.stop_token_ids, req.logprobs, req.top_logprobs) == (None, (), (), False, 0)
+    assert (req.stream, req.include_usage, req.tools, req.tool_choice, req.reasoning_effort) == (
+        False, False, None, "none", None)
+    assert req.thinking  # None means "high"
+    nulls = {k: None for k in ("temperature", "top_p", "top_k", "min_p", "seed", "n", "stop", "max_tokens",
+                               "max_completion_tokens", "logprobs", "top_logprobs", "stream", "stream_options",
+                               "tools", "tool_choice", "reasoning_effort", "user", "presence_penalty",
+                               "logit_bias", "response_format")}
+    assert p.parse_chat_request(chat(**nulls)) == req
+
+
+def test_unknown_fields_are_ignored_and_neutral_values_accepted():
+    req = p.parse_chat_request(chat(metadata={"a": 1}, store=False, parallel_tool_calls=True, some_vendor_knob=3,
+                                    presence_penalty=0, frequency_penalty=0.0, logit_bias={},
+                                    response_format={"type": "text"}, repetition_penalty=1.0))
+    assert req == p.parse_chat_request(chat())
+
+
+def test_max_completion_tokens_wins_over_max_tokens():
+    assert p.parse_chat_request(chat(max_tokens=10)).max_tokens == 10
+    assert p.parse_chat_request(chat(max_completion_tokens=20)).max_tokens == 20
+    assert p.parse_chat_request(chat(max_tokens=10, max_completion_tokens=20)).max_tokens == 20
+    assert p.parse_chat_request(chat(max_tokens=10, max_completion_tokens=None)).max_tokens == 10
+
+
+def test_chat_field_values():
+    req = p.parse_chat_request(chat(temperature=0, top_p=0.5, top_k=-1, min_p=0.1, seed=7, n=3, stop="END",
+                                    stop_token_ids=[5, 6], logprobs=True, top_logprobs=3, stream=True,
+                                    stream_options={"include_usage": True}, user="u1"))
+    assert (req.temperature, req.top_p, req.top_k, req.min_p, req.seed, req.n) == (0.0, 0.5, 0, 0.1, 7, 3)
+    assert (req.stop, req.stop_token_ids, req.logprobs, req.top_logprobs) == (("END",), (5, 6), True, 3)
+    assert (req.stream, req.include_usage, req.user) == (True, True, "u1")
+    assert p.parse_chat_request(chat(top_k=40, stop=["a", "b"])).top_k == 40
+    assert p.parse_chat_request(chat(stream=True, stream_options={})).include_usage is False
+
+
+@pytest.mark.parametrize(("effort", "stored", "thinking", "line"), [
+    (None, None, True, "Reasoning Effort: 75 "),
+    ("none", "none", False, None),
+    ("low", "low", True, "Reasoning Effort: 50 "),
+    ("high", "high", True, "Reasoning Effort: 75 "),
+    ("xhigh", "xhigh", True, "Reasoning Effort: 75 "),
+    ("max", "max", True, "Reasoning Effort: 100 "),
+    (30, 30, True, "Reasoning Effort: 30 "),
+    ("30", 30, True, "Reasoning Effort: 30 "),
+    (1, 1, True, "Reasoning Effort: 1 "),
+    (100, 100, True, "Reasoning Effort: 100 "),
+])
+def test_reasoning_effort_mirrors_render_chat(effort, stored, thinking, line):
+    req = p.parse_chat_request(chat(reasoning_effort=effort))
+    assert (req.reasoning_effort, req.thinking) == (stored, thinking)
+    prompt = p.chat_prompt(req)
+    assert prompt.endswith("<｜Assistant｜><think>" if thinking else "<｜Assistant｜></think>")
+    assert (line in prompt) if line else ("Reasoning Effort" not in prompt)
+
+
+# --- prompts -------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(("messages", "param"), [
+    ([{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}], "messages[0].content[0].type"),
+    ([{"role": "user", "content": None}], "messages[0].content"),
+    ([*USER, {"role": "tool", "tool_call_id": "call_x", "content": "1"}], "messages[1].tool_call_id"),
+    ([{"role": "assistant", "content": "x", "tool_calls": [{"type": "function", "function": {"name": ""}}]}],
+     "messages[0].tool_calls[0].function.name"),
+    ([{"role": "developer", "content": ""}], "messages[0].content"),
+])
+def test_chat_prompt_format_errors_are_400_naming_the_message_field(messages, param):
+    req = p.parse_chat_request(chat(messages=messages))
+    err = rejected(p.chat_prompt, req)
+    assert (err.status, err.param) == (400, param), err
+    assert err.message.startswith(param + ":")
+
+
+def test_chat_prompt_accepts_the_openai_message_forms():
+    messages = [
+        {"role": "system", "content": [{"type": "text", "text": "Be brief."}]},
+        {"role": "user", "content": "Weather in Paris?"},
+        {"role": "assistant", "content": None, "reasoning_content": "Use the tool.",
+         "tool_calls": [{"id": "call_1", "type": "function",
+                         "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}]},
+        {"role": "tool", "tool_call_id": "call_1", "content": "18C"},
+    ]
+    prompt = p.chat_prompt(p.parse_chat_request(chat(messages=messages, tools=[WEATHER])))
+    assert "Be brief." in prompt and "<tool_result>18C</tool_result>" in prompt
+    assert '<｜DSML｜ invoke name="get_weather">' in prompt and "Use the tool.</think>" in prompt
+
+
+def test_tool_choice_controls_the_rendered_tools():
+    both = [WEATHER, TIME]
+    auto = p.parse_chat_request(chat(tools=both))
+    assert (auto.tool_choice, auto.prompt_tools) == ("auto", both)
+    assert '"get_weather"' in p.chat_prompt(auto) and '"get_time"' in p.chat_prompt(auto)
+    required = p.parse_chat_request(chat(tools=both, tool_choice="required"))
+    assert required.prompt_tools == both
+    none = p.parse_chat_request(chat(tools=both, tool_choice="none"))
+    assert none.prompt_tools is None and "## Tools" not in p.chat_prompt(none)
+    named = p.parse_chat_request(chat(tools=both, tool_choice={"type": "function", "function": {"name": "get_time"}}))
+    assert (named.tool_choice, named.tool_choice_name, named.prompt_tools) == ("function", "get_time", [TIME])
+    prompt = p.chat_prompt(named)
+    assert '"get_time"' in prompt and '"get_weather"' not in prompt
+
+
+# --- completion request validation ---------------------------------------------------------------
+
+COMPLETION_REJECTIONS = [
+    ({"prompt": None}, "prompt", "required"),
+    ({"prompt": ["a", "b"]}, "prompt", "batched prompts are not supported"),
+    ({"prompt": ["a"]}, "prompt", "batched prompts are not supported"),
+    ({"prompt": [[1, 2], [3]]}, "prompt", "batched prompts are not supported"),
+    ({"prompt": ""}, "prompt", "must not be empty"),
+    ({"prompt": []}, "prompt", "must not be empty"),
+    ({"prompt": [1, -2]}, "prompt", "must be"),
+    ({"prompt": [1, "a"]}, "prompt", "must be"),
+    ({"prompt": 7}, "prompt", "must be"),
+    ({"echo": True}, "echo", "not supported"),
+    ({"echo": "no"}, "echo", "boolean"),
+    ({"suffix": "x"}, "suffix", "not supported"),
+    ({"best_of": 2}, "best_of", "not supported"),
+    ({"logprobs": 6}, "logprobs", "[0, 5]"),
+    ({"logprobs": True}, "logprobs", "integer"),
+    ({"max_tokens": 0}, "max_tokens", "integer"),
+    ({"n": 9}, "n", "[1, 8]"),
+    ({"temperature": 3}, "temperature", "[0, 2]"),
+    ({"stop": ["a"] * 5}, "stop", "at most 4"),
+    ({"model": None}, "model", "non-empty string"),
+    ({"presence_penalty": 1}, "presence_penalty", "not supported"),
+]
+
+
+@pytest.mark.parametrize(("fields", "param", "fragment"), COMPLETION_REJECTIONS,
+                         ids=[c[1] + ":" + json.dumps(c[0])[:40] for c in COMPLETION_REJECTIONS])
+def test_completion_request_rejections_name_the_field(fields, param, fragment):
+    body = {k: v for k, v in completion(**fields).items() if v is not None}
+    err = rejected(p.parse_completion_request, body)
+    assert (err.status, err.param) == (400, param), err
+    assert err.message.startswith(param + ":") and fragment in err.message, err.message
+
+
+def test_completion_defaults_and_prompt_ids(tok):
+    req = p.parse_completion_request(completion())
+    assert (req.max_tokens, req.temperature, req.top_p, req.logprobs, req.n, req.stream) == (16, 1.0, 1.0, None, 1, False)
+    assert p.completion_prompt_ids(req, tok) == tok.encode("Hello")
+    assert p.parse_completion_request(completion(max_tokens=None, echo=False, best_of=1, logprobs=0)).max_tokens == 16
+    ids = p.parse_completion_request(completion(prompt=[0, 5, 129279]))
+    assert p.completion_prompt_ids(ids, tok) == [0, 5, 129279]
+    err = rejected(p.completion_prompt_ids, p.parse_completion_request(completion(prompt=[5, 129280])), tok)
+    assert (err.status, err.param) == (400, "prompt") and err.message.startswith("prompt[1]:")
+
+
+# --- sampling parameters -------------------------------------------------------------------------
+
+
+def test_to_sampling_params_maps_every_field():
+    req = p.parse_chat_request(chat(temperature=0.7, top_p=0.9, top_k=50, min_p=0.05, seed=11, n=2, stop=["x"],
+                                    stop_token_ids=[7], logprobs=True, top_logprobs=4, max_completion_tokens=32))
+    params = p.to_sampling_params(req, num_prompt_tokens=100, max_model_len=1000)
+    assert params == SamplingParams(max_tokens=32, temperature=0.7, top_p=0.9, top_k=50, min_p=0.05, seed=11,
+                                    stop_token_ids=(7,), logprobs=4, n=2)
+    assert p.to_sampling_params(p.parse_chat_request(chat(logprobs=True)), num_prompt_tokens=1,
+                                max_model_len=10).logprobs == 0
+    assert p.to_sampling_params(p.parse_chat_request(chat(top_k=-1)), num_prompt_tokens=1,
+                                max_model_len=10).top_k == 0
+    legacy = p.parse_completion_request(completion(logprobs=3, temperature=0))
+    params = p.to_sampling_params(legacy, num_prompt_tokens=5, max_model_len=100)
+    assert (params.logprobs, params.max_tokens, params.is_greedy) == (3, 16, True)
+
+
+def test_max_tokens_default_and_context_window():
+    req = p.parse_chat_request(chat())
+    assert p.to_sampling_params(req, num_prompt_tokens=90, max_model_len=100).max_tokens == 10
+    for num_prompt in (100, 150):
+        err = rejected(p.to_sampling_params, req, num_prompt_tokens=num_prompt, max_model_len=100)
+        assert (err.status, err.param, err.code) == (400, "messages", "context_length_exceeded")
+    err = rejected(p.to_sampling_params, p.parse_chat_request(chat(max_tokens=11)), num_prompt_tokens=90,
+                   max_model_len=100)
+    assert (err.param, err.code) == ("messages", "context_length_exceeded")
+    assert "100" in err.message and "90" in err.message and "11" in err.message
+    err = rejected(p.to_sampling_params, p.parse_completion_request(completion()), num_prompt_tokens=90,
+                   max_model_len=100)
+    assert err.param == "prompt"
+
+
+# --- responses -----------------------------------------------------------------------------------
+
+
+def test_usage_shape():
+    u = p.usage(10, 5, cached_tokens=4, reasoning_tokens=2)
+    assert u == {"prompt_tokens": 10, "completion_tokens": 5, "total_tokens": 15,
+                 "prompt_tokens_details": {"cached_tokens": 4}, "completion_tokens_details": {"reasoning_tokens": 2}}
+
+
+def _logprob(tok, text: str, lp: float, alternatives: list[tuple[str, float]]) -> TokenLogprob:
+    (token_id,) = tok.encode(text)
+    return TokenLogprob(token_id, lp, [(tok.encode(t)[0], v) for t, v in alternatives])
+
+
+def test_chat_completion_response_validates_as_openai(tok):
+    strings = TokenStrings(tok)
+    stream = ChatChoiceStream(tok, thinking=True, tools=[WEATHER], id_salt="req-1/0")
+    text = 'Check.</think>On it.\n\n<｜DSML｜ calls>\n<｜DSML｜ invoke name="get_weather">\n' \
+           '<｜DSML｜ parameter name="city" string="true">Paris</｜DSML｜ parameter>\n</｜DSML｜ invoke>\n</｜DSML｜ calls>'
+    stream.feed(tok.encode(text) + [tok.eos_id])
+    stream.finish("stop")
+    entries = [_logprob(tok, "Check", -0.1, [("Check", -0.1), ("Hello", -2.5)]), None,
+               _logprob(tok, ".", -math.inf, [])]
+    choice = p.chat_choice(0, stream.message(), stream.finish_reason, p.chat_logprobs(strings, entries))
+    resp = p.chat_completion_response("chatcmpl-1", 1700000000, "dsv41", [choice],
+                                      p.usage(20, stream.num_tokens, 16, stream.num_reasoning_tokens))
+    parsed = ChatCompletion.model_validate(resp)
+    assert json.loads(json.dumps(resp)) == resp  # plain JSON
+    msg = parsed.choices[0].message
+    assert parsed.choices[0].finish_reason == "tool_calls"
+    assert msg.content == "On it." and msg.reasoning_content == "Check."
+    assert msg.tool_calls[0].function.name == "get_weather"
+    assert json.loads(msg.tool_calls[0].function.arguments) == {"city": "Paris"}
+    content = parsed.choices[0].logprobs.content
+    assert [c.token for c in content] == ["Check", "."]
+    assert content[0].bytes == list(b"Check") and content[0].logprob == -0.1
+    assert [(t.token, t.logprob) for t in content[0].top_logprobs] == [("Check", -0.1), ("Hello", -2.5)]
+    assert content[1].logprob == p.MIN_LOGPROB  # -inf is not JSON
+    assert parsed.usage.prompt_tokens_details.cached_tokens == 16
+    assert parsed.usage.completion_tokens_details.reasoning_tokens == stream.num_reasoning_tokens > 0
+    assert parsed.usage.total_tokens == 20 + stream.num_tokens
+
+
+def test_chat_chunks_validate_as_openai(tok):
+    strings = TokenStrings(tok)
+    lp = p.chat_logprobs(strings, [_logprob(tok, "Hi", -0.5, [("Hi", -0.5)])])
+    chunks = [
+        p.chat_chunk("c", 1, "m", [p.chat_stream_choice(0, {"role": "assistant", "content": ""})]),
+        p.chat_chunk("c", 1, "m", [p.chat_stream_choice(0, {"reasoning_content": "hm"})]),
+        p.chat_chunk("c", 1, "m", [p.chat_stream_choice(0, {"content": "Hi"}, logprobs=lp)]),
+        p.chat_chunk("c", 1, "m", [p.chat_stream_choice(1, {"tool_calls": [
+            {"index": 0, "id": "call_0_x", "type": "function", "function": {"name": "f", "arguments": "{}"}}]})]),
+        p.chat_chunk("c", 1, "m", [p.chat_stream_choice(0, {}, "stop")]),
+        p.chat_chunk("c", 1, "m", [], usage=p.usage(3, 4)),
+    ]
+    parsed = [ChatCompletionChunk.model_validate(c) for c in chunks]
+    assert parsed[2].choices[0].logprobs.content[0].token == "Hi"
+    assert parsed[3].choices[0].delta.tool_calls[0].function.name == "f"
+    assert parsed[4].choices[0].finish_reason == "stop"
+    assert parsed[5].usage.total_tokens == 7 and "usage" not in chunks[0]
+
+
+def test_completion_bodies_validate_as_openai(tok):
+    logprobs = p.CompletionLogprobs(TokenStrings(tok))
+    first = logprobs.add([_logprob(tok, "Hello", -0.2, [("Hi", -1.0)])])
+    second = logprobs.add([None, _logprob(tok, " world", -0.3, [(" world", -0.3), (" there", -1.5)])])
+    assert first == {"tokens": ["Hello"], "token_logprobs": [-0.2], "top_logprobs": [{"Hi": -1.0, "Hello": -0.2}],
+                     "text_offset": [0]}
+    assert second["text_offset"] == [5] and second["top_logprobs"] == [{" world": -0.3, " there": -1.5}]
+    resp = p.completion_response("cmpl-1", 2, "m", [p.completion_choice(0, "Hello world", "length", first)],
+                                 p.usage(1, 2))
+    parsed = Completion.model_validate(resp)
+    assert parsed.choices[0].text == "Hello world" and parsed.choices[0].logprobs.text_offset == [0]
+    # Streamed text_completion chunks carry finish_reason null until the last one, as OpenAI's do; the
+    # SDK's Completion type (used for whole responses) declares it non-null, so validate the last one.
+    chunk = p.completion_chunk("cmpl-1", 2, "m", [p.completion_choice(0, " world", None, second)])
+    assert chunk["choices"][0] == {"index": 0, "text": " world", "logprobs": second, "finish_reason": None}
+    last = p.completion_chunk("cmpl-1", 2, "m", [p.completion_choice(0, "", "stop")])
+    assert Completion.model_validate(last).object == "text_completion"
+    assert Completion.model_validate(p.completion_chunk("cmpl-1", 2, "m", [], usage=p.usage(1, 2))).usage
+
+
+def test_models_response():
+    resp = p.models_response(["dsv41", "dsv41-flash"], created=5)
+    assert resp["object"] == "list"
+    assert [Model.model_validate(m).id for m in resp["data"]] == ["dsv41", "dsv41-flash"]
