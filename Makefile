@@ -22,8 +22,9 @@ $(STAMP): pyproject.toml Makefile
 test: install
 	TRITON_INTERPRET=1 $(BIN)/python -m pytest -q tests
 
+# make serve: the embedded default (tiny random-weight checkpoint, CPU) on :8000, or CKPT=/path/to/model.
 serve: install
-	@echo "serving is built by the serving issue; see issues" && exit 2
+	$(BIN)/python -m serve_app $(if $(CKPT),--checkpoint $(CKPT)) $(SERVE_ARGS)
 
 clean-venv:
 	rm -rf $(VENV)

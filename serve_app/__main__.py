@@ -1,0 +1,65 @@
+"""`python -m serve_app`: start (or join) Ray, deploy the app, serve OpenAI's API until interrupted.
+
+Without --checkpoint (and DSV41_CHECKPOINT) it serves the embedded default: a tiny random-weight V4.1
+checkpoint generated under checkpoints/tiny (seed 0) with the real tokenizer, on the CPU.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+import threading
+from pathlib import Path
+
+from serve_app.settings import ServeSettings, SettingsError
+
+LOCAL_MIN_CPUS = 4
+TINY_CHECKPOINT = Path(__file__).resolve().parents[1] / "checkpoints" / "tiny"
+
+
+def ensure_tiny_checkpoint(path: Path = TINY_CHECKPOINT) -> Path:
+    if not (path / "config.json").exists():
+        from engine.presets import tiny_config
+        from engine.tools.make_checkpoint import make_checkpoint
+
+        print(f"generating the tiny random-weight checkpoint in {path}", file=sys.stderr)
+        make_checkpoint(path, tiny_config(), seed=0)
+    return path
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if "--checkpoint" not in argv and not os.environ.get("DSV41_CHECKPOINT"):
+        argv += ["--checkpoint", str(ensure_tiny_checkpoint())]
+    try:
+        settings = ServeSettings.from_cli(argv)
+    except SettingsError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    import ray
+    from ray import serve
+
+    from serve_app.app import APP_NAME, build_app
+
+    if os.environ.get("RAY_ADDRESS"):
+        ray.init(address=os.environ["RAY_ADDRESS"])
+    else:  # a local Ray: enough logical CPUs for the replica, its shard actor and the ingress on small machines
+        ray.init(num_cpus=max(LOCAL_MIN_CPUS, os.cpu_count() or 1))
+    serve.start(http_options={"host": settings.host, "port": settings.port})
+    serve.run(build_app(settings), name=APP_NAME, route_prefix="/")
+    print(f"serving {settings.model_name} from {settings.checkpoint} on http://{settings.host}:{settings.port} "
+          "(Ctrl-C stops)", file=sys.stderr, flush=True)
+    stop = threading.Event()
+    signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    try:
+        stop.wait()
+    except KeyboardInterrupt:
+        pass
+    serve.shutdown()
+    ray.shutdown()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

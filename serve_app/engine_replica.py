@@ -1,0 +1,245 @@
+"""The engine deployment: one replica = one LLMEngine (scheduler, cache manager, sampler in this process)
+driving a model shard actor, wrapped in an AsyncEngine that streams each request's outputs.
+
+The ingress calls `handle.options(stream=True).generate.remote(GenerateRequest)` and gets one
+`GenerateChunk` per engine output. When the ingress cancels the call (client disconnect), Ray cancels
+this generator; the AsyncEngine then aborts the request group and frees its cache.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from ray import serve
+
+from engine.config import load_config
+from engine.core.async_engine import AsyncEngine, EngineShutdownError, EngineStuckError
+from engine.core.engine import LLMEngine, RequestError, RequestOutput
+from engine.core.request import RequestStats
+from engine.core.sampling_params import SamplingError, SamplingParams
+from engine.tokenizer import load_tokenizer
+from serve_app.metrics import ServeMetrics, log_request_end, request_end_record, request_logger
+from serve_app.records import EngineRejected, EngineStatus, GenerateChunk, GenerateRequest, RequestMetrics
+from serve_app.settings import ServeSettings
+from serve_app.shard_worker import ShardExecutor, make_shard_executor, shard_resources
+
+WARM_UP_TEXT = "Hello, world"
+WARM_UP_TOKENS = 2
+GAUGE_PERIOD_S = 1.0  # engine-state gauges refresh at most this often from the streaming path
+SHARD_PING_TIMEOUT_S = 20.0
+
+
+@dataclass(slots=True)
+class _Choice:
+    stats: RequestStats | None = None  # the engine's record (updated by the engine thread)
+    num_prompt_tokens: int = 0
+    num_output_tokens: int = 0
+    last_token_time: float | None = None
+    finished: bool = False
+
+
+@dataclass(slots=True)
+class _Group:
+    """One request's choices as the stream delivers them; choice 0 computed the prompt."""
+
+    request_id: str
+    num_choices: int
+    num_prompt_tokens: int
+    choices: dict[int, _Choice] = field(default_factory=dict)
+
+    @property
+    def first(self) -> RequestStats | None:
+        c = self.choices.get(0)
+        return c.stats if c else None
+
+
+class EngineReplica:
+    def __init__(self, settings: ServeSettings):
+        self.settings = settings
+        ckpt = Path(settings.checkpoint)
+        cfg = load_config(ckpt)
+        tokenizer = load_tokenizer(ckpt)
+        self.engine = LLMEngine(cfg, settings.to_engine_config(), make_shard_executor(settings),
+                                eos_token_id=tokenizer.eos_id, weights_identity=str(ckpt.resolve()))
+        self.executor: ShardExecutor = self.engine.executor
+        self.metrics = ServeMetrics(settings.model_name)
+        self.request_log = request_logger(settings.request_log_file)
+        self.failure: BaseException | None = None  # a step failure: the replica is unhealthy from then on
+        self._gauges_at = 0.0
+        # a real step on the shard before the replica reports ready (runs to completion, nothing left queued)
+        warm_ids = tokenizer.encode(WARM_UP_TEXT) or [tokenizer.bos_id]
+        self.engine.generate([warm_ids], SamplingParams(max_tokens=WARM_UP_TOKENS, ignore_eos=True))
+        self.aengine = AsyncEngine(self.engine)
+        self._update_gauges(force=True)
+
+    async def generate(self, req: GenerateRequest) -> AsyncIterator[GenerateChunk]:
+        """One GenerateChunk per engine output of every choice; a choice's last chunk carries its finish
+        reason and metrics. Raises EngineRejected (before any chunk) for a request the engine refuses."""
+        if self.failure is not None:
+            raise RuntimeError(f"this replica is failing (Serve will replace it): {self.failure!r}")
+        try:
+            req.params.validate()
+        except SamplingError as e:
+            raise EngineRejected(str(e)) from None
+        if req.params.n > self.settings.max_n:
+            raise EngineRejected(f"n must be at most {self.settings.max_n}, got {req.params.n}")
+        group = _Group(req.request_id, req.params.n, len(req.prompt_ids))
+        end_reason = "abort"  # for choices left unfinished: the consumer went away
+        stream = self.aengine.generate(req.request_id, list(req.prompt_ids), req.params)
+        try:
+            async for out in stream:
+                yield self._chunk(group, out)
+                self._update_gauges()
+        except RequestError as e:
+            end_reason = None
+            raise EngineRejected(str(e)) from None
+        except (EngineStuckError, EngineShutdownError):
+            end_reason = "error"
+            raise
+        except Exception as e:
+            end_reason = "error"
+            self.failure = self.failure or e
+            raise
+        finally:
+            await stream.aclose()  # a closed (not cancelled) consumer: abort the group before counting
+            if end_reason is not None:
+                for index in range(group.num_choices):
+                    choice = group.choices.setdefault(index, _Choice(num_prompt_tokens=group.num_prompt_tokens))
+                    if not choice.finished:
+                        self._end_choice(group, index, choice, end_reason)
+            self._update_gauges(force=True)
+
+    async def status(self) -> EngineStatus:
+        cache = self.engine.cache
+        self._update_gauges(force=True)
+        return EngineStatus(ready=self.failure is None, model_name=self.settings.model_name,
+                            max_model_len=self.engine.max_model_len, num_running=len(self.engine.scheduler.running),
+                            num_waiting=len(self.engine.scheduler.waiting), cache_usage=cache.usage,
+                            prefix_hit_rate=cache.hit_rate)
+
+    async def check_health(self) -> None:
+        """Serve's health hook: raises if a step failed or the shard actor is dead or unresponsive."""
+        if self.failure is not None:
+            raise RuntimeError(f"the engine loop failed: {self.failure!r}") from self.failure
+        await self.executor.check(SHARD_PING_TIMEOUT_S)
+        self._update_gauges(force=True)
+
+    async def check_integrity(self) -> None:
+        """When idle (nothing running, waiting or held by a request): the scheduler's and cache manager's
+        self-checks pass and the pools hold exactly what prefix-cache snapshots hold. Raises otherwise."""
+        engine, sched = self.engine, self.engine.scheduler
+        if sched.running or sched.waiting or engine.requests:
+            raise RuntimeError(f"not idle: {len(sched.running)} running, {len(sched.waiting)} waiting, "
+                               f"{len(engine.requests)} requests held")
+        sched.check_integrity()
+        snapshots = engine.cache.snapshots.values()
+        in_use = engine.cache.global_pool.num_in_use, engine.cache.swa_pool.num_in_use
+        held = len({b for s in snapshots for b in s.global_blocks}), sum(len(s.swa_blocks) for s in snapshots)
+        assert in_use == held, f"blocks in use (global, swa) {in_use}, snapshots hold {held}"
+
+    async def shard_info(self) -> list[dict[str, object]]:
+        """Each shard actor's rank, device, process id and KV pool bytes."""
+        return await self.executor.info()
+
+    async def metrics_snapshot(self) -> dict[str, float]:
+        """This replica's recorded metric values (see ServeMetrics.snapshot)."""
+        return self.metrics.snapshot()
+
+    async def __del__(self) -> None:
+        """Serve's graceful shutdown: fail the remaining streams, stop the shard actors."""
+        await self.aengine.shutdown()
+        self.executor.shutdown()
+
+    # ---- internals ----------------------------------------------------------------------------------
+    def _chunk(self, group: _Group, out: RequestOutput) -> GenerateChunk:
+        now = time.monotonic()
+        choice = group.choices.setdefault(out.choice_index, _Choice())
+        is_first = choice.stats is None
+        if is_first:
+            choice.stats, choice.num_prompt_tokens = out.stats, out.num_prompt_tokens
+        inter_token = None if choice.last_token_time is None else now - choice.last_token_time
+        choice.last_token_time, choice.num_output_tokens = now, out.num_output_tokens
+        if is_first and out.choice_index == 0:
+            self.metrics.observe_prompt(out.num_prompt_tokens, out.stats.num_cached_tokens)
+            self.metrics.observe_first_token(out.stats.first_token_time - out.stats.arrival_time)
+        self.metrics.observe_tokens(len(out.new_token_ids), inter_token)
+        metrics = None
+        if out.finished:
+            choice.finished = True
+            metrics = self._end_choice(group, out.choice_index, choice, out.finish_reason.value)
+        return GenerateChunk(out.choice_index, out.new_token_ids, out.new_logprobs,
+                             out.finish_reason.value if out.finish_reason else None, out.num_prompt_tokens,
+                             _cached_tokens(group, choice), out.num_output_tokens, metrics)
+
+    def _end_choice(self, group: _Group, index: int, choice: _Choice, finish_reason: str) -> RequestMetrics:
+        metrics = _request_metrics(group, choice)
+        self.metrics.observe_finish(finish_reason, None if math.isnan(metrics.e2e_s) else metrics.e2e_s)
+        request_id = group.request_id if index == 0 else f"{group.request_id}/{index}"
+        log_request_end(self.request_log, request_end_record(
+            request_id, choice.num_prompt_tokens, _cached_tokens(group, choice), choice.num_output_tokens, metrics,
+            finish_reason))
+        return metrics
+
+    def _update_gauges(self, force: bool = False) -> None:
+        now = time.monotonic()
+        if not force and now - self._gauges_at < GAUGE_PERIOD_S:
+            return
+        self._gauges_at = now
+        sched, cache = self.engine.scheduler, self.engine.cache
+        self.metrics.set_engine_state(len(sched.running), len(sched.waiting), cache.usage, cache.hit_rate)
+
+
+def _forked(stats: RequestStats) -> bool:
+    """A choice > 0 that copied choice 0's prompt state was never scheduled from the waiting queue."""
+    return stats.first_scheduled_time is None
+
+
+def _cached_tokens(group: _Group, choice: _Choice) -> int:
+    stats = choice.stats
+    if stats is None:
+        return 0
+    if _forked(stats) and group.first is not None:
+        return group.first.num_cached_tokens
+    return stats.num_cached_tokens
+
+
+def _request_metrics(group: _Group, choice: _Choice) -> RequestMetrics:
+    """Times from the group's arrival (a forked choice's own record starts when it was forked). NaN where
+    a time is unknown (an aborted choice that never got a token)."""
+    stats, first = choice.stats, group.first
+    if stats is None and first is None:
+        return RequestMetrics(math.nan, math.nan, math.nan, 0, 0.0, 1.0, 0)
+    stats = stats or RequestStats(arrival_time=first.arrival_time)
+    first = first or stats
+    arrival = first.arrival_time
+    scheduled = stats.first_scheduled_time or first.first_scheduled_time
+    finish = stats.finish_time if stats.finish_time is not None else time.monotonic()
+
+    def since(t: float | None) -> float:
+        return math.nan if t is None else t - arrival
+
+    iterations = stats.num_iterations
+    busy = stats.prefill_time + stats.decode_time
+    return RequestMetrics(ttft_s=since(stats.first_token_time), e2e_s=since(finish), queue_s=since(scheduled),
+                          num_iterations=iterations, average_iteration_ms=busy / iterations * 1000 if iterations else 0.0,
+                          average_accept_length=1.0, num_preemptions=stats.num_preemptions)
+
+
+def deployment(settings: ServeSettings) -> serve.Deployment:
+    """The EngineReplica deployment with its options from settings; bind it with the same settings:
+    `deployment(s).bind(s)`. Each replica reserves a placement group: bundle 0 for the replica process,
+    one bundle per shard actor (its GPU when the device is cuda), packed on one node."""
+    bundles = [{"CPU": settings.replica_num_cpus}] + [shard_resources(settings)] * settings.num_shards
+    return serve.deployment(EngineReplica).options(
+        num_replicas=settings.num_replicas,
+        max_ongoing_requests=settings.max_ongoing_requests,
+        health_check_period_s=settings.health_check_period_s,
+        graceful_shutdown_timeout_s=settings.graceful_shutdown_timeout_s,
+        ray_actor_options={"num_cpus": settings.replica_num_cpus},
+        placement_group_bundles=bundles,
+        placement_group_strategy="STRICT_PACK",
+    )

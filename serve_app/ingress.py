@@ -1,0 +1,313 @@
+"""The HTTP ingress: OpenAI's API on FastAPI inside a Ray Serve deployment.
+
+A chat request is validated (`protocol`), rendered and tokenized here, sent to the engine deployment
+as a `GenerateRequest`, and its streamed `GenerateChunk`s are detokenized and parsed into OpenAI deltas
+(`streaming`). The engine deployment's handle is a constructor argument, so tests can pass another.
+Errors are OpenAI's error schema; overload is 429/503 with Retry-After; a client that goes away cancels
+its engine request.
+"""
+
+
+import asyncio
+import time
+import uuid
+from collections.abc import AsyncIterator
+
+import httpx
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
+from ray import serve
+
+from engine.tokenizer import load_tokenizer
+from serve_app.errors import APIError, overloaded, payload_too_large, rate_limited, server_error, unauthorized
+from serve_app.metrics_export import scrape_project_metrics
+from serve_app.protocol import (CompletionLogprobs, chat_chunk, chat_completion_response, chat_choice, chat_logprobs,
+                                chat_prompt, chat_stream_choice, check_model, completion_choice, completion_chunk,
+                                completion_prompt_ids, completion_response, models_response, parse_chat_request,
+                                parse_completion_request, parse_json_body, to_sampling_params, usage)
+from serve_app.records import EngineRejected, EngineStatus, GenerateChunk, GenerateRequest
+from serve_app.settings import ServeSettings
+from serve_app.streaming import SSE_DONE, ChatChoiceStream, CompletionChoiceStream, TokenStrings, sse_event
+
+RETRY_AFTER_S = 1
+OPEN_ROUTES = ("/healthz", "/readyz")
+
+app = FastAPI(title="dsv41-serve", docs_url=None, redoc_url=None)
+
+
+@app.exception_handler(APIError)
+async def _api_error(_: Request, e: APIError) -> JSONResponse:
+    return JSONResponse(e.body(), status_code=e.status, headers=e.headers)
+
+
+@app.middleware("http")
+async def _unexpected_errors(request: Request, call_next):
+    try:
+        return await call_next(request)
+    except APIError as e:
+        return JSONResponse(e.body(), status_code=e.status, headers=e.headers)
+
+
+class _Chunks:
+    """The engine's chunk stream with its first chunk already taken; cancels the engine request when
+    closed early (client gone, all choices stopped on stop strings)."""
+
+    def __init__(self, first: GenerateChunk, gen, ingress: "OpenAIIngress"):
+        self.first, self.gen, self.ingress, self.done = first, gen, ingress, False
+
+    async def __aiter__(self) -> AsyncIterator[GenerateChunk]:
+        try:
+            yield self.first
+            async for chunk in self.gen:
+                yield chunk
+            self.done = True
+        finally:
+            self.ingress.in_flight -= 1
+            if not self.done:
+                self.gen.cancel()
+
+
+class _Turn:
+    """Shared accounting of one request's choices."""
+
+    def __init__(self, rid: str, created: int, model: str, streams: list, strings: TokenStrings, logprobs: bool):
+        self.rid, self.created, self.model, self.streams, self.strings = rid, created, model, streams, strings
+        self.want_logprobs = logprobs
+        self.num_prompt = self.num_cached = 0
+        self.finished = [False] * len(streams)
+
+    def _account(self, chunk: GenerateChunk) -> None:
+        self.num_prompt = chunk.num_prompt_tokens
+        if chunk.choice_index == 0:
+            self.num_cached = chunk.num_cached_tokens
+
+    def _consumed(self, chunk: GenerateChunk, stream, before: int) -> list:
+        return chunk.logprobs[:stream.num_tokens - before]
+
+    @staticmethod
+    def _check_reason(reason: str | None) -> str | None:
+        if reason in ("abort", "error"):
+            raise server_error(f"the engine ended the request ({reason})")
+        return reason
+
+    def usage(self, reasoning: int = 0) -> dict:
+        return usage(self.num_prompt, sum(s.num_tokens for s in self.streams), self.num_cached, reasoning)
+
+
+class _ChatTurn(_Turn):
+    def __init__(self, *args):
+        super().__init__(*args)
+        self.logprob_rows: list[list[dict]] = [[] for _ in self.streams]
+
+    async def events(self, chunks: _Chunks) -> AsyncIterator[dict]:
+        async for chunk in chunks:
+            self._account(chunk)
+            i, stream = chunk.choice_index, self.streams[chunk.choice_index]
+            if self.finished[i]:
+                continue
+            before = stream.num_tokens
+            deltas = stream.feed(chunk.token_ids)
+            lp = chat_logprobs(self.strings, self._consumed(chunk, stream, before)) if self.want_logprobs else None
+            if lp:
+                self.logprob_rows[i] += lp
+            reason = self._check_reason(chunk.finish_reason)
+            if reason is not None or stream.is_stopped:
+                deltas += stream.finish(reason)
+                self.finished[i] = True
+            for k, delta in enumerate(deltas or ([{"content": ""}] if lp else [])):
+                choice = chat_stream_choice(i, delta, logprobs=lp if k == 0 else None)
+                yield chat_chunk(self.rid, self.created, self.model, [choice])
+            if self.finished[i]:
+                yield chat_chunk(self.rid, self.created, self.model,
+                                 [chat_stream_choice(i, {}, finish_reason=stream.finish_reason)])
+            if all(self.finished):
+                return
+
+    def response(self) -> dict:
+        choices = [chat_choice(i, s.message(), s.finish_reason, self.logprob_rows[i] if self.want_logprobs else None)
+                   for i, s in enumerate(self.streams)]
+        return chat_completion_response(self.rid, self.created, self.model, choices, self.full_usage())
+
+    def full_usage(self) -> dict:
+        return self.usage(sum(s.num_reasoning_tokens for s in self.streams))
+
+    def usage_chunk(self) -> dict:
+        return chat_chunk(self.rid, self.created, self.model, [], usage=self.full_usage())
+
+
+class _CompletionTurn(_Turn):
+    def __init__(self, *args):
+        super().__init__(*args)
+        self.logprobs = [CompletionLogprobs(self.strings) for _ in self.streams]
+        self.logprob_docs: list[dict | None] = [None] * len(self.streams)
+
+    async def events(self, chunks: _Chunks) -> AsyncIterator[dict]:
+        async for chunk in chunks:
+            self._account(chunk)
+            i, stream = chunk.choice_index, self.streams[chunk.choice_index]
+            if self.finished[i]:
+                continue
+            before = stream.num_tokens
+            text = stream.feed(chunk.token_ids)
+            lp = self.logprobs[i].add(self._consumed(chunk, stream, before)) if self.want_logprobs else None
+            if lp is not None:
+                self.logprob_docs[i] = _merge(self.logprob_docs[i], lp)
+            reason = self._check_reason(chunk.finish_reason)
+            if reason is not None or stream.is_stopped:
+                text += stream.finish(reason)
+                self.finished[i] = True
+            if text or lp or self.finished[i]:
+                yield completion_chunk(self.rid, self.created, self.model,
+                                       [completion_choice(i, text, stream.finish_reason if self.finished[i] else None, lp)])
+            if all(self.finished):
+                return
+
+    def response(self) -> dict:
+        choices = [completion_choice(i, s.text, s.finish_reason, self.logprob_docs[i]) for i, s in enumerate(self.streams)]
+        return completion_response(self.rid, self.created, self.model, choices, self.usage())
+
+    def usage_chunk(self) -> dict:
+        return completion_chunk(self.rid, self.created, self.model, [], usage=self.usage())
+
+
+def _merge(into: dict | None, part: dict) -> dict:
+    if into is None:
+        return {k: list(v) for k, v in part.items()}
+    for k, v in part.items():
+        into[k] += v
+    return into
+
+
+def _ray_message(e: BaseException) -> str:
+    """The original message of an exception that crossed a Ray call (RayTaskError wraps it)."""
+    cause = getattr(e, "cause", None)
+    return str(cause) if cause is not None else str(e).strip().splitlines()[-1]
+
+
+@serve.ingress(app)
+class OpenAIIngress:
+    def __init__(self, engine, settings: ServeSettings):
+        self.engine, self.settings = engine, settings
+        self.tokenizer = load_tokenizer(settings.checkpoint)
+        self.strings = TokenStrings(self.tokenizer)
+        self.max_in_flight = settings.max_ongoing_requests * settings.num_replicas
+        self.in_flight = 0
+        self._status: EngineStatus | None = None
+
+    # ---- open routes --------------------------------------------------------------------------------
+    @app.get("/healthz")
+    async def healthz(self) -> dict:
+        return {"status": "ok"}
+
+    @app.get("/readyz")
+    async def readyz(self) -> JSONResponse:
+        try:
+            status = await asyncio.wait_for(self.engine.status.remote(), timeout=5)
+        except Exception as e:  # noqa: BLE001 - any failure to answer means not ready
+            return JSONResponse({"ready": False, "reason": type(e).__name__}, status_code=503)
+        self._status = status
+        return JSONResponse({"ready": status.ready}, status_code=200 if status.ready else 503)
+
+    # ---- API ----------------------------------------------------------------------------------------
+    @app.get("/v1/models")
+    async def models(self, request: Request) -> dict:
+        self._authorize(request)
+        return models_response([self.settings.model_name], int(time.time()))
+
+    @app.get("/metrics")
+    async def metrics(self, request: Request) -> PlainTextResponse:
+        self._authorize(request)
+        async with httpx.AsyncClient(timeout=5) as client:
+            text = await scrape_project_metrics(client)
+        return PlainTextResponse(text, media_type="text/plain; version=0.0.4")
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(self, request: Request) -> Response:
+        self._authorize(request)
+        req = parse_chat_request(await self._body(request), max_n=self.settings.max_n)
+        check_model(req.model, [self.settings.model_name])
+        prompt_ids = self.tokenizer.encode(chat_prompt(req))
+        status = await self._engine_status()
+        params = to_sampling_params(req, num_prompt_tokens=len(prompt_ids), max_model_len=status.max_model_len)
+        rid = f"chatcmpl-{uuid.uuid4().hex}"
+        stop_ids = (self.tokenizer.eos_id, *req.stop_token_ids)
+        streams = [ChatChoiceStream(self.tokenizer, thinking=req.thinking, tools=req.prompt_tools,
+                                    parse_tool_calls=req.tool_choice != "none", stop=req.stop,
+                                    stop_token_ids=stop_ids, id_salt=f"{rid}-{i}") for i in range(req.n)]
+        chunks = await self._start(GenerateRequest(rid, prompt_ids, params))
+        turn = _ChatTurn(rid, int(time.time()), req.model, streams, self.strings, req.logprobs)
+        if req.stream:
+            return StreamingResponse(self._sse(turn.events(chunks), req.include_usage, turn),
+                                     media_type="text/event-stream")
+        return JSONResponse(await self._collect(turn, chunks))
+
+    @app.post("/v1/completions")
+    async def completions(self, request: Request) -> Response:
+        self._authorize(request)
+        req = parse_completion_request(await self._body(request), max_n=self.settings.max_n)
+        check_model(req.model, [self.settings.model_name])
+        prompt_ids = completion_prompt_ids(req, self.tokenizer)
+        status = await self._engine_status()
+        params = to_sampling_params(req, num_prompt_tokens=len(prompt_ids), max_model_len=status.max_model_len)
+        rid = f"cmpl-{uuid.uuid4().hex}"
+        stop_ids = (self.tokenizer.eos_id, *req.stop_token_ids)
+        streams = [CompletionChoiceStream(self.tokenizer, stop=req.stop, stop_token_ids=stop_ids) for _ in range(req.n)]
+        chunks = await self._start(GenerateRequest(rid, prompt_ids, params))
+        turn = _CompletionTurn(rid, int(time.time()), req.model, streams, self.strings, req.logprobs is not None)
+        if req.stream:
+            return StreamingResponse(self._sse(turn.events(chunks), req.include_usage, turn),
+                                     media_type="text/event-stream")
+        return JSONResponse(await self._collect(turn, chunks))
+
+    # ---- plumbing -----------------------------------------------------------------------------------
+    def _authorize(self, request: Request) -> None:
+        key = self.settings.api_key
+        if key is None or request.url.path in OPEN_ROUTES:
+            return
+        header = request.headers.get("authorization", "")
+        if header != f"Bearer {key}":
+            raise unauthorized()
+
+    async def _body(self, request: Request) -> dict:
+        declared = request.headers.get("content-length")
+        if declared is not None and declared.isdigit() and int(declared) > self.settings.max_body_bytes:
+            raise payload_too_large(f"the request body of {declared} bytes is above the limit of "
+                                    f"{self.settings.max_body_bytes} bytes")
+        return parse_json_body(await request.body(), self.settings.max_body_bytes)
+
+    async def _engine_status(self) -> EngineStatus:
+        if self._status is None:
+            self._status = await self.engine.status.remote()
+        return self._status
+
+    async def _start(self, gen_req: GenerateRequest) -> "_Chunks":
+        """Submit to the engine and wait for its first chunk, so a refusal is still a 4xx."""
+        if self.in_flight >= self.max_in_flight:
+            raise rate_limited(f"{self.in_flight} requests in flight; try again shortly", RETRY_AFTER_S)
+        self.in_flight += 1
+        gen = self.engine.generate.options(stream=True).remote(gen_req)
+        try:
+            first = await gen.__anext__()
+        except EngineRejected as e:
+            self.in_flight -= 1
+            raise APIError(400, _ray_message(e), param=None) from None
+        except Exception as e:
+            self.in_flight -= 1
+            gen.cancel()
+            if type(e).__name__ in ("BackPressureError", "DeploymentUnavailableError"):
+                raise overloaded("the engine is at capacity; try again shortly", RETRY_AFTER_S) from None
+            raise server_error(f"the engine failed: {type(e).__name__}") from None
+        return _Chunks(first, gen, self)
+
+    async def _sse(self, events: AsyncIterator[dict], include_usage: bool, turn) -> AsyncIterator[str]:
+        async for payload in events:
+            yield sse_event(payload)
+        if include_usage:
+            yield sse_event(turn.usage_chunk())
+        yield SSE_DONE
+
+    @staticmethod
+    async def _collect(turn, chunks: "_Chunks") -> dict:
+        async for _ in turn.events(chunks):
+            pass
+        return turn.response()

@@ -1,0 +1,243 @@
+"""The server's settings, built once at the edge from CLI flags and a few env vars (parsed strictly here).
+
+Precedence: a CLI flag, else its env var (only those in `ENV_VARS`), else the default. A bad value fails
+loudly with a `SettingsError` naming the flag or variable. Everything downstream gets the frozen
+`ServeSettings` value (the replica receives it as its constructor argument).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field, fields
+from typing import Literal
+
+from engine.core.engine import EngineConfig
+
+DEFAULT_MODEL_NAME = "deepseek-v4.1-flash"
+_DEFAULT_ENGINE = EngineConfig()
+
+# the env vars read at all: field -> variable (a CLI flag wins over its variable)
+ENV_VARS: dict[str, str] = {
+    "checkpoint": "DSV41_CHECKPOINT",
+    "device": "DSV41_DEVICE",
+    "cache_memory_bytes": "DSV41_CACHE_MEMORY",
+    "port": "DSV41_PORT",
+    "api_key": "DSV41_API_KEY",
+}
+
+
+class SettingsError(ValueError):
+    """A setting with a bad value; the message names the flag or env var."""
+
+
+Device = Literal["cpu", "cuda"]
+
+
+@dataclass(frozen=True, slots=True)
+class ServeSettings:
+    checkpoint: str  # folder with config.json, tokenizer files and safetensors shards, readable on every node
+    model_name: str = DEFAULT_MODEL_NAME  # the served name (the API's "model")
+    num_replicas: int = 1
+    num_shards: int = 1  # model-parallel ranks per replica (1 until the model has tensor/expert parallelism)
+    device: Device = "cpu"
+    # engine (see EngineConfig)
+    cache_memory_bytes: int = _DEFAULT_ENGINE.cache_memory_bytes
+    max_num_seqs: int = _DEFAULT_ENGINE.max_num_seqs
+    max_num_batched_tokens: int = _DEFAULT_ENGINE.max_num_batched_tokens
+    max_chunk_tokens: int | None = _DEFAULT_ENGINE.max_chunk_tokens
+    max_model_len: int | None = _DEFAULT_ENGINE.max_model_len  # None: the model's context window
+    bounded_replay: bool = _DEFAULT_ENGINE.bounded_replay
+    enable_prefix_caching: bool = _DEFAULT_ENGINE.enable_prefix_caching
+    # API
+    api_key: str | None = field(default=None, repr=False)  # None: no authentication
+    max_n: int = 8  # most choices one request may ask for
+    max_body_bytes: int = 8 << 20
+    host: str = "0.0.0.0"
+    port: int = 8000
+    # Serve
+    max_ongoing_requests: int = 64  # per replica; above max_num_seqs they wait in the engine's queue
+    replica_num_cpus: float = 1.0  # the replica process (scheduler, sampler); the device belongs to the shard
+    health_check_period_s: float = 10.0
+    graceful_shutdown_timeout_s: float = 30.0
+    request_log_file: str | None = None  # also append the request_end JSON lines to this file
+
+    def __post_init__(self) -> None:
+        def need(ok: bool, name: str, what: str) -> None:
+            if not ok:
+                raise SettingsError(f"{_flag(name)} must be {what}, got {getattr(self, name)!r}")
+
+        need(bool(self.checkpoint), "checkpoint", f"a checkpoint folder (or set {ENV_VARS['checkpoint']})")
+        need(bool(self.model_name), "model_name", "a non-empty name")
+        for name in ("num_replicas", "num_shards", "max_num_seqs", "max_num_batched_tokens", "cache_memory_bytes",
+                     "max_n", "max_body_bytes", "max_ongoing_requests"):
+            need(_is_int(getattr(self, name)) and getattr(self, name) >= 1, name, "an integer >= 1")
+        if self.num_shards != 1:
+            raise SettingsError(f"--num-shards {self.num_shards}: only 1 model-parallel shard per replica is "
+                                "supported today (the model has no tensor or expert parallelism yet); use "
+                                "--num-replicas to serve from more devices")
+        need(self.device in ("cpu", "cuda"), "device", "'cpu' or 'cuda'")
+        for name in ("bounded_replay", "enable_prefix_caching"):
+            need(isinstance(getattr(self, name), bool), name, "true or false")
+        need(self.max_chunk_tokens is None or (_is_int(self.max_chunk_tokens) and self.max_chunk_tokens >= 1),
+             "max_chunk_tokens", "an integer >= 1 or unset")
+        need(self.max_model_len is None or (_is_int(self.max_model_len) and self.max_model_len >= 2),
+             "max_model_len", "an integer >= 2 or unset")
+        need(self.api_key is None or bool(self.api_key), "api_key", "non-empty when set")
+        need(_is_int(self.port) and 1 <= self.port <= 65535, "port", "a port number in [1, 65535]")
+        need(self.replica_num_cpus > 0, "replica_num_cpus", "> 0")
+        need(self.health_check_period_s > 0, "health_check_period_s", "> 0")
+        need(self.graceful_shutdown_timeout_s >= 0, "graceful_shutdown_timeout_s", ">= 0")
+
+    def to_engine_config(self) -> EngineConfig:
+        return EngineConfig(max_num_seqs=self.max_num_seqs, max_num_batched_tokens=self.max_num_batched_tokens,
+                            max_chunk_tokens=self.max_chunk_tokens, bounded_replay=self.bounded_replay,
+                            enable_prefix_caching=self.enable_prefix_caching,
+                            cache_memory_bytes=self.cache_memory_bytes, max_model_len=self.max_model_len)
+
+    @classmethod
+    def from_cli(cls, argv: Sequence[str] | None = None, environ: Mapping[str, str] | None = None) -> "ServeSettings":
+        """Flags (see `build_parser`), then ENV_VARS from `environ` (default os.environ), then defaults."""
+        args = build_parser().parse_args(argv)
+        return cls.from_mapping({k: v for k, v in vars(args).items() if v is not None}, environ)
+
+    @classmethod
+    def from_mapping(cls, values: Mapping[str, object], environ: Mapping[str, str] | None = None) -> "ServeSettings":
+        """Field name -> value (strings are parsed, as from a Serve config's `args`), env vars filling gaps."""
+        environ = os.environ if environ is None else environ
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(values) - known)
+        if unknown:
+            raise SettingsError(f"unknown setting {unknown[0]!r} (settings: {', '.join(sorted(known))})")
+        out: dict[str, object] = {}
+        for name in known:
+            if name in values:
+                raw, where = values[name], _flag(name)
+            elif name in ENV_VARS and environ.get(ENV_VARS[name], "") != "":
+                raw, where = environ[ENV_VARS[name]], ENV_VARS[name]
+            else:
+                continue
+            out[name] = _PARSERS.get(name, _as_text)(raw, where) if isinstance(raw, str) else raw
+        if "checkpoint" not in out:
+            raise SettingsError(f"--checkpoint is required (or set {ENV_VARS['checkpoint']})")
+        if out.get("device", "auto") == "auto":
+            out["device"] = resolve_device()
+        return cls(**out)
+
+
+def resolve_device() -> Device:
+    """'auto': cuda when this process sees a GPU. On a GPU-less head node of a GPU cluster pass --device cuda."""
+    import torch
+
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """Every flag defaults to None so that `from_mapping` can tell 'not given' from a value."""
+    p = argparse.ArgumentParser(prog="dsv41-serve", description="Serve DeepSeek-V4.1 through Ray Serve.")
+    env = {name: f" (env {var})" for name, var in ENV_VARS.items()}
+    p.add_argument("--checkpoint", help="checkpoint folder, readable on every node" + env["checkpoint"])
+    p.add_argument("--model-name", help=f"served model name (default {DEFAULT_MODEL_NAME})")
+    p.add_argument("--num-replicas", help="engine replicas (default 1)")
+    p.add_argument("--num-shards", help="model-parallel ranks per replica; only 1 is supported today")
+    p.add_argument("--device", help="cpu, cuda or auto (default auto)" + env["device"])
+    p.add_argument("--cache-memory", dest="cache_memory_bytes",
+                   help="KV cache budget per replica, bytes or e.g. 40GiB" + env["cache_memory_bytes"])
+    p.add_argument("--max-num-seqs")
+    p.add_argument("--max-num-batched-tokens")
+    p.add_argument("--max-chunk-tokens")
+    p.add_argument("--max-model-len", help="context window cap (default: the model's)")
+    p.add_argument("--bounded-replay", help="true or false (default true)")
+    p.add_argument("--prefix-caching", dest="enable_prefix_caching", help="true or false (default true)")
+    p.add_argument("--api-key", help="require this bearer token" + env["api_key"])
+    p.add_argument("--max-n", help="most choices per request (default 8)")
+    p.add_argument("--max-body-bytes", help="largest request body, bytes or e.g. 8MiB")
+    p.add_argument("--host")
+    p.add_argument("--port", help="HTTP port (default 8000)" + env["port"])
+    p.add_argument("--max-ongoing-requests", help="per replica (default 64)")
+    p.add_argument("--replica-num-cpus")
+    p.add_argument("--health-check-period-s")
+    p.add_argument("--graceful-shutdown-timeout-s")
+    p.add_argument("--request-log-file", help="append the request_end JSON lines to this file too")
+    return p
+
+
+# ---- strict parsers: (raw string, where it came from) -> value --------------------------------------------
+_SIZE = re.compile(r"(\d+)\s*([KMGT]i?B?|B)?", re.IGNORECASE)
+_UNITS = {"": 1, "B": 1, "K": 10**3, "M": 10**6, "G": 10**9, "T": 10**12,
+          "KI": 1 << 10, "MI": 1 << 20, "GI": 1 << 30, "TI": 1 << 40}
+
+
+def parse_int(raw: str, where: str) -> int:
+    if not re.fullmatch(r"[+-]?\d+", raw.strip()):
+        raise SettingsError(f"{where}: expected an integer, got {raw!r}")
+    return int(raw)
+
+
+def parse_optional_int(raw: str, where: str) -> int | None:
+    return None if raw.strip().lower() in ("", "none") else parse_int(raw, where)
+
+
+def parse_float(raw: str, where: str) -> float:
+    try:
+        value = float(raw)
+    except ValueError:
+        raise SettingsError(f"{where}: expected a number, got {raw!r}") from None
+    if value != value or value in (float("inf"), float("-inf")):
+        raise SettingsError(f"{where}: expected a finite number, got {raw!r}")
+    return value
+
+
+def parse_bool(raw: str, where: str) -> bool:
+    value = raw.strip().lower()
+    if value in ("1", "true", "yes", "on"):
+        return True
+    if value in ("0", "false", "no", "off"):
+        return False
+    raise SettingsError(f"{where}: expected true or false, got {raw!r}")
+
+
+def parse_bytes(raw: str, where: str) -> int:
+    """'268435456', '256MiB', '40GiB', '1.5' is refused: whole numbers with K/M/G/T (1000) or Ki/Mi/Gi/Ti (1024)."""
+    m = _SIZE.fullmatch(raw.strip())
+    if m is None:
+        raise SettingsError(f"{where}: expected a byte count like 268435456 or 40GiB, got {raw!r}")
+    unit = (m.group(2) or "").upper().removesuffix("B")
+    return int(m.group(1)) * _UNITS[unit]
+
+
+def parse_device(raw: str, where: str) -> str:
+    value = raw.strip().lower()
+    if value not in ("cpu", "cuda", "auto"):
+        raise SettingsError(f"{where}: expected cpu, cuda or auto, got {raw!r}")
+    return value
+
+
+def parse_optional_path(raw: str, where: str) -> str | None:
+    return raw or None
+
+
+def _as_text(raw: str, where: str) -> str:
+    return raw
+
+
+_PARSERS: dict[str, Callable[[str, str], object]] = {
+    "num_replicas": parse_int, "num_shards": parse_int, "device": parse_device,
+    "cache_memory_bytes": parse_bytes, "max_num_seqs": parse_int, "max_num_batched_tokens": parse_int,
+    "max_chunk_tokens": parse_optional_int, "max_model_len": parse_optional_int,
+    "bounded_replay": parse_bool, "enable_prefix_caching": parse_bool, "max_n": parse_int,
+    "max_body_bytes": parse_bytes, "port": parse_int, "max_ongoing_requests": parse_int,
+    "replica_num_cpus": parse_float, "health_check_period_s": parse_float,
+    "graceful_shutdown_timeout_s": parse_float, "request_log_file": parse_optional_path,
+}
+
+
+def _flag(name: str) -> str:
+    return {"cache_memory_bytes": "--cache-memory", "enable_prefix_caching": "--prefix-caching"}.get(
+        name, "--" + name.replace("_", "-"))
+
+
+def _is_int(v: object) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)

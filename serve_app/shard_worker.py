@@ -1,0 +1,109 @@
+"""The model's process: a Ray actor that owns one shard's weights and paged KV pools on its device, and
+the engine-side `Executor` that sends it each step's plan.
+
+Only plain data crosses: a picklable `StepPlan` in, `StepLogits` with CPU tensors out. The actor is
+owned by the replica that made it, so it dies with the replica (and the replica's health check fails
+when the actor dies first).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+from collections.abc import Callable
+
+import ray
+import torch
+
+from engine.core.cache_manager import CacheLayout
+from engine.core.kv_cache import PagedKVCache
+from engine.core.plan import StepPlan
+from engine.core.runner import ModelRunner, StepLogits
+from engine.load import load_model
+from serve_app.settings import ServeSettings
+
+
+class ShardWorker:
+    """One model shard: weights (engine.load.load_model, no MTP), its PagedKVCache for `layout`, a ModelRunner.
+    Decorate at the use site with `ray.remote(**shard_actor_options(settings))`."""
+
+    def __init__(self, checkpoint: str, device: str, layout: CacheLayout, rank: int = 0, num_shards: int = 1):
+        if num_shards != 1:
+            raise NotImplementedError("the model has no tensor or expert parallelism yet: one shard per replica")
+        self.rank, self.device = rank, torch.device(device)
+        loaded = load_model(checkpoint, self.device, with_mtp=False, progress=False)
+        self.kv = PagedKVCache(loaded.cfg, layout, self.device)
+        self.runner = ModelRunner(loaded.model, self.kv)
+
+    def ready(self) -> dict[str, object]:
+        """Answers once the weights and pools are in place (and while a step runs: max_concurrency=2).
+        placement_group: the replica's (the actor is captured into it), None when started outside one."""
+        pg = ray.get_runtime_context().get_placement_group_id()
+        return {"rank": self.rank, "device": str(self.device), "pid": os.getpid(), "placement_group": pg,
+                "cache_bytes": self.kv.nbytes}
+
+    def memory(self) -> int:
+        """Bytes of the paged KV pools."""
+        return self.kv.nbytes
+
+    def execute(self, plan: StepPlan) -> StepLogits:
+        """One step; the logits come back on the CPU so nothing device-bound crosses the process boundary."""
+        out = self.runner.execute(plan)
+        return StepLogits(out.sample.cpu(), {i: (first, rows.cpu()) for i, (first, rows) in out.rows.items()})
+
+
+def shard_resources(settings: ServeSettings) -> dict[str, float]:
+    """What one shard actor holds: a CPU, and the GPU when the device is cuda (a placement-group bundle)."""
+    return {"CPU": 1.0, "GPU": 1.0} if settings.device == "cuda" else {"CPU": 1.0}
+
+
+def shard_actor_options(settings: ServeSettings) -> dict[str, object]:
+    # max_concurrency 2: `ready` (health pings) answers while `execute` runs; the engine itself sends
+    # one step at a time, so execute calls never overlap.
+    res = shard_resources(settings)
+    return {"num_cpus": res["CPU"], "num_gpus": res.get("GPU", 0.0), "max_concurrency": 2}
+
+
+class ShardExecutor:
+    """The engine's Executor over shard actors (one today). `execute` blocks on the actor; the AsyncEngine
+    calls it from its worker thread, never from the event loop."""
+
+    def __init__(self, actors: list[ray.actor.ActorHandle]):
+        assert len(actors) == 1, "one shard per replica until the model has tensor/expert parallelism"
+        self.actors = actors
+        self.failure: BaseException | None = None  # the first step failure (e.g. the actor died)
+
+    def execute(self, plan: StepPlan) -> StepLogits:
+        try:
+            return ray.get(self.actors[0].execute.remote(plan))
+        except BaseException as e:
+            self.failure = self.failure or e
+            raise
+
+    async def check(self, timeout_s: float) -> None:
+        """Raises if a shard actor is dead or does not answer within timeout_s (also if a step has failed)."""
+        if self.failure is not None:
+            raise RuntimeError(f"a model step failed: {self.failure!r}") from self.failure
+        await asyncio.wait_for(asyncio.gather(*(a.ready.remote() for a in self.actors)), timeout_s)
+
+    async def info(self) -> list[dict[str, object]]:
+        return list(await asyncio.gather(*(a.ready.remote() for a in self.actors)))
+
+    def shutdown(self) -> None:
+        for actor in self.actors:
+            ray.kill(actor, no_restart=True)
+        self.actors = []
+
+
+def make_shard_executor(settings: ServeSettings) -> Callable[[CacheLayout], ShardExecutor]:
+    """For LLMEngine(cfg, config, make_executor): starts the shard actors for the engine's cache layout and
+    waits until they have loaded (a load error is raised here, in the replica's constructor)."""
+
+    def make(layout: CacheLayout) -> ShardExecutor:
+        worker = ray.remote(**shard_actor_options(settings))(ShardWorker)
+        actors = [worker.remote(settings.checkpoint, settings.device, layout, rank, settings.num_shards)
+                  for rank in range(settings.num_shards)]
+        ray.get([a.ready.remote() for a in actors])
+        return ShardExecutor(actors)
+
+    return make
