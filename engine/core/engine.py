@@ -10,7 +10,7 @@ from __future__ import annotations
 import random
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Protocol
 
@@ -241,10 +241,12 @@ class LLMEngine:
             seed = (parent.seed + i * _SEED_STEP) % 2**63
             child = self._new_request(f"{parent.request_id}/{i}", parent.request_id, i, parent.prompt_ids,
                                       parent.params, seed, parent.force_ids)
+            child.stats = replace(parent.stats, first_token_time=None)  # it shares the prompt's history
             if self.scheduler.fork(parent, child):
                 forked.append(child)
-            else:
-                self.scheduler.add(child)  # no room to copy: it computes its own prompt later
+            else:  # no room to copy: it computes its own prompt later
+                child.stats = RequestStats(arrival_time=parent.stats.arrival_time)
+                self.scheduler.add(child)
         return forked
 
     def _append_tokens(self, reqs: list[Request], logits: torch.Tensor) -> list[RequestOutput]:
@@ -272,7 +274,7 @@ class LLMEngine:
         if reason is not None:
             self.requests.pop(req.request_id, None)
         return RequestOutput(req.request_id, req.fork_of or req.request_id, req.choice_index, tokens, logprobs,
-                             len(req.prompt_ids), len(req.output_ids), reason is not None, reason, req.stats)
+                             len(req.prompt_ids), len(req.output_ids), reason is not None, reason, replace(req.stats))
 
 
 def _logprob_of(lp, token: int, logits: torch.Tensor, row: int) -> float:
