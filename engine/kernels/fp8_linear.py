@@ -1,25 +1,31 @@
 """FP8 block-scaled linear with fused activation quantisation (DeepSeek's `fp8_gemm` semantics).
 
-    y[m, n] = bf16( Σ_kb ( Σ_{k in kb} qa[m, k] · qw[n, k] ) · sa[m, kb] · sw[n // 32, kb] )
+    y[m, n] = bf16( Σ_kb Σ_{k in kb} (qa[m, k] · sa[m, kb]) · (qw[n, k] · sw[n // 32, kb]) )
 
 - (qa, sa) = act_quant(x): FP8 E4M3 per 32 along K with a UE8M0 (power-of-two) scale, bit for bit
-  `engine.quant.act_quant`. For M <= 64 it is computed inside the GEMM (no extra launch); for larger M
-  the wrapper runs `fp8_act_quant` once, so each weight tile does not re-quantise every row.
+  `engine.quant.act_quant`. For decode M it is computed inside the GEMM (no extra launch); for prefill
+  M one `fp8_act_qdq` launch quantises x first, so the weight tiles do not each re-quantise it.
 - qw: FP8 E4M3 weight [N, K], one E8M0 scale per 32x32 block ([ceil(N/32), K/32]).
-- Each 32-wide K block is one FP8 tensor-core product; its fp32 result is multiplied by sa·sw (exact:
-  powers of two) and added to an fp32 accumulator in K order, as the reference kernel does. Split-K
-  programs (below) sum their partials in split order, so the result is deterministic.
+- Products: both operands are dequantised in registers. qa·sa and qw·sw are exact in bf16 (<= 4
+  significant bits times a power of two), so a bf16 tensor-core MMA with fp32 accumulation sums the
+  exact products of the reference's block sums; only the fp32 summation order differs from the
+  reference kernel (which scales each 32-block's FP8-MMA partial and accumulates in K order). FP8
+  MMAs were the first design: Hopper's FP8 MMA accumulates with ~14 bits, and even with a promotion
+  per 32-block it measured errors up to ~5e-4 · Σ|a||w| at M = 1 (hundreds of bf16 ULPs on small
+  outputs) and was no faster; the bf16 path is ~fp32-accurate and the weight still streams as FP8.
 
 Memory traffic (the floor): N·K weight bytes + N·K/1024 scale bytes + 2·M·K (x) + 2·M·N (y), plus
 8·splits·M·N bytes of fp32 partials when K is split. At decode M the weight is everything, so the
 kernel is a weight stream: swap-AB tiles put BLOCK_N weight rows on the MMA's M side and the tokens
 (padded to BLOCK_M >= 16) on its N side, and a small matrix is split along K so that a few waves of
 programs keep HBM busy. The last program of an output tile to finish (an atomic ticket) sums the
-fp32 partials and writes bf16, then resets its ticket: one launch, no memset.
+fp32 partials in split order (deterministic) and writes bf16, then resets its ticket: one launch,
+no memset.
 
 Interpreter notes (TRITON_INTERPRET=1): its fp32 -> fp8 cast misrounds when the carry reaches the
-exponent and its fp32 -> bf16 cast truncates, so the E4M3 rounding has a bit-exact integer form
-(used off-GPU) and the bf16 output is always rounded with integer round-to-nearest-even.
+exponent, its fp32 -> bf16 cast truncates and its bf16 dot is broken, so the E4M3 rounding is done in
+exact integer/fp32 steps (the same bits on the GPU), bf16 outputs are rounded with integer
+round-to-nearest-even, and the interpreter's dot takes fp32 operands (same exact products).
 """
 
 from __future__ import annotations
@@ -45,33 +51,36 @@ def _e8m0_to_fp32(u8):
 
 
 @triton.jit
-def _e4m3_exact(v):
-    """fp32 in [-448, 448] -> float8e4nv, round to nearest even, in integer and exact fp32 steps."""
+def _round_e4m3(v):
+    """fp32 in [-448, 448] -> the nearest E4M3 value (ties to even) as fp32, in exact integer/fp32 steps."""
     bits = v.to(tl.int32, bitcast=True)
     mag = bits & 0x7FFFFFFF
     e = tl.maximum(mag >> 23, 121)  # biased exponent; E4M3 subnormals share 2^-6's quantum 2^-9
-    magic = ((e + 20) << 23).to(tl.float32, bitcast=True)  # ulp(magic) = E4M3 quantum at exponent e
+    magic = ((e + 20) << 23).to(tl.float32, bitcast=True)  # ulp(magic) = the E4M3 quantum at exponent e
     r = (mag.to(tl.float32, bitcast=True) + magic) - magic  # |v| rounded to that quantum, RNE, exact
-    rb = r.to(tl.int32, bitcast=True)
-    normal = (((rb >> 23) - 120) << 3) | ((rb >> 20) & 7)
-    code = tl.where(rb >= (121 << 23), normal, (r * 512.0).to(tl.int32)) | ((bits >> 24) & 0x80)
-    return code.to(tl.uint8).to(tl.float8e4nv, bitcast=True)
+    return (r.to(tl.int32, bitcast=True) | ((bits >> 31) << 31)).to(tl.float32, bitcast=True)
 
 
 @triton.jit
-def _quant_rows(x, HW_CAST: tl.constexpr):
-    """fp32 [R, 32] -> (float8e4nv [R, 32], fp32 scales [R]) exactly as engine.quant.act_quant."""
-    amax = tl.maximum(tl.max(tl.abs(x), axis=1), 1e-4)
+def _e4m3_code(r):
+    """E4M3-representable fp32 -> its uint8 code (sign, 4-bit exponent biased 7, 3-bit mantissa)."""
+    rb = r.to(tl.int32, bitcast=True)
+    mag = rb & 0x7FFFFFFF
+    normal = (((mag >> 23) - 120) << 3) | ((mag >> 20) & 7)
+    subnormal = (tl.minimum(mag, 121 << 23).to(tl.float32, bitcast=True) * 512.0).to(tl.int32)  # k 2^-9 -> k
+    return (tl.where(mag >= (121 << 23), normal, subnormal) | ((rb >> 24) & 0x80)).to(tl.uint8)
+
+
+@triton.jit
+def _quant_blocks(x):
+    """fp32 [R, G, 32] -> (E4M3 values as fp32 [R, G, 32], UE8M0 scales fp32 [R, G]): act_quant's math."""
+    amax = tl.maximum(tl.max(tl.abs(x), axis=2), 1e-4)
     y = (amax * _INV_FP8_MAX).to(tl.int32, bitcast=True)
     e = ((y >> 23) & 0xFF) + ((y & 0x7FFFFF) != 0).to(tl.int32)  # 2^ceil(log2 y) from the bits
     s = (e << 23).to(tl.float32, bitcast=True)
-    inv_s = ((254 - e) << 23).to(tl.float32, bitcast=True)  # 1/s, exact, so x * inv_s == x / s
-    v = tl.minimum(tl.maximum(x * inv_s[:, None], -448.0), 448.0)
-    if HW_CAST:
-        q = v.to(tl.float8e4nv)  # cvt.rn.satfinite: RNE, the same bits as _e4m3_exact
-    else:
-        q = _e4m3_exact(v)
-    return q, s
+    inv_s = ((254 - e) << 23).to(tl.float32, bitcast=True)  # 1/s exactly, so x * inv_s == x / s
+    v = tl.minimum(tl.maximum(x * inv_s[:, :, None], -448.0), 448.0)
+    return _round_e4m3(v), s
 
 
 @triton.jit
@@ -82,23 +91,27 @@ def _bf16_bits(x):
 
 
 @triton.jit
-def _act_quant_kernel(x_ptr, q_ptr, s_ptr, R, K, BLOCK_R: tl.constexpr, HW_CAST: tl.constexpr):
+def _act_quant_kernel(x_ptr, q_ptr, s_ptr, R, K, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, QDQ: tl.constexpr):
     rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
-    kb = tl.program_id(1)
-    cols = kb * 32 + tl.arange(0, 32)
-    ok = rows < R
+    cols = tl.program_id(1) * BLOCK_K + tl.arange(0, BLOCK_K)
+    ok = (rows < R)[:, None]
     offs = rows[:, None] * K + cols[None, :]
-    q, s = _quant_rows(tl.load(x_ptr + offs, mask=ok[:, None], other=0.0).to(tl.float32), HW_CAST)
-    tl.store(q_ptr + offs, q, mask=ok[:, None])
-    tl.store(s_ptr + rows * (K // 32) + kb, s, mask=ok)
+    x = tl.load(x_ptr + offs, mask=ok, other=0.0).to(tl.float32)
+    q, s = _quant_blocks(tl.reshape(x, (BLOCK_R, BLOCK_K // 32, 32)))
+    if QDQ:  # bf16 q * s (exact), the prefill GEMM's input
+        tl.store(q_ptr + offs, _bf16_bits(tl.reshape(q * s[:, :, None], (BLOCK_R, BLOCK_K))), mask=ok)
+    else:
+        tl.store(q_ptr + offs, tl.reshape(_e4m3_code(q), (BLOCK_R, BLOCK_K)), mask=ok)
+        s_cols = tl.program_id(1) * (BLOCK_K // 32) + tl.arange(0, BLOCK_K // 32)
+        tl.store(s_ptr + rows[:, None] * (K // 32) + s_cols[None, :], s, mask=ok)
 
 
 @triton.jit
 def _fp8_linear_kernel(
-    x_ptr, xs_ptr, w_ptr, ws_ptr, y_ptr, part_ptr, ticket_ptr,
-    M, N, K, blocks_per_split, num_splits,
-    BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr, SUB: tl.constexpr,
-    QUANT_X: tl.constexpr, HW_CAST: tl.constexpr,
+    x_ptr, w_ptr, ws_ptr, y_ptr, part_ptr, ticket_ptr,
+    M, N, K, k_per_split, num_splits,
+    BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
+    QUANT_X: tl.constexpr, DOT_F32: tl.constexpr,
 ):
     # program id -> (n tile, split, m tile), m fastest: the splits of one tile run side by side
     pid = tl.program_id(0)
@@ -108,31 +121,32 @@ def _fp8_linear_kernel(
     pid_n = pid // (num_m_tiles * num_splits)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    offs_k = tl.arange(0, 32)
+    offs_k = tl.arange(0, BLOCK_K)
     # clamped rows: loads need no mask (rows past the end repeat the last one and are not stored)
     rows_n = tl.minimum(offs_n, N - 1)
     rows_m = tl.minimum(offs_m, M - 1)
-    num_kb = K // 32
-    kb_lo = pid_k * blocks_per_split
-    kb_hi = tl.minimum(kb_lo + blocks_per_split, num_kb)  # both multiples of SUB (host contract)
+    k_lo = pid_k * k_per_split
+    k_hi = tl.minimum(k_lo + k_per_split, K)  # both multiples of BLOCK_K (host contract)
 
-    w_ptrs = w_ptr + rows_n[:, None] * K + offs_k[None, :]  # [BN, 32] fp8
-    x_ptrs = x_ptr + rows_m[:, None] * K + offs_k[None, :]  # [BM, 32] bf16 (QUANT_X) or fp8
-    ws_ptrs = ws_ptr + (rows_n // 32) * num_kb  # [BN] E8M0 codes of this row's 32x32 blocks
-    xs_ptrs = xs_ptr + rows_m * num_kb  # [BM] fp32 act scales (not QUANT_X)
-    acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
-    for kb0 in range(kb_lo, kb_hi, SUB):
-        for j in tl.static_range(SUB):
-            kb = kb0 + j
-            w = tl.load(w_ptrs + kb * 32)
-            if QUANT_X:
-                q, sa = _quant_rows(tl.load(x_ptrs + kb * 32).to(tl.float32), HW_CAST)
-            else:
-                q = tl.load(x_ptrs + kb * 32)
-                sa = tl.load(xs_ptrs + kb)
-            sw = _e8m0_to_fp32(tl.load(ws_ptrs + kb))
-            part = tl.dot(w, tl.trans(q))  # [BN, BM] fp32: one 32-deep block product
-            acc += part * (sw[:, None] * sa[None, :])
+    w_ptrs = w_ptr + rows_n[:, None] * K + offs_k[None, :]  # [BN, BK] fp8
+    x_ptrs = x_ptr + rows_m[:, None] * K + offs_k[None, :]  # [BM, BK] bf16: x (QUANT_X) or its QDQ
+    ws_ptrs = ws_ptr + (rows_n // 32)[:, None] * (K // 32) + tl.arange(0, BLOCK_K // 32)[None, :]  # [BN, G]
+    acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+    for k in range(k_lo, k_hi, BLOCK_K):
+        # dequantise in registers: qw * sw and q * sa are exact in bf16 (<= 4 significant bits, power-of-two
+        # scales), so one 16-bit MMA with fp32 accumulation sums the exact block products
+        sw = _e8m0_to_fp32(tl.load(ws_ptrs + k // 32))  # [BN, G]
+        w = tl.reshape(tl.load(w_ptrs + k).to(tl.float32), (BLOCK_N, BLOCK_K // 32, 32)) * sw[:, :, None]
+        w = tl.reshape(w, (BLOCK_N, BLOCK_K))
+        if QUANT_X:
+            q, sa = _quant_blocks(tl.reshape(tl.load(x_ptrs + k).to(tl.float32), (BLOCK_M, BLOCK_K // 32, 32)))
+            xq = tl.reshape(q * sa[:, :, None], (BLOCK_M, BLOCK_K))
+        else:
+            xq = tl.load(x_ptrs + k)
+        if DOT_F32:  # the interpreter: no bf16 arithmetic there
+            acc = tl.dot(w, tl.trans(xq.to(tl.float32)), acc, input_precision="ieee")
+        else:
+            acc = tl.dot(w.to(tl.bfloat16), tl.trans(xq.to(tl.bfloat16)), acc)
 
     mask = (offs_n < N)[:, None] & (offs_m < M)[None, :]
     out = offs_m[None, :] * N + offs_n[:, None]  # [BN, BM] into row-major [M, N]
@@ -144,7 +158,7 @@ def _fp8_linear_kernel(
         ticket = tl.atomic_add(ticket_ptr + pid_n * num_m_tiles + pid_m, 1, sem="acq_rel")
         if ticket == num_splits - 1:  # the last split of this tile to finish: reduce in split order
             tl.debug_barrier()
-            total = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
+            total = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
             for s in range(num_splits):
                 total += tl.load(part_ptr + s * M * N + out, mask=mask, other=0.0, cache_modifier=".cg")
             tl.store(y_ptr + out, _bf16_bits(total), mask=mask)
@@ -153,13 +167,16 @@ def _fp8_linear_kernel(
 
 @dataclass(frozen=True, slots=True)
 class Fp8LinearConfig:
-    """Launch shape. split_k is a request: the K blocks per split are rounded to the unroll (SUB)."""
+    """Launch shape. block_k is halved until it divides K; split_k is a request (K per split is rounded
+    to block_k). fuse_quant: quantise x inside the GEMM (else one fp8_act_qdq launch first)."""
 
     block_n: int
     block_m: int
+    block_k: int
     split_k: int
     num_warps: int
     num_stages: int
+    fuse_quant: bool
 
 
 def _cdiv(a: int, b: int) -> int:
@@ -171,15 +188,22 @@ def _num_sms(device: torch.device) -> int:
 
 
 def pick_config(m: int, n: int, k: int, num_sms: int = 132) -> Fp8LinearConfig:
-    """Decode (m <= 64): 64-row weight tiles, K split until ~4 waves of programs stream the weight,
-    capped so the fp32 partials stay under a quarter of the weight bytes. Prefill: 128x128 tiles."""
+    """Launch shape by M (tuned with `benchmarks/kernels.py --sweep` on an H200, 2026-11-30).
+
+    - m <= 16: x quantised inside the GEMM; 128-row weight tiles on 8 warps; K split until ~2 waves
+      of programs stream the weight (fp32 partials capped at a quarter of the weight bytes).
+    - 16 < m <= 64: x quantised once by fp8_act_qdq (re-quantising 64 rows per weight tile made the
+      fused form 2x slower); 64-row tiles; partials capped at the weight bytes.
+    - m > 64 (prefill): x quantised once, 128x128 tiles.
+    """
     if m > 64:
-        return Fp8LinearConfig(block_n=128, block_m=128, split_k=1, num_warps=8, num_stages=3)
-    block_m = 16 if m <= 16 else 32 if m <= 32 else 64
-    block_n = 64
+        return Fp8LinearConfig(128, 128, 64, 1, num_warps=8, num_stages=3, fuse_quant=False)
+    fused = m <= 16
+    block_n, block_m = (128, 16) if fused else (64, 32 if m <= 32 else 64)
     tiles = _cdiv(n, block_n) * _cdiv(m, block_m)
-    split = max(1, min(4 * num_sms // tiles, k // (32 * m)))
-    return Fp8LinearConfig(block_n=block_n, block_m=block_m, split_k=split, num_warps=4, num_stages=4)
+    split = max(1, min(2 * num_sms // tiles, k // ((32 if fused else 8) * m)))
+    return Fp8LinearConfig(block_n, block_m, 128, split, num_warps=8 if fused else 4, num_stages=3,
+                           fuse_quant=fused)
 
 
 def _tickets(device: torch.device) -> Tensor:
@@ -190,32 +214,51 @@ def _tickets(device: torch.device) -> Tensor:
     return _TICKETS[device]
 
 
-def fp8_act_quant(x: Tensor, *, hw_cast: bool | None = None) -> tuple[Tensor, Tensor]:
-    """Kernel form of engine.quant.act_quant: bf16 [..., K] -> (float8_e4m3fn [..., K], fp32 [..., K/32]).
+def _block_k(k: int, want: int = 128) -> int:
+    while k % want:
+        want //= 2
+    return want
 
-    hw_cast: round with the GPU's fp32 -> e4m3 conversion (default on CUDA) or the integer form
-    (default elsewhere: the interpreter misrounds); both give act_quant's bits.
-    """
+
+def _act_quant_launch(x2: Tensor, qdq: bool) -> tuple[Tensor, Tensor]:
+    r, k = x2.shape
+    assert k % BLOCK == 0, f"last dim {k} is not a multiple of {BLOCK}"
+    if qdq:
+        q, s = torch.empty(r, k, dtype=torch.bfloat16, device=x2.device), x2  # s unused
+    else:
+        q = torch.empty(r, k, dtype=torch.float8_e4m3fn, device=x2.device)
+        s = torch.empty(r, k // BLOCK, dtype=torch.float32, device=x2.device)
+    if r:
+        block_r, block_k = 16, _block_k(k)
+        _act_quant_kernel[(_cdiv(r, block_r), k // block_k)](
+            x2, q.view(torch.int16) if qdq else q.view(torch.uint8), s, r, k,
+            BLOCK_R=block_r, BLOCK_K=block_k, QDQ=qdq)
+    return q, s
+
+
+def fp8_act_quant(x: Tensor) -> tuple[Tensor, Tensor]:
+    """Kernel form of engine.quant.act_quant (same bits): bf16 [..., K] -> (float8_e4m3fn [..., K],
+    fp32 scales [..., K/32])."""
     assert x.dtype == torch.bfloat16, f"x must be bf16, got {x.dtype}"
     assert x.is_contiguous(), f"x must be contiguous, got strides {x.stride()}"
     k = x.size(-1)
-    assert k % BLOCK == 0, f"last dim {k} is not a multiple of {BLOCK}"
-    x2 = x.view(-1, k)
-    q = torch.empty(x2.shape, dtype=torch.float8_e4m3fn, device=x.device)
-    s = torch.empty(x2.size(0), k // BLOCK, dtype=torch.float32, device=x.device)
-    if x2.size(0):
-        block_r = 16
-        hw = x.is_cuda if hw_cast is None else hw_cast
-        _act_quant_kernel[(_cdiv(x2.size(0), block_r), k // BLOCK)](x2, q, s, x2.size(0), k, BLOCK_R=block_r,
-                                                                    HW_CAST=hw)
+    q, s = _act_quant_launch(x.view(-1, k), qdq=False)
     return q.view(x.shape), s.view(*x.shape[:-1], k // BLOCK)
+
+
+def fp8_act_qdq(x: Tensor) -> Tensor:
+    """Kernel form of engine.quant.act_quant_qdq (same bits): bf16 [..., K] -> bf16 q * s [..., K]."""
+    assert x.dtype == torch.bfloat16, f"x must be bf16, got {x.dtype}"
+    assert x.is_contiguous(), f"x must be contiguous, got strides {x.stride()}"
+    return _act_quant_launch(x.view(-1, x.size(-1)), qdq=True)[0].view(x.shape)
 
 
 def fp8_linear(x: Tensor, weight: Tensor, scale: Tensor, config: Fp8LinearConfig | None = None) -> Tensor:
     """y = act_quant(x) @ weight^T with per-block scales: bf16 [..., K] x FP8 [N, K] -> bf16 [..., N].
 
     weight float8_e4m3fn [N, K] (K % 32 == 0), scale float8_e8m0fnu [ceil(N/32), K/32]; all contiguous
-    and on one device. Within `assert_fp8_linear_close`'s tolerance of `fp8_linear_ref`.
+    and on one device. Matches fp8_linear_ref to fp32 summation order (the tolerance is stated in
+    tests/kernels/test_fp8_linear.py). Not safe to run concurrently on two streams (split-K tickets).
     """
     assert x.dtype == torch.bfloat16, f"x must be bf16, got {x.dtype}"
     assert weight.dtype == torch.float8_e4m3fn and weight.dim() == 2, (
@@ -235,17 +278,11 @@ def fp8_linear(x: Tensor, weight: Tensor, scale: Tensor, config: Fp8LinearConfig
     if m == 0:
         return y.view(*x.shape[:-1], n)
     cfg = config or pick_config(m, n, k, _num_sms(x.device))
-    num_kb = k // BLOCK
-    sub = 4 if num_kb % 4 == 0 else 2 if num_kb % 2 == 0 else 1
-    blocks_per_split = sub * _cdiv(num_kb, max(1, cfg.split_k) * sub)
-    num_splits = _cdiv(num_kb, blocks_per_split)
+    block_k = _block_k(k, cfg.block_k)
+    k_per_split = block_k * _cdiv(k // block_k, max(1, cfg.split_k))
+    num_splits = _cdiv(k, k_per_split)
     tiles = _cdiv(n, cfg.block_n) * _cdiv(m, cfg.block_m)
-    hw = x.is_cuda
-    quant_x = m <= 64
-    if quant_x:
-        xq, xs = x2, x2  # xs unused
-    else:
-        xq, xs = fp8_act_quant(x2, hw_cast=hw)
+    xq = x2 if cfg.fuse_quant else fp8_act_qdq(x2)
     tickets = _tickets(x.device)
     if num_splits > 1:
         assert tiles <= _MAX_TICKETS, f"{tiles} tiles exceed the {_MAX_TICKETS} split-K tickets"
@@ -253,10 +290,10 @@ def fp8_linear(x: Tensor, weight: Tensor, scale: Tensor, config: Fp8LinearConfig
     else:
         part = tickets.view(torch.float32)  # not read or written without a split
     _fp8_linear_kernel[(tiles * num_splits,)](
-        xq, xs, weight, scale.view(torch.uint8), y.view(torch.int16), part, tickets,
-        m, n, k, blocks_per_split, num_splits,
-        BLOCK_N=cfg.block_n, BLOCK_M=cfg.block_m, SUB=sub, QUANT_X=quant_x, HW_CAST=hw,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        xq, weight, scale.view(torch.uint8), y.view(torch.int16), part, tickets,
+        m, n, k, k_per_split, num_splits,
+        BLOCK_N=cfg.block_n, BLOCK_M=cfg.block_m, BLOCK_K=block_k, QUANT_X=cfg.fuse_quant,
+        DOT_F32=not x.is_cuda, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     return y.view(*x.shape[:-1], n)
 

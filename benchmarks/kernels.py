@@ -1,0 +1,270 @@
+"""Kernel benchmarks on one CUDA GPU, with the baselines measured in the same run.
+
+    python benchmarks/kernels.py [--only fp8_linear] [--sweep]
+
+Timing (all kernels and baselines alike): one CUDA graph holds many back-to-back calls, each reading
+its own copy of the inputs (enough copies to exceed 4x the L2, so weights stream from HBM as in a
+decode step); per-call time = median graph replay time / calls. Graphs remove host launch overhead
+(a served decode step is graph-captured too) but keep each kernel's own start-up and tail.
+Rates: bytes moved = the minimum traffic (each input read once, the output written once), reported
+as TB/s and as % of the device-to-device copy bandwidth measured at the start of the run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import statistics
+import sys
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from engine.kernels.fp8_linear import Fp8LinearConfig, fp8_linear, fp8_linear_ref, pick_config  # noqa: E402
+from engine.presets import full_config  # noqa: E402
+from engine.quant import act_quant, dequant_fp8_weight, quant_fp8_weight  # noqa: E402
+
+M_VALUES = (1, 2, 4, 8, 16, 64, 512)
+
+
+def graph_time_us(calls: list[Callable[[], object]], replays: int = 10) -> float:
+    """Median per-call time of `calls` captured back to back in one CUDA graph (microseconds)."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):  # compile, allocate, pick algorithms outside the capture
+        for f in calls[:3]:
+            f()
+    torch.cuda.current_stream().wait_stream(side)
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        for f in calls:
+            f()
+    g.replay()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(replays):
+        t0, t1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        t0.record()
+        g.replay()
+        t1.record()
+        t1.synchronize()
+        times.append(t0.elapsed_time(t1) * 1e3 / len(calls))
+    del g
+    return statistics.median(times)
+
+
+def copy_bandwidth() -> float:
+    """Device-to-device copy rate, bytes read + written per second: 2 GiB copied by torch's copy kernel,
+    timed with events outside a graph (a captured copy becomes a copy-engine node, ~2.8 TB/s here)."""
+    src = torch.randint(0, 255, (1 << 29,), dtype=torch.int32, device="cuda")
+    dst = torch.empty_like(src)
+    for _ in range(3):
+        dst.copy_(src)
+    t0, t1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    t0.record()
+    for _ in range(20):
+        dst.copy_(src)
+    t1.record()
+    t1.synchronize()
+    return 20 * 2 * src.numel() * 4 / (t0.elapsed_time(t1) * 1e-3)
+
+
+def _copies(bytes_each: int) -> int:
+    l2 = torch.cuda.get_device_properties(0).L2_cache_size
+    return max(2, min(128, math.ceil(4 * l2 / bytes_each)))
+
+
+def _calls(make: Callable[[int], Callable[[], object]], copies: int) -> list[Callable[[], object]]:
+    return [make(i % copies) for i in range(max(copies, 32))]
+
+
+# --- fp8_linear -------------------------------------------------------------------------------------------------
+
+def fp8_shapes() -> dict[str, tuple[int, int]]:
+    """(N, K) = (out, in) of the FP8 linears of one decoder layer, from the released config."""
+    c = full_config()
+    return {
+        "wq_a": (c.q_lora_rank, c.dim),
+        "wq_b": (c.n_heads * c.head_dim, c.q_lora_rank),
+        "wkv": (c.head_dim, c.dim),
+        "wo_b": (c.dim, c.o_groups * c.o_lora_rank),
+        "shared w1/w3": (c.moe_inter_dim, c.dim),
+        "shared w2": (c.dim, c.moe_inter_dim),
+    }
+
+
+def _weights(n: int, k: int, copies: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    qw, sw = quant_fp8_weight(torch.randn(n, k, device="cuda") * 0.02)
+    return [(qw.clone(), sw.clone()) for _ in range(copies)]
+
+
+def _x(m: int, k: int) -> torch.Tensor:
+    return torch.randn(m, k, device="cuda").bfloat16()
+
+
+def _fp8_bytes(m: int, n: int, k: int) -> int:
+    return n * k + math.ceil(n / 32) * (k // 32) + 2 * m * k + 2 * m * n
+
+
+def scaled_mm_probes(n: int = 1280, k: int = 5120, m: int = 64) -> dict[str, str]:
+    """Which torch._scaled_mm scalings run on this device (first line of the error otherwise)."""
+    x, (qw, sw) = _x(m, k), _weights(n, k, 1)[0]
+    qa, sa = act_quant(x)
+    swf = sw.float()
+    e8 = torch.float8_e8m0fnu
+    tries = {
+        "1x32 fp32 scales (these numerics)": lambda: torch._scaled_mm(
+            qa, qw.t(), scale_a=sa, scale_b=swf.t().contiguous(), out_dtype=torch.bfloat16),
+        "1x32 E8M0 (MXFP8)": lambda: torch._scaled_mm(
+            qa, qw.t(), scale_a=sa.to(e8), scale_b=swf.repeat_interleave(32, 0).to(e8), out_dtype=torch.bfloat16),
+    }
+    for a_name, sa128 in (("[M,K/128]", torch.ones(m, k // 128, device="cuda")),
+                          ("[M,K/128] M-major", torch.ones(k // 128, m, device="cuda").t())):
+        for b_name, sb128 in (("[K/128,N/128]", torch.ones(k // 128, n // 128, device="cuda")),
+                              ("[K/128,N/128] N-major", torch.ones(n // 128, k // 128, device="cuda").t()),
+                              ("[N/128,K/128]", torch.ones(n // 128, k // 128, device="cuda"))):
+            tries[f"1x128 x 128x128 fp32, scales {a_name} {b_name}"] = (
+                lambda sa128=sa128, sb128=sb128: torch._scaled_mm(qa, qw.t(), scale_a=sa128, scale_b=sb128,
+                                                                   out_dtype=torch.bfloat16))
+    out = {}
+    for name, f in tries.items():
+        try:
+            f()
+            torch.cuda.synchronize()
+            out[name] = "runs"
+        except Exception as e:  # noqa: BLE001 - reported, not swallowed
+            out[name] = f"{type(e).__name__}: {str(e).strip().splitlines()[0][:160]}"
+    return out
+
+
+def _time_fp8(m, n, k, wts, cfg: Fp8LinearConfig | None = None) -> float:
+    xs = [_x(m, k) for _ in range(4)]
+    return graph_time_us(_calls(lambda i: lambda: fp8_linear(xs[i % 4], *wts[i], cfg), len(wts)))
+
+
+def bench_fp8_linear(copy_bw: float) -> None:
+    print("\n## fp8_linear: torch._scaled_mm on this device")
+    probes = scaled_mm_probes()
+    for name, status in probes.items():
+        print(f"- {name}: {status}")
+
+    print("\n## fp8_linear: accuracy vs fp8_linear_ref")
+    print("| matrix | M | elements within 1 bf16 ULP | max (err - 1 ULP)+ / S (S = Σ|a||w|) |")
+    print("|---|---|---|---|")
+    for name, (n, k) in fp8_shapes().items():
+        qw, sw = _weights(n, k, 1)[0]
+        s_w = dequant_fp8_weight(qw, sw).abs().T
+        for m in (1, 64, 512):
+            x = _x(m, k)
+            y, ref = fp8_linear(x, qw, sw).float(), fp8_linear_ref(x, qw, sw).float()
+            ulp = torch.ldexp(torch.ones_like(ref), torch.frexp(ref.abs().clamp_min(2.0**-100))[1] - 8)
+            q, s = act_quant(x)
+            big_s = (q.float() * s.repeat_interleave(32, 1)).abs() @ s_w
+            err = (y - ref).abs()
+            within = (err <= ulp).float().mean().item()
+            print(f"| {name} | {m} | {100 * within:.3f}% | {((err - ulp).clamp_min(0) / big_s).max().item():.2e} |")
+
+    print("\n## fp8_linear: time per call (CUDA graph replay, weights from HBM)")
+    print(f"copy bandwidth measured in this run: {copy_bw / 1e12:.2f} TB/s (read + write)\n")
+    head = "| matrix (N x K) | M | fp8_linear us | bytes | TB/s | % copy BW | cuBLAS bf16 us (TB/s) | speedup |"
+    head += " _scaled_mm per-tensor us | config |"
+    print(head)
+    print("|" + "---|" * (head.count("|") - 1))
+    for name, (n, k) in fp8_shapes().items():
+        wts = _weights(n, k, _copies(n * k))
+        bf = [dequant_fp8_weight(*wts[0]).bfloat16() for _ in range(_copies(2 * n * k))]
+        one = torch.ones((), device="cuda")
+        for m in M_VALUES:
+            us = _time_fp8(m, n, k, wts)
+            nbytes = _fp8_bytes(m, n, k)
+            x = _x(m, k)
+            cublas = graph_time_us(_calls(lambda i: lambda: F.linear(x, bf[i]), len(bf)))
+            cublas_bytes = 2 * (n * k + m * k + m * n)
+            xf8 = x.to(torch.float8_e4m3fn)
+            try:
+                smm = f"{graph_time_us(_calls(lambda i: lambda: torch._scaled_mm(xf8, wts[i][0].t(), scale_a=one, scale_b=one, out_dtype=torch.bfloat16), len(wts))):.1f}"  # noqa: E501
+            except Exception as e:  # noqa: BLE001 - reported in the table
+                smm = type(e).__name__
+            row = (f"| {name} ({n}x{k}) | {m} | {us:.1f} | {nbytes / 1e6:.2f} MB | {nbytes / us / 1e6:.2f} | "
+                   f"{100 * nbytes / (us * 1e-6) / copy_bw:.0f}% | {cublas:.1f} ({cublas_bytes / cublas / 1e6:.2f}) | "
+                   f"{cublas / us:.2f}x | {smm} |")
+            cfg = pick_config(m, n, k, torch.cuda.get_device_properties(0).multi_processor_count)
+            row += f" {_cfg_name(cfg)} |"
+            print(row, flush=True)
+        del wts, bf
+
+
+def _cfg_name(c: Fp8LinearConfig) -> str:
+    return (f"{c.block_n}x{c.block_m}x{c.block_k} split {c.split_k} w{c.num_warps} s{c.num_stages}"
+            + ("" if c.fuse_quant else " prequant"))
+
+
+def sweep_fp8_linear() -> None:
+    """Launch shapes around the heuristic, for tuning pick_config."""
+    print("\n## fp8_linear sweep (us per call; auto = pick_config)")
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    for name in ("wq_a", "wq_b", "wkv", "wo_b"):
+        n, k = fp8_shapes()[name]
+        wts = _weights(n, k, _copies(n * k))
+        for m in (1, 8, 64):
+            auto = pick_config(m, n, k, sms)
+            results = {"auto": _time_fp8(m, n, k, wts)}
+            shapes = [(32, 128, 4, 3), (64, 128, 4, 3), (64, 256, 4, 3), (128, 128, 4, 3), (128, 128, 8, 3),
+                      (256, 128, 8, 3), (64, 128, 4, 5), (64, 64, 4, 4)]
+            for bn, bk, warps, stages in shapes:
+                for mult in (0.5, 1, 2):
+                    split = max(1, round(auto.split_k * mult * 64 / bn))
+                    cfg = Fp8LinearConfig(bn, auto.block_m, bk, split, warps, stages, True)
+                    try:
+                        results[_cfg_name(cfg)] = _time_fp8(m, n, k, wts, cfg)
+                    except Exception as e:  # noqa: BLE001 - reported
+                        print(f"  {name} M={m} {cfg}: {type(e).__name__}: {str(e).splitlines()[0][:120]}")
+            pre = Fp8LinearConfig(auto.block_n, auto.block_m, auto.block_k, auto.split_k, auto.num_warps,
+                                  auto.num_stages, False)
+            results[_cfg_name(pre)] = _time_fp8(m, n, k, wts, pre)
+            best = sorted(results.items(), key=lambda kv: kv[1])[:5]
+            print(f"- {name} M={m}: auto ({_cfg_name(auto)}) {results['auto']:.1f} us; best "
+                  + "; ".join(f"{c}: {t:.1f}" for c, t in best), flush=True)
+        del wts
+    n, k = fp8_shapes()["wq_b"]
+    wts = _weights(n, k, _copies(n * k))
+    for m in (512, 4096):
+        res = {}
+        for bn, bm, bk, warps, stages in ((128, 128, 64, 8, 3), (128, 128, 128, 8, 3), (128, 64, 64, 4, 4),
+                                          (256, 128, 64, 8, 3), (128, 256, 64, 8, 3)):
+            cfg = Fp8LinearConfig(bn, bm, bk, 1, warps, stages, False)
+            try:
+                res[_cfg_name(cfg)] = us = _time_fp8(m, n, k, wts, cfg)
+            except Exception as e:  # noqa: BLE001 - reported
+                print(f"  wq_b M={m} {cfg}: {type(e).__name__}: {str(e).splitlines()[0][:120]}")
+        print(f"- wq_b M={m} (prefill): " + "; ".join(
+            f"{c}: {t:.1f} us {2 * m * n * k / t / 1e6:.0f} TFLOP/s" for c, t in sorted(res.items(), key=lambda kv: kv[1])))
+
+
+BENCHES = {"fp8_linear": bench_fp8_linear}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--only", choices=sorted(BENCHES), help="run one kernel's benchmark")
+    parser.add_argument("--sweep", action="store_true", help="also sweep fp8_linear launch shapes")
+    args = parser.parse_args()
+    assert torch.cuda.is_available(), "benchmarks/kernels.py needs a CUDA GPU"
+    props = torch.cuda.get_device_properties(0)
+    print(f"# {props.name}, {props.multi_processor_count} SMs, L2 {props.L2_cache_size >> 20} MiB, "
+          f"torch {torch.__version__}")
+    bw = copy_bandwidth()
+    if args.sweep:
+        sweep_fp8_linear()
+    for name, bench in BENCHES.items():
+        if args.only in (None, name):
+            bench(bw)
+
+
+if __name__ == "__main__":
+    main()
