@@ -35,7 +35,7 @@ SHARD_PING_TIMEOUT_S = 20.0
 
 @dataclass(slots=True)
 class _Choice:
-    stats: RequestStats | None = None  # the engine's record (updated by the engine thread)
+    stats: RequestStats | None = None  # a copy of the engine's record as of the latest output
     num_prompt_tokens: int = 0
     num_output_tokens: int = 0
     last_token_time: float | None = None
@@ -159,8 +159,7 @@ class EngineReplica:
         now = time.monotonic()
         choice = group.choices.setdefault(out.choice_index, _Choice())
         is_first = choice.stats is None
-        if is_first:
-            choice.stats, choice.num_prompt_tokens = out.stats, out.num_prompt_tokens
+        choice.stats, choice.num_prompt_tokens = out.stats, out.num_prompt_tokens  # each output carries a fresh copy
         inter_token = None if choice.last_token_time is None else now - choice.last_token_time
         choice.last_token_time, choice.num_output_tokens = now, out.num_output_tokens
         if is_first and out.choice_index == 0:

@@ -12,9 +12,11 @@ import asyncio
 import os
 from collections.abc import Callable
 
+import numpy as np
 import ray
 import torch
 
+from engine.core import kv_blocks
 from engine.core.cache_manager import CacheLayout
 from engine.core.kv_cache import PagedKVCache
 from engine.core.plan import StepPlan
@@ -51,6 +53,13 @@ class ShardWorker:
         out = self.runner.execute(plan)
         return StepLogits(out.sample.cpu(), {i: (first, rows.cpu()) for i, (first, rows) in out.rows.items()})
 
+    def read_blocks(self, block_ids: list[int]) -> np.ndarray:
+        """Global blocks' flat records on the host, uint8 [n, block_bytes] (engine/core/kv_blocks.py)."""
+        return kv_blocks.read_blocks(self.kv, block_ids)
+
+    def write_blocks(self, block_ids: list[int], data: np.ndarray) -> None:
+        kv_blocks.write_blocks(self.kv, block_ids, data)
+
 
 def shard_resources(settings: ServeSettings) -> dict[str, float]:
     """What one shard actor holds: a CPU, and the GPU when the device is cuda (a placement-group bundle)."""
@@ -79,6 +88,12 @@ class ShardExecutor:
         except BaseException as e:
             self.failure = self.failure or e
             raise
+
+    def read_blocks(self, block_ids: list[int]) -> np.ndarray:
+        return ray.get(self.actors[0].read_blocks.remote(block_ids))
+
+    def write_blocks(self, block_ids: list[int], data: np.ndarray) -> None:
+        ray.get(self.actors[0].write_blocks.remote(block_ids, data))
 
     async def check(self, timeout_s: float) -> None:
         """Raises if a shard actor is dead or does not answer within timeout_s (also if a step has failed)."""

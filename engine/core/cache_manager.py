@@ -129,6 +129,48 @@ class KVCacheManager:
         req.stats.num_cached_tokens = hit.num_tokens
         return True
 
+    # ---- cross-replica sharing (engine/core/kv_blocks.py moves the bytes) ---------------------------
+    def cached_prefix(self, token_ids: list[int]) -> tuple[int, list[int], list[bytes]]:
+        """(num_tokens, block_ids, hashes): the longest run of token_ids' full blocks held here
+        (cached or in use), from block 0. Changes nothing; read the blocks before the next step."""
+        if not self.enable_prefix_caching:
+            return 0, [], []
+        hashes = block_hashes(token_ids, self.layout.global_block_size, self.salt)
+        blocks = []
+        for h in hashes:
+            block = self.global_pool.lookup(h)
+            if block is None:
+                break
+            blocks.append(block)
+        return len(blocks) * self.layout.global_block_size, blocks, hashes[:len(blocks)]
+
+    def import_prefix(self, hashes: list[bytes]) -> list[int | None]:
+        """Make room for pulled blocks: per leading hash, None if a block here already holds it, else a
+        fresh block now registered under it and cached (ref 0). Stops at the first hash that no free
+        block is left for, so the result may be shorter than hashes. The caller must write every
+        returned block before the next step (a hit may take them from then on)."""
+        if not self.enable_prefix_caching:
+            return []
+        held = [self.global_pool.lookup(h) for h in hashes]
+        self.global_pool.acquire([b for b in held if b is not None])  # allocating the others cannot evict them
+        fresh = iter(self.global_pool.allocate(min(held.count(None), self.global_pool.num_free)))
+        out: list[int | None] = []
+        chain: list[int] = []  # the blocks now holding hashes[:len(out)], in chain order
+        for h, b in zip(hashes, held):
+            if b is None:
+                b = next(fresh, None)
+                if b is None:
+                    break
+                is_new = self.global_pool.register(b, h)
+                assert is_new, f"hash {h.hex()} would be held by two blocks"
+                out.append(b)
+            else:
+                out.append(None)
+            chain.append(b)
+        chain += [b for b in held[len(out):] if b is not None]  # acquired above, past the stop
+        self.global_pool.release(list(reversed(chain)))  # tail first, like a request: the head outlives it
+        return out
+
     # ---- per-step allocation ----------------------------------------------------------------------
     def allocate(self, req: Request, end: int) -> bool:
         """Own the blocks positions num_computed .. end-1 need (and drop window blocks no query can see

@@ -14,10 +14,13 @@ from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Protocol
 
+import numpy as np
 import torch
 
 from engine.config import ModelConfig
+from engine.core import kv_blocks
 from engine.core.cache_manager import CacheLayout, KVCacheManager
+from engine.core.kv_blocks import ExportedPrefix, PrefixImportError
 from engine.core.kv_cache import PagedKVCache, size_layout
 from engine.core.plan import StepPlan, plan_step
 from engine.core.prefix_hash import fingerprint
@@ -80,6 +83,12 @@ class Executor(Protocol):
 
     def execute(self, plan: StepPlan) -> StepLogits: ...
 
+    def read_blocks(self, block_ids: list[int]) -> np.ndarray:
+        """Global blocks' flat records, uint8 [n, block_bytes] (engine/core/kv_blocks.py)."""
+        ...
+
+    def write_blocks(self, block_ids: list[int], data: np.ndarray) -> None: ...
+
 
 class LocalExecutor:
     """The model and its paged pools in this process."""
@@ -90,6 +99,12 @@ class LocalExecutor:
 
     def execute(self, plan: StepPlan) -> StepLogits:
         return self.runner.execute(plan)
+
+    def read_blocks(self, block_ids: list[int]) -> np.ndarray:
+        return kv_blocks.read_blocks(self.kv, block_ids)
+
+    def write_blocks(self, block_ids: list[int], data: np.ndarray) -> None:
+        kv_blocks.write_blocks(self.kv, block_ids, data)
 
 
 def cache_layout(cfg: ModelConfig, config: EngineConfig) -> CacheLayout:
@@ -212,6 +227,29 @@ class LLMEngine:
             for o in self.step():
                 done[o.request_id] += o.new_token_ids
         return [done[r] for r in ids]
+
+    # ---- cross-replica KV sharing (call between steps, on the thread that steps) ---------------------
+    def export_prefix(self, token_ids: list[int]) -> ExportedPrefix:
+        """The full global blocks of token_ids' longest locally held prefix, as flat records."""
+        _, block_ids, hashes = self.cache.cached_prefix(token_ids)
+        return ExportedPrefix(self.cache.salt, hashes, self.executor.read_blocks(block_ids))
+
+    def import_prefix(self, prefix: ExportedPrefix) -> int:
+        """Writes another replica's exported blocks into free global blocks and registers them, so the
+        next request with that prefix takes them as a prefix-cache hit (then encoder replay of the last
+        window). Returns how many of the prefix's tokens are held here now (the leading blocks it
+        covers; fewer when the pool is short). Raises PrefixImportError for another fingerprint."""
+        if prefix.fingerprint != self.cache.salt:
+            raise PrefixImportError(f"prefix fingerprint {prefix.fingerprint.hex()[:16]} is not this replica's "
+                                    f"{self.cache.salt.hex()[:16]} (model, weights or cache layout differ)")
+        expected = kv_blocks.block_bytes(self.cfg, self.cache.layout.global_block_size)
+        if prefix.data.shape[1] != expected:
+            raise PrefixImportError(f"prefix blocks have {prefix.data.shape[1]} bytes, this replica's {expected}")
+        targets = self.cache.import_prefix(prefix.hashes)
+        fill = [i for i, b in enumerate(targets) if b is not None]
+        if fill:
+            self.executor.write_blocks([targets[i] for i in fill], prefix.data[fill])
+        return len(targets) * self.cache.layout.global_block_size
 
     # ---- internals ----------------------------------------------------------------------------------
     def _new_request(self, rid: str, group: str, choice: int, prompt: list[int], params: SamplingParams, seed: int,

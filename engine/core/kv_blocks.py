@@ -1,0 +1,130 @@
+"""Global KV blocks as flat bytes: export from and import into a PagedKVCache (cross-replica KV sharing).
+
+A global block (`global_block_size` positions) is, per KV source s in `cfg.kv_source_layers` order,
+its main-KV rows then its index-key rows:
+
+    block = main_kv[s0][b] | index_k[s0][b] | main_kv[s1][b] | index_k[s1][b] | ...
+            (G/r_s rows of 288 B)  (G/r_s rows of 68 B)                    # real config: 56,960 B = 890 B/token
+
+That is all the persistent state a full block has (spec 4.8: SWA KV is rebuilt by encoder replay, a
+block boundary leaves no compressor group pending, and Engram looks back at token ids), so a block
+written here and registered under its chain hash is a local prefix-cache hit like any other.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from engine.config import ModelConfig
+from engine.core.kv_cache import PagedKVCache
+from engine.kernels.cache_records import INDEX_K_BLOCK, MAIN_KV_BLOCK, fp4_record_bytes
+
+
+class PrefixImportError(ValueError):
+    """An ExportedPrefix this replica cannot use (another model, weights or layout); nothing was written."""
+
+
+@dataclass(frozen=True, slots=True)
+class Segment:
+    """One pool's rows of a block inside the flat record: bytes offset .. offset + rows * record_bytes."""
+
+    pool: str  # "main_kv" | "index_k"
+    source: int  # KV source layer id
+    rows: int  # global_block_size / compress ratio
+    record_bytes: int
+    offset: int
+
+    @property
+    def nbytes(self) -> int:
+        return self.rows * self.record_bytes
+
+
+@dataclass(frozen=True, slots=True)
+class ExportedPrefix:
+    """Full global blocks of one token prefix, as a replica exported them.
+
+    hashes[i] is the chain hash of the prefix up to the end of the i-th exported block (salted with
+    `fingerprint`); data[i] is that block's flat record. The blocks need not start at block 0: a
+    receiver that already holds the head may be sent only the tail (the chain hashes still name it).
+    """
+
+    fingerprint: bytes  # the exporting replica's salt (model config + weights + cache layout)
+    hashes: list[bytes]
+    data: np.ndarray  # uint8 [len(hashes), block_bytes], C-contiguous
+
+    def __post_init__(self) -> None:
+        assert self.data.dtype == np.uint8 and self.data.ndim == 2 and self.data.shape[0] == len(self.hashes), \
+            f"data {self.data.dtype} {self.data.shape} for {len(self.hashes)} hashes"
+
+    @property
+    def num_blocks(self) -> int:
+        return len(self.hashes)
+
+
+def block_segments(cfg: ModelConfig, global_block_size: int) -> list[Segment]:
+    """Where each pool's rows sit inside a flat block record (the order of the module docstring)."""
+    main_rec = fp4_record_bytes(cfg.head_dim, MAIN_KV_BLOCK)
+    index_rec = fp4_record_bytes(cfg.index_head_dim, INDEX_K_BLOCK)
+    segments, offset = [], 0
+    for s in cfg.kv_source_layers:
+        rows = global_block_size // cfg.compress_ratios[s]
+        for pool, rec in (("main_kv", main_rec), ("index_k", index_rec)):
+            segments.append(Segment(pool, s, rows, rec, offset))
+            offset += rows * rec
+    return segments
+
+
+def block_bytes(cfg: ModelConfig, global_block_size: int) -> int:
+    """Bytes of one flat block record (= kv_cache.global_bytes_per_block)."""
+    return sum(seg.nbytes for seg in block_segments(cfg, global_block_size))
+
+
+def layout_fingerprint(cfg: ModelConfig, global_block_size: int) -> bytes:
+    """16 bytes naming the flat record's format (segments, record sizes): two replicas whose records
+    have the same layout fingerprint can exchange bytes; whether the *contents* mean the same is the
+    engine salt's job (it also covers the weights)."""
+    doc = {"block_size": global_block_size,
+           "segments": [[s.pool, s.source, s.rows, s.record_bytes] for s in block_segments(cfg, global_block_size)],
+           "records": "nvfp4-288/mxfp4-68"}
+    return hashlib.blake2b(json.dumps(doc, sort_keys=True).encode(), digest_size=16).digest()
+
+
+def _pools(kv: PagedKVCache) -> list[tuple[Segment, torch.Tensor]]:
+    segments = block_segments(kv.cfg, kv.layout.global_block_size)
+    return [(seg, getattr(kv, seg.pool)[seg.source]) for seg in segments]
+
+
+@torch.inference_mode()
+def read_blocks(kv: PagedKVCache, block_ids: list[int]) -> np.ndarray:
+    """uint8 [len(block_ids), block_bytes] on the host: the blocks' flat records (one device gather
+    per pool, one copy to the host)."""
+    nbytes = block_bytes(kv.cfg, kv.layout.global_block_size)
+    if not block_ids:
+        return np.empty((0, nbytes), dtype=np.uint8)
+    pools = _pools(kv)
+    idx = torch.tensor(block_ids, dtype=torch.long, device=pools[0][1].device)
+    flat = torch.cat([t.index_select(0, idx).reshape(len(block_ids), -1) for _, t in pools], dim=1)  # [n, bytes]
+    assert flat.shape[1] == nbytes
+    return flat.cpu().numpy()
+
+
+@torch.inference_mode()
+def write_blocks(kv: PagedKVCache, block_ids: list[int], data: np.ndarray) -> None:
+    """Writes data (uint8 [len(block_ids), block_bytes]) into those blocks of every global pool."""
+    nbytes = block_bytes(kv.cfg, kv.layout.global_block_size)
+    assert data.dtype == np.uint8 and data.shape == (len(block_ids), nbytes), \
+        f"data {data.dtype} {data.shape}, expected uint8 ({len(block_ids)}, {nbytes})"
+    if not block_ids:
+        return
+    pools = _pools(kv)
+    device = pools[0][1].device
+    src = torch.from_numpy(np.require(data, requirements="CW")).to(device)  # [n, bytes]; Ray hands out read-only arrays
+    idx = torch.tensor(block_ids, dtype=torch.long, device=device)
+    for seg, t in pools:
+        rows = src[:, seg.offset:seg.offset + seg.nbytes].reshape(len(block_ids), seg.rows, seg.record_bytes)
+        t.index_copy_(0, idx, rows)

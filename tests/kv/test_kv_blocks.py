@@ -1,0 +1,176 @@
+"""Global KV blocks leave one engine as flat bytes and enter another as a local prefix-cache hit.
+
+- read_blocks / write_blocks move every global pool's rows of a block, bit for bit;
+- KVCacheManager.import_prefix keeps the blocks it already holds, fills free ones, and stops when short;
+- engine A exports a conversation's first turn, engine B (same fingerprint) imports it: B's second turn
+  computes only the new tokens plus the replayed window and equals engine C, which computed the first
+  turn itself but kept no snapshot (so it too resumes by block hit + encoder replay);
+- a prefix from another fingerprint (weights) or block format is refused and changes nothing.
+"""
+
+from __future__ import annotations
+
+import hashlib
+
+import numpy as np
+import pytest
+import torch
+
+from engine.core.cache_manager import CacheLayout, KVCacheManager
+from engine.core.engine import EngineConfig, LLMEngine
+from engine.core.kv_blocks import (ExportedPrefix, PrefixImportError, block_bytes, block_segments,
+                                   layout_fingerprint, read_blocks, write_blocks)
+from engine.core.kv_cache import PagedKVCache, global_bytes_per_block
+from engine.core.sampling_params import SamplingParams
+from engine.presets import full_config
+from tests.core.conftest import random_prompt, run_engine
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
+NUM_NEW = 4
+
+
+def small_layout(num_global: int = 8) -> CacheLayout:
+    return CacheLayout(global_block_size=64, swa_block_size=16, window_size=16, num_global_blocks=num_global,
+                       num_swa_blocks=4, num_pending_slots=2, max_snapshots=0)
+
+
+def test_block_record_size_is_890_bytes_per_token_on_the_real_config(tiny_cfg):
+    assert block_bytes(full_config(), 64) == 890 * 64
+    for cfg in (full_config(), tiny_cfg):
+        assert block_bytes(cfg, 64) == global_bytes_per_block(cfg, 64)
+        segs = block_segments(cfg, 64)
+        assert [s.offset for s in segs] == [sum(p.nbytes for p in segs[:i]) for i in range(len(segs))]
+    assert layout_fingerprint(tiny_cfg, 64) != layout_fingerprint(tiny_cfg, 32)
+    assert layout_fingerprint(tiny_cfg, 64) != layout_fingerprint(full_config(), 64)
+
+
+def test_read_then_write_moves_every_pool_bit_for_bit(tiny_cfg):
+    src, dst = PagedKVCache(tiny_cfg, small_layout(), "cpu"), PagedKVCache(tiny_cfg, small_layout(), "cpu")
+    g = torch.Generator().manual_seed(0)
+    for t in (*src.main_kv.values(), *src.index_k.values()):
+        t.copy_(torch.randint(0, 256, t.shape, dtype=torch.uint8, generator=g))
+    data = read_blocks(src, [5, 0, 3])
+    assert data.dtype == np.uint8 and data.shape == (3, block_bytes(tiny_cfg, 64))
+    assert read_blocks(src, []).shape == (0, block_bytes(tiny_cfg, 64))
+    write_blocks(dst, [1, 7, 2], data)
+    for name in ("main_kv", "index_k"):
+        for s, t in getattr(src, name).items():
+            d = getattr(dst, name)[s]
+            for a, b in ((5, 1), (0, 7), (3, 2)):
+                assert torch.equal(d[b], t[a]), f"{name}[{s}]: block {a} -> {b} differs"
+            for b in (0, 3, 4, 5, 6):
+                assert not d[b].any(), f"{name}[{s}]: untouched block {b} was written"
+    assert np.array_equal(read_blocks(dst, [1, 7, 2]), data)
+    ro = data.copy()
+    ro.flags.writeable = False  # what Ray hands a remote actor
+    write_blocks(dst, [4, 5, 6], ro)
+    with pytest.raises(AssertionError, match="expected uint8"):
+        write_blocks(dst, [0], data)
+
+
+def chain(n: int) -> list[bytes]:
+    return [hashlib.sha256(b"block %d" % i).digest() for i in range(n)]
+
+
+def test_import_prefix_keeps_held_blocks_fills_free_ones_and_stops_when_short():
+    cache = KVCacheManager(small_layout(num_global=6), salt=b"s")
+    pool = cache.global_pool
+    h = chain(8)
+    assert cache.import_prefix(h[1:2]) == [0]  # h1 held (cached) before the import
+    busy = pool.allocate(2)  # blocks 1, 2 in use by someone else
+    got = cache.import_prefix(h[:8])
+    # free: 3, 4, 5 (plain) -> h0, h2, h3; h1 kept in block 0; no block left for h4
+    assert got == [3, None, 4, 5]
+    assert [pool.lookup(x) for x in h[:4]] == [3, 0, 4, 5] and pool.lookup(h[4]) is None
+    assert all(pool.ref_count(b) == 0 for b in (0, 3, 4, 5)) and pool.num_cached == 4
+    # eviction order: the chain's tail first
+    pool.release(busy)
+    assert pool.allocate(4)[2:] == [5, 4]
+    assert cache.import_prefix(h[:2]) == [None, None]
+    pool.check_integrity()
+
+
+def test_import_prefix_is_a_no_op_without_prefix_caching():
+    cache = KVCacheManager(small_layout(), salt=b"s", enable_prefix_caching=False)
+    assert cache.import_prefix(chain(2)) == []
+    assert cache.cached_prefix(list(range(200))) == (0, [], [])
+
+
+def make_engine(model, **kw) -> LLMEngine:
+    return LLMEngine.local(model, EngineConfig(max_num_batched_tokens=256, **kw), eos_token_id=-1,
+                           weights_identity="tiny")
+
+
+def turn(engine, rid, prompt, num_new=NUM_NEW):
+    return run_engine(engine, {rid: prompt}, SamplingParams(max_tokens=num_new), keep_logits=True)[rid]
+
+
+def test_imported_prefix_is_a_local_hit_equal_to_a_replica_that_computed_it(tiny_model):
+    model, W = tiny_model.model, tiny_model.cfg.window_size
+    a, b = make_engine(model), make_engine(model)
+    c = make_engine(model, max_snapshots=0)  # computes turn 1 itself, resumes turn 2 by block hit + replay
+    assert a.cache.salt == b.cache.salt
+    turn1 = random_prompt(150, seed=21)
+    out1, _, _ = turn(a, "t1", turn1)
+    assert turn(c, "t1", turn1)[0] == out1
+    turn2 = turn1 + out1 + random_prompt(20, seed=22)
+
+    exported = a.export_prefix(turn2)
+    assert exported.num_blocks == 2  # 153 positions computed: two full 64-token blocks
+    assert np.array_equal(exported.data, c.export_prefix(turn2).data)  # the global KV does not depend on snapshots
+    assert b.import_prefix(exported) == 128
+    assert b.cache.cached_prefix(turn2)[0] == 128
+    assert b.import_prefix(exported) == 128  # again: already held, nothing written
+    b.scheduler.check_integrity()
+
+    out_b, rows_b, stats_b = turn(b, "t2", turn2)
+    out_c, rows_c, stats_c = turn(c, "t2", turn2)
+    for stats in (stats_b, stats_c):
+        assert (stats.num_cached_tokens, stats.num_replayed_tokens) == (128, W)
+        assert stats.num_computed_prompt_tokens == len(turn2) - 128 + W  # the new tokens + the replay tail
+    assert out_b == out_c
+    assert sorted(rows_b) == sorted(rows_c)
+    for pos in rows_b:
+        assert torch.equal(rows_b[pos], rows_c[pos]), f"logits at position {pos} differ"
+    assert np.array_equal(b.export_prefix(turn2).data[:2], exported.data)
+    b.scheduler.check_integrity()
+
+
+def test_a_prefix_from_another_fingerprint_or_format_is_refused(tiny_model):
+    model = tiny_model.model
+    a = make_engine(model)
+    prompt = random_prompt(70, seed=23)
+    turn(a, "t1", prompt, num_new=1)
+    exported = a.export_prefix(prompt)
+    assert exported.num_blocks == 1
+    other = LLMEngine.local(model, EngineConfig(max_num_batched_tokens=256), weights_identity="other-weights")
+    with pytest.raises(PrefixImportError, match="fingerprint"):
+        other.import_prefix(exported)
+    b = make_engine(model)
+    short = ExportedPrefix(exported.fingerprint, exported.hashes, exported.data[:, :-4])
+    with pytest.raises(PrefixImportError, match="bytes"):
+        b.import_prefix(short)
+    for engine in (other, b):
+        assert engine.cache.global_pool.num_cached == 0 and engine.cache.cached_prefix(prompt)[0] == 0
+
+
+def test_the_shard_actor_reads_and_writes_blocks_through_ray(tiny_checkpoint, tiny_cfg, monkeypatch):
+    ray = pytest.importorskip("ray")
+    from serve_app.shard_worker import ShardExecutor, ShardWorker
+
+    monkeypatch.setenv("RAY_AUTH_MODE", "disabled")  # as tests/serve does: Ray 2.60 turns token auth on
+    started = not ray.is_initialized()
+    if started:
+        ray.init(num_cpus=2, include_dashboard=False, configure_logging=False)
+    try:
+        actor = ray.remote(num_cpus=1)(ShardWorker).remote(str(tiny_checkpoint), "cpu", small_layout())
+        executor = ShardExecutor([actor])
+        data = np.random.default_rng(0).integers(0, 256, (2, block_bytes(tiny_cfg, 64)), dtype=np.uint8)
+        executor.write_blocks([2, 0], data)
+        back = executor.read_blocks([0, 2, 1])
+        assert np.array_equal(back[:2], data[::-1]) and not back[2].any()
+        executor.shutdown()
+    finally:
+        if started:
+            ray.shutdown()
