@@ -2,20 +2,25 @@
 
 A chat request is validated (`protocol`), rendered and tokenized here, sent to the engine deployment
 as a `GenerateRequest`, and its streamed `GenerateChunk`s are detokenized and parsed into OpenAI deltas
-(`streaming`). The engine deployment's handle is a constructor argument, so tests can pass another.
+(`streaming`). The engine deployment's handle is a constructor argument, so tests can pass another;
+with KV sharing on, so is the KVRouter's: it decides which replica should take the prompt (a KVHint
+inside the GenerateRequest, which the engine handle's request router follows).
 Errors are OpenAI's error schema; overload is 429/503 with Retry-After; a client that goes away cancels
 its engine request.
 """
 
 
 import asyncio
+import logging
 import time
 import uuid
 from collections.abc import AsyncIterator
+from dataclasses import replace
 
 import httpx
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
 from ray import serve
 
 from engine.tokenizer import load_tokenizer
@@ -25,11 +30,13 @@ from serve_app.protocol import (CompletionLogprobs, chat_chunk, chat_completion_
                                 chat_prompt, chat_stream_choice, check_model, completion_choice, completion_chunk,
                                 completion_prompt_ids, completion_response, models_response, parse_chat_request,
                                 parse_completion_request, parse_json_body, to_sampling_params, usage)
-from serve_app.records import EngineRejected, EngineStatus, GenerateChunk, GenerateRequest
+from serve_app.records import EngineRejected, EngineStatus, GenerateChunk, GenerateRequest, KVHint
 from serve_app.settings import ServeSettings
 from serve_app.streaming import SSE_DONE, ChatChoiceStream, CompletionChoiceStream, TokenStrings, sse_event
 
 RETRY_AFTER_S = 1
+ROUTE_TIMEOUT_S = 2.0  # a KVRouter slower than this (or restarting) leaves the request to load-only routing
+logger = logging.getLogger("dsv41.kv")
 OPEN_ROUTES = ("/healthz", "/readyz")
 
 app = FastAPI(title="dsv41-serve", docs_url=None, redoc_url=None)
@@ -38,6 +45,13 @@ app = FastAPI(title="dsv41-serve", docs_url=None, redoc_url=None)
 @app.exception_handler(APIError)
 async def _api_error(_: Request, e: APIError) -> JSONResponse:
     return JSONResponse(e.body(), status_code=e.status, headers=e.headers)
+
+
+@app.exception_handler(StarletteHTTPException)
+async def _routing_error(request: Request, e: StarletteHTTPException) -> JSONResponse:
+    """Starlette's own answers (unknown path 404, wrong method 405) in OpenAI's error schema too."""
+    message = f"Invalid URL ({request.method} {request.url.path})" if e.status_code == 404 else str(e.detail)
+    return JSONResponse(APIError(e.status_code, message).body(), status_code=e.status_code, headers=e.headers)
 
 
 @app.middleware("http")
@@ -186,8 +200,8 @@ def _ray_message(e: BaseException) -> str:
 
 @serve.ingress(app)
 class OpenAIIngress:
-    def __init__(self, engine, settings: ServeSettings):
-        self.engine, self.settings = engine, settings
+    def __init__(self, engine, settings: ServeSettings, router=None):
+        self.engine, self.settings, self.router = engine, settings, router
         self.tokenizer = load_tokenizer(settings.checkpoint)
         self.strings = TokenStrings(self.tokenizer)
         self.max_in_flight = settings.max_ongoing_requests * settings.num_replicas
@@ -284,6 +298,7 @@ class OpenAIIngress:
         """Submit to the engine and wait for its first chunk, so a refusal is still a 4xx."""
         if self.in_flight >= self.max_in_flight:
             raise rate_limited(f"{self.in_flight} requests in flight; try again shortly", RETRY_AFTER_S)
+        gen_req = replace(gen_req, kv_hint=await self._kv_hint(gen_req))
         self.in_flight += 1
         gen = self.engine.generate.options(stream=True).remote(gen_req)
         try:
@@ -297,7 +312,23 @@ class OpenAIIngress:
             if type(e).__name__ in ("BackPressureError", "DeploymentUnavailableError"):
                 raise overloaded("the engine is at capacity; try again shortly", RETRY_AFTER_S) from None
             raise server_error(f"the engine failed: {type(e).__name__}") from None
+        except BaseException:  # cancelled: the client went away while its prompt was computed
+            self.in_flight -= 1
+            gen.cancel()
+            raise
         return _Chunks(first, gen, self)
+
+    async def _kv_hint(self, gen_req: GenerateRequest) -> KVHint | None:
+        """The KVRouter's decision for the prompt; None (route by load only) without a router or when it
+        fails or does not answer within ROUTE_TIMEOUT_S."""
+        if self.router is None:
+            return None
+        try:
+            return await asyncio.wait_for(self.router.route.remote(gen_req.request_id, gen_req.prompt_ids),
+                                          ROUTE_TIMEOUT_S)
+        except Exception as e:  # noqa: BLE001 -- routing without the hint is slower, never wrong
+            logger.warning("KV router gave no decision for %s (%r): routing by load only", gen_req.request_id, e)
+            return None
 
     async def _sse(self, events: AsyncIterator[dict], include_usage: bool, turn) -> AsyncIterator[str]:
         async for payload in events:
