@@ -11,7 +11,7 @@ from __future__ import annotations
 import asyncio
 from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import TypeVar
 
 from engine.core.engine import LLMEngine, RequestError, RequestOutput
@@ -74,17 +74,28 @@ class AsyncEngine:
         is_done = False
         try:
             while True:
-                item = await stream.queue.get()
-                if item is _GROUP_DONE:
-                    is_done = True
-                    return
-                if isinstance(item, BaseException):
-                    raise item
-                yield item
+                items = [await stream.queue.get()]
+                while not stream.queue.empty():  # a consumer that fell behind gets fewer, larger outputs
+                    items.append(stream.queue.get_nowait())
+                for item in coalesce(items):
+                    if item is _GROUP_DONE:
+                        is_done = True
+                        return
+                    if isinstance(item, BaseException):
+                        raise item
+                    yield item
         finally:
             if not is_done:
                 self._streams.pop(request_id, None)
                 await self._abort(request_id)
+
+    async def call(self, fn: Callable[..., T], *args) -> T:
+        """fn(*args) on the engine's worker thread, between two steps (e.g. import or export KV blocks:
+        the engine is never touched concurrently with a step)."""
+        if self._is_shut_down:
+            raise EngineShutdownError("the engine is shut down")
+        self._start()
+        return await self._on_worker(fn, *args)
 
     async def shutdown(self) -> None:
         """Stop stepping, abort every request, fail the waiting streams, release the worker thread."""
@@ -165,3 +176,18 @@ class AsyncEngine:
     def _abort_all(self) -> None:
         for request_id in list(self.engine.requests):
             self.engine.abort(request_id)
+
+
+def coalesce(items: list) -> list:
+    """Merge consecutive outputs of the same choice (tokens and logprobs concatenated, the later one's
+    state), so a slow consumer's messages carry several tokens; markers and errors stay in place."""
+    out: list = []
+    for item in items:
+        prev = out[-1] if out else None
+        if (isinstance(item, RequestOutput) and isinstance(prev, RequestOutput) and prev.request_id == item.request_id
+                and not prev.finished and prev.logits is None and item.logits is None):
+            out[-1] = replace(item, new_token_ids=prev.new_token_ids + item.new_token_ids,
+                              new_logprobs=prev.new_logprobs + item.new_logprobs)
+        else:
+            out.append(item)
+    return out

@@ -203,3 +203,21 @@ def test_request_error_before_anything_is_yielded_and_idle_driver_sleeps(engine,
     num_calls, idle_calls = run(main)
     assert num_calls == 2 and idle_calls == 0
     assert_idle_and_clean(engine)
+
+
+def test_coalesce_merges_consecutive_outputs_of_one_choice():
+    from engine.core.async_engine import coalesce
+    from engine.core.engine import RequestOutput
+    from engine.core.request import FinishReason
+
+    def out(rid, tokens, finished=False):
+        return RequestOutput(rid, "g", 0, tokens, [None] * len(tokens), 5, 0, finished,
+                             FinishReason.LENGTH if finished else None)
+
+    marker = object()
+    merged = coalesce([out("g", [1]), out("g", [2]), out("g/1", [7]), out("g", [3], finished=True), marker])
+    assert [(o.request_id, o.new_token_ids) for o in merged[:3]] == [("g", [1, 2]), ("g/1", [7]), ("g", [3])]
+    assert merged[2].finished and merged[3] is marker
+    assert len(merged[0].new_logprobs) == 2
+    # nothing merges across a finished output
+    assert len(coalesce([out("g", [1], finished=True), out("g", [2])])) == 2
