@@ -4,16 +4,23 @@ driving a model shard actor, wrapped in an AsyncEngine that streams each request
 The ingress calls `handle.options(stream=True).generate.remote(GenerateRequest)` and gets one
 `GenerateChunk` per engine output. When the ingress cancels the call (client disconnect), Ray cancels
 this generator; the AsyncEngine then aborts the request group and frees its cache.
+
+With KV sharing on (settings.kv_sharing), a request's KVHint may first make the replica pull the prompt's
+blocks from their owner, and every request's full blocks are published when it ends
+(serve_app/kv_sharing.py); the replica reports its measured pulls and prefills to the KVRouter.
 """
 
 from __future__ import annotations
 
+import asyncio
+import logging
 import math
 import time
 from collections.abc import AsyncIterator
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
+import ray
 from ray import serve
 
 from engine.config import load_config
@@ -22,6 +29,9 @@ from engine.core.engine import LLMEngine, RequestError, RequestOutput
 from engine.core.request import RequestStats
 from engine.core.sampling_params import SamplingError, SamplingParams
 from engine.tokenizer import load_tokenizer
+from serve_app import router as kv_router
+from serve_app.kv_metrics import KVMetrics
+from serve_app.kv_sharing import KVSharing, PullOutcome
 from serve_app.metrics import ServeMetrics, log_request_end, request_end_record, request_logger
 from serve_app.records import EngineRejected, EngineStatus, GenerateChunk, GenerateRequest, RequestMetrics
 from serve_app.settings import ServeSettings
@@ -31,6 +41,9 @@ WARM_UP_TEXT = "Hello, world"
 WARM_UP_TOKENS = 2
 GAUGE_PERIOD_S = 1.0  # engine-state gauges refresh at most this often from the streaming path
 SHARD_PING_TIMEOUT_S = 20.0
+ROUTER_REPORT_TIMEOUT_S = 5.0
+KV_CLOSE_TIMEOUT_S = 10.0
+logger = logging.getLogger("dsv41.kv")
 
 
 @dataclass(slots=True)
@@ -40,6 +53,7 @@ class _Choice:
     num_output_tokens: int = 0
     last_token_time: float | None = None
     finished: bool = False
+    token_ids: list[int] = field(default_factory=list)
 
 
 @dataclass(slots=True)
@@ -50,6 +64,7 @@ class _Group:
     num_choices: int
     num_prompt_tokens: int
     choices: dict[int, _Choice] = field(default_factory=dict)
+    kv: PullOutcome | None = None  # what the KV prefetch did (KV sharing on and a hint given)
 
     @property
     def first(self) -> RequestStats | None:
@@ -58,8 +73,9 @@ class _Group:
 
 
 class EngineReplica:
-    def __init__(self, settings: ServeSettings):
-        self.settings = settings
+    def __init__(self, settings: ServeSettings, router=None):
+        """router: the KVRouter deployment's handle (KV sharing on), told of measured pulls and prefills."""
+        self.settings, self.router = settings, router
         ckpt = Path(settings.checkpoint)
         cfg = load_config(ckpt)
         tokenizer = load_tokenizer(ckpt)
@@ -74,6 +90,14 @@ class EngineReplica:
         warm_ids = tokenizer.encode(WARM_UP_TEXT) or [tokenizer.bos_id]
         self.engine.generate([warm_ids], SamplingParams(max_tokens=WARM_UP_TOKENS, ignore_eos=True))
         self.aengine = AsyncEngine(self.engine)
+        self.kv: KVSharing | None = None
+        self._reports: set[asyncio.Task] = set()
+        if settings.kv_sharing:
+            self.kv_metrics = KVMetrics(settings.model_name)
+            self.kv = KVSharing.create(self.aengine, serve.get_replica_context().replica_id.unique_id,
+                                       settings.redis_url, region=settings.region,
+                                       host_kv_bytes=settings.host_kv_bytes, metrics=self.kv_metrics,
+                                       on_pull=lambda nbytes, seconds: self._report("observe_pull", nbytes, seconds))
         self._update_gauges(force=True)
 
     async def generate(self, req: GenerateRequest) -> AsyncIterator[GenerateChunk]:
@@ -89,6 +113,9 @@ class EngineReplica:
             raise EngineRejected(f"n must be at most {self.settings.max_n}, got {req.params.n}")
         group = _Group(req.request_id, req.params.n, len(req.prompt_ids))
         end_reason = "abort"  # for choices left unfinished: the consumer went away
+        if self.kv is not None:
+            self.kv.start_renewal()
+            group.kv = await self.kv.prefetch(list(req.prompt_ids), req.kv_hint)  # falls back, never raises
         stream = self.aengine.generate(req.request_id, list(req.prompt_ids), req.params)
         try:
             async for out in stream:
@@ -111,6 +138,9 @@ class EngineReplica:
                     choice = group.choices.setdefault(index, _Choice(num_prompt_tokens=group.num_prompt_tokens))
                     if not choice.finished:
                         self._end_choice(group, index, choice, end_reason)
+                if self.kv is not None and end_reason == "abort":  # finished or aborted, not failed
+                    first = group.choices.get(0)
+                    self.kv.publish_soon(list(req.prompt_ids) + (first.token_ids if first else []))
             self._update_gauges(force=True)
 
     async def status(self) -> EngineStatus:
@@ -126,6 +156,8 @@ class EngineReplica:
         if self.failure is not None:
             raise RuntimeError(f"the engine loop failed: {self.failure!r}") from self.failure
         await self.executor.check(SHARD_PING_TIMEOUT_S)
+        if self.kv is not None:
+            self.kv.start_renewal()  # keeps the peer record alive on an idle replica too
         self._update_gauges(force=True)
 
     async def check_integrity(self) -> None:
@@ -149,8 +181,29 @@ class EngineReplica:
         """This replica's recorded metric values (see ServeMetrics.snapshot)."""
         return self.metrics.snapshot()
 
+    async def kv_status(self) -> dict[str, object]:
+        """KV sharing as this replica sees it: its replica id and actor name, blocks in its host store, the
+        engine's counters and the kv metrics it recorded."""
+        if self.kv is None:
+            return {"enabled": False}
+        return {"enabled": True, "replica_id": self.kv.replica_id, "actor_name": ray.get_runtime_context().get_actor_name(),
+                "num_stored_blocks": self.kv.store.num_blocks, "engine": asdict(self.engine.stats),
+                "metrics": self.kv_metrics.snapshot()}
+
+    async def kv_flush(self) -> None:
+        """Waits until the blocks of every request ended so far are stored and published."""
+        if self.kv is not None:
+            await self.kv.flush()
+
     async def __del__(self) -> None:
-        """Serve's graceful shutdown: fail the remaining streams, stop the shard actors."""
+        """Serve's graceful shutdown: publish what ended, withdraw this replica's KV records, fail the
+        remaining streams, stop the shard actors."""
+        if self.kv is not None:
+            try:
+                await asyncio.wait_for(self.kv.flush(), KV_CLOSE_TIMEOUT_S)
+            except asyncio.TimeoutError:
+                logger.warning("KV sharing: publishes still pending after %.0f s at shutdown", KV_CLOSE_TIMEOUT_S)
+            await self.kv.close()
         await self.aengine.shutdown()
         self.executor.shutdown()
 
@@ -160,11 +213,14 @@ class EngineReplica:
         choice = group.choices.setdefault(out.choice_index, _Choice())
         is_first = choice.stats is None
         choice.stats, choice.num_prompt_tokens = out.stats, out.num_prompt_tokens  # each output carries a fresh copy
+        choice.token_ids += out.new_token_ids
         inter_token = None if choice.last_token_time is None else now - choice.last_token_time
         choice.last_token_time, choice.num_output_tokens = now, out.num_output_tokens
         if is_first and out.choice_index == 0:
             self.metrics.observe_prompt(out.num_prompt_tokens, out.stats.num_cached_tokens)
             self.metrics.observe_first_token(out.stats.first_token_time - out.stats.arrival_time)
+            if self.kv is not None:
+                self.kv.observe_hits(group.kv, out.stats.num_cached_tokens)
         self.metrics.observe_tokens(len(out.new_token_ids), inter_token)
         metrics = None
         if out.finished:
@@ -176,12 +232,34 @@ class EngineReplica:
 
     def _end_choice(self, group: _Group, index: int, choice: _Choice, finish_reason: str) -> RequestMetrics:
         metrics = _request_metrics(group, choice)
+        if index == 0 and group.kv is not None:
+            metrics = replace(metrics, num_pulled_tokens=group.kv.num_pulled_tokens, kv_fallback=group.kv.fallback)
         self.metrics.observe_finish(finish_reason, None if math.isnan(metrics.e2e_s) else metrics.e2e_s)
         request_id = group.request_id if index == 0 else f"{group.request_id}/{index}"
-        log_request_end(self.request_log, request_end_record(
-            request_id, choice.num_prompt_tokens, _cached_tokens(group, choice), choice.num_output_tokens, metrics,
-            finish_reason))
+        record = request_end_record(request_id, choice.num_prompt_tokens, _cached_tokens(group, choice),
+                                    choice.num_output_tokens, metrics, finish_reason)
+        if self.kv is not None and index == 0:
+            record["kv"] = (group.kv or PullOutcome()).log_fields()
+            stats = choice.stats
+            if stats is not None and stats.prefill_time > 0:
+                self._report("observe_prefill", stats.num_computed_prompt_tokens, stats.prefill_time)
+        log_request_end(self.request_log, record)
         return metrics
+
+    def _report(self, method: str, *args) -> None:
+        """Tells the KVRouter a measurement, in the background (a router down or restarting misses it)."""
+        if self.router is None:
+            return
+
+        async def send() -> None:
+            try:
+                await asyncio.wait_for(getattr(self.router, method).remote(*args), ROUTER_REPORT_TIMEOUT_S)
+            except Exception as e:  # noqa: BLE001 -- a lost measurement only delays the cost model
+                logger.info("KV router did not take %s%s: %r", method, args, e)
+
+        task = asyncio.get_running_loop().create_task(send())
+        self._reports.add(task)
+        task.add_done_callback(self._reports.discard)
 
     def _update_gauges(self, force: bool = False) -> None:
         now = time.monotonic()
@@ -229,11 +307,14 @@ def _request_metrics(group: _Group, choice: _Choice) -> RequestMetrics:
 
 
 def deployment(settings: ServeSettings) -> serve.Deployment:
-    """The EngineReplica deployment with its options from settings; bind it with the same settings:
-    `deployment(s).bind(s)`. Each replica reserves a placement group: bundle 0 for the replica process,
-    one bundle per shard actor (its GPU when the device is cuda), packed on one node."""
+    """The EngineReplica deployment with its options from settings; bind it with the same settings (and
+    the KVRouter's handle when KV sharing is on): `deployment(s).bind(s, router)`. Each replica reserves a
+    placement group: bundle 0 for the replica process, one bundle per shard actor (its GPU when the
+    device is cuda), packed on one node. With KV sharing, handles route by the request's KVHint."""
     bundles = [{"CPU": settings.replica_num_cpus}] + [shard_resources(settings)] * settings.num_shards
+    routing = {"request_router_config": kv_router.request_router_config()} if settings.kv_sharing else {}
     return serve.deployment(EngineReplica).options(
+        **routing,
         num_replicas=settings.num_replicas,
         max_ongoing_requests=settings.max_ongoing_requests,
         health_check_period_s=settings.health_check_period_s,

@@ -16,10 +16,22 @@ class EngineRejected(ValueError):
 
 
 @dataclass(frozen=True, slots=True)
+class KVHint:
+    """The KV router's decision for one request (serve_app/router.py): which replica should take it, and
+    whether another replica that takes it instead should pull the owner's blocks first."""
+
+    fingerprint: bytes  # the engine salt the decision's chain hashes are under
+    target: str | None  # the replica to try first (the owner of the longest prefix); None: the least loaded
+    pull_from: str | None  # the owner a non-owner replica pulls from; None: it recomputes
+    num_blocks: int  # leading global blocks of the prompt the owner holds
+
+
+@dataclass(frozen=True, slots=True)
 class GenerateRequest:
     request_id: str
     prompt_ids: list[int]
     params: SamplingParams  # stop strings are the ingress's business; stop ids go to the engine
+    kv_hint: KVHint | None = None  # set by the ingress when KV sharing is on
 
 
 @dataclass(frozen=True, slots=True)
@@ -33,6 +45,8 @@ class RequestMetrics:
     average_iteration_ms: float
     average_accept_length: float  # tokens per decode step (1.0 without speculative decoding)
     num_preemptions: int
+    num_pulled_tokens: int = 0  # prompt tokens whose KV was pulled from another replica (choice 0)
+    kv_fallback: str | None = None  # why a pull the router asked for was not used (kv_sharing.FallbackReason)
 
 
 @dataclass(frozen=True, slots=True)

@@ -26,6 +26,7 @@ ENV_VARS: dict[str, str] = {
     "cache_memory_bytes": "DSV41_CACHE_MEMORY",
     "port": "DSV41_PORT",
     "api_key": "DSV41_API_KEY",
+    "redis_url": "DSV41_REDIS_URL",
 }
 
 
@@ -63,6 +64,11 @@ class ServeSettings:
     health_check_period_s: float = 10.0
     graceful_shutdown_timeout_s: float = 30.0
     request_log_file: str | None = None  # also append the request_end JSON lines to this file
+    # cross-replica KV sharing (serve_app/kv_sharing.py, serve_app/router.py)
+    kv_sharing: bool = False  # replicas publish finished prefixes and pull the ones a peer owns
+    redis_url: str | None = None  # the ownership index, e.g. redis://host:6379/0; required with kv_sharing
+    host_kv_bytes: int = 1 << 30  # per replica: the host store peers read exported blocks from
+    region: str = "local"  # a pull prefers an owner in the same region
 
     def __post_init__(self) -> None:
         def need(ok: bool, name: str, what: str) -> None:
@@ -79,7 +85,7 @@ class ServeSettings:
                                 "supported today (the model has no tensor or expert parallelism yet); use "
                                 "--num-replicas to serve from more devices")
         need(self.device in ("cpu", "cuda"), "device", "'cpu' or 'cuda'")
-        for name in ("bounded_replay", "enable_prefix_caching"):
+        for name in ("bounded_replay", "enable_prefix_caching", "kv_sharing"):
             need(isinstance(getattr(self, name), bool), name, "true or false")
         need(self.max_chunk_tokens is None or (_is_int(self.max_chunk_tokens) and self.max_chunk_tokens >= 1),
              "max_chunk_tokens", "an integer >= 1 or unset")
@@ -90,6 +96,12 @@ class ServeSettings:
         need(self.replica_num_cpus > 0, "replica_num_cpus", "> 0")
         need(self.health_check_period_s > 0, "health_check_period_s", "> 0")
         need(self.graceful_shutdown_timeout_s >= 0, "graceful_shutdown_timeout_s", ">= 0")
+        need(not self.kv_sharing or bool(self.redis_url), "redis_url",
+             f"a redis:// URL when KV sharing is on (or set {ENV_VARS['redis_url']})")
+        need(not self.kv_sharing or self.enable_prefix_caching, "enable_prefix_caching",
+             "true when KV sharing is on (shared blocks enter the prefix cache)")
+        need(_is_int(self.host_kv_bytes) and self.host_kv_bytes >= 1, "host_kv_bytes", "an integer >= 1")
+        need(bool(self.region), "region", "a non-empty name")
 
     def to_engine_config(self) -> EngineConfig:
         return EngineConfig(max_num_seqs=self.max_num_seqs, max_num_batched_tokens=self.max_num_batched_tokens,
@@ -161,6 +173,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--health-check-period-s")
     p.add_argument("--graceful-shutdown-timeout-s")
     p.add_argument("--request-log-file", help="append the request_end JSON lines to this file too")
+    p.add_argument("--kv-sharing", help="true or false (default false): share KV blocks between replicas")
+    p.add_argument("--redis-url", help="the KV ownership index, redis://host:port/db" + env["redis_url"])
+    p.add_argument("--host-kv-bytes", help="per-replica host store for shared blocks, bytes or e.g. 8GiB (default 1GiB)")
+    p.add_argument("--region", help="this deployment's region (default local): pulls prefer owners in it")
     return p
 
 
@@ -231,6 +247,7 @@ _PARSERS: dict[str, Callable[[str, str], object]] = {
     "max_body_bytes": parse_bytes, "port": parse_int, "max_ongoing_requests": parse_int,
     "replica_num_cpus": parse_float, "health_check_period_s": parse_float,
     "graceful_shutdown_timeout_s": parse_float, "request_log_file": parse_optional_path,
+    "kv_sharing": parse_bool, "redis_url": parse_optional_path, "host_kv_bytes": parse_bytes,
 }
 
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 import random
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Protocol
 
@@ -75,6 +75,7 @@ class EngineStats:
     num_computed_tokens: int = 0
     num_sampled_tokens: int = 0
     num_preemptions: int = 0
+    num_imported_tokens: int = 0  # positions whose global KV import_prefix wrote (another replica's blocks)
     busy_time: float = 0.0  # seconds inside executor.execute
 
 
@@ -107,6 +108,15 @@ class LocalExecutor:
         kv_blocks.write_blocks(self.kv, block_ids, data)
 
 
+def prefix_salt(cfg: ModelConfig, weights_identity: str, global_block_size: int) -> bytes:
+    """The prefix-cache salt, i.e. the replica fingerprint: the model config, the weights' identity and
+    the global block's byte format (kv_blocks.layout_fingerprint). Pool sizes, SWA blocks and snapshots
+    are left out: replicas that differ only in those hold the same global KV for a prefix, so they share."""
+    layout = {"global_block_size": global_block_size,
+              "records": kv_blocks.layout_fingerprint(cfg, global_block_size).hex()}
+    return fingerprint(cfg.to_hf_dict(), weights_identity, layout)
+
+
 def cache_layout(cfg: ModelConfig, config: EngineConfig) -> CacheLayout:
     return size_layout(cfg, config.cache_memory_bytes, max_num_seqs=config.max_num_seqs,
                        max_num_batched_tokens=config.max_num_batched_tokens, max_snapshots=config.max_snapshots,
@@ -120,7 +130,7 @@ class LLMEngine:
         self.eos_token_id = eos_token_id if eos_token_id is not None else cfg.eos_token_id
         self.max_model_len = config.max_model_len or cfg.max_position_embeddings
         layout = cache_layout(cfg, config)
-        salt = fingerprint(cfg.to_hf_dict(), weights_identity, asdict(layout) | {"records": "fp8-528/nvfp4-288/mxfp4-68"})
+        salt = prefix_salt(cfg, weights_identity, layout.global_block_size)
         # bounded replay off is the reference-exact mode: prefix hits then rebuild window KV exactly too
         self.cache = KVCacheManager(layout, salt, config.enable_prefix_caching, exact_hits=not config.bounded_replay)
         self.scheduler = Scheduler(SchedulerConfig(cfg.window_size, config.max_num_seqs, config.max_num_batched_tokens,
@@ -241,7 +251,7 @@ class LLMEngine:
         covers; fewer when the pool is short). Raises PrefixImportError for another fingerprint."""
         if prefix.fingerprint != self.cache.salt:
             raise PrefixImportError(f"prefix fingerprint {prefix.fingerprint.hex()[:16]} is not this replica's "
-                                    f"{self.cache.salt.hex()[:16]} (model, weights or cache layout differ)")
+                                    f"{self.cache.salt.hex()[:16]} (model, weights or block format differ)")
         expected = kv_blocks.block_bytes(self.cfg, self.cache.layout.global_block_size)
         if prefix.data.shape[1] != expected:
             raise PrefixImportError(f"prefix blocks have {prefix.data.shape[1]} bytes, this replica's {expected}")
@@ -249,6 +259,7 @@ class LLMEngine:
         fill = [i for i, b in enumerate(targets) if b is not None]
         if fill:
             self.executor.write_blocks([targets[i] for i in fill], prefix.data[fill])
+            self.stats.num_imported_tokens += len(fill) * self.cache.layout.global_block_size
         return len(targets) * self.cache.layout.global_block_size
 
     # ---- internals ----------------------------------------------------------------------------------

@@ -53,7 +53,7 @@ class ExportedPrefix:
     receiver that already holds the head may be sent only the tail (the chain hashes still name it).
     """
 
-    fingerprint: bytes  # the exporting replica's salt (model config + weights + cache layout)
+    fingerprint: bytes  # the exporting replica's salt (model config + weights + block format: engine.prefix_salt)
     hashes: list[bytes]
     data: np.ndarray  # uint8 [len(hashes), block_bytes], C-contiguous
 

@@ -1,0 +1,262 @@
+"""The replica's side of cross-replica KV sharing: publish a finished request's blocks; before admitting a
+prompt, pull the blocks another replica owns.
+
+- Owner side (`publish_soon`, after a request ends): the request's full global blocks that the host store
+  lacks are read from the engine (between steps), stored in the HostKVStore and published in the
+  ownership index (Redis), so peers can read them with one-sided NIXL reads.
+- Receiver side (`prefetch`, before the engine sees the prompt), given the router's KVHint: first the
+  prompt's blocks this replica's own host store still holds (its device cache may have dropped blocks it
+  exported), then, if the hint says pull, the owner's: looked up in Redis, read over NIXL (every block's
+  checksum verified), imported under the owner's fingerprint. The engine then admits the prompt as after
+  a local prefix hit (block hit + encoder replay of the last window).
+- Any failure is a fallback to recomputation: the response is the same, only slower;
+  `dsv41_kv_pull_fallbacks_total{reason}` counts it and the request_end line names it. `prefetch` never
+  raises for a sharing failure.
+
+Threads: engine calls run on the AsyncEngine's worker thread (between steps); Redis, the host store and
+NIXL (none of them thread-safe as used here) on this module's single I/O thread; the event loop awaits.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, replace
+from typing import Literal, TypeVar
+
+import numpy as np
+
+from engine.core.async_engine import AsyncEngine, EngineShutdownError
+from engine.core.kv_blocks import ExportedPrefix, PrefixImportError, block_bytes
+from engine.core.prefix_hash import block_hashes
+from serve_app.kv_metrics import KVMetrics
+from serve_app.kv_store import BlockRef, HostKVStore
+from serve_app.kv_transfer import TransferAgent, TransferFailed
+from serve_app.ownership import OwnershipIndex, OwnershipUnavailable
+from serve_app.records import KVHint
+
+T = TypeVar("T")
+logger = logging.getLogger("dsv41.kv")
+
+FallbackReason = Literal[
+    "fingerprint",  # the decision or the owner's blocks are under another engine salt (model, weights, format)
+    "redis_unavailable",  # the ownership index could not be read
+    "record_expired",  # the owner's records expired or were withdrawn after the router looked
+    "owner_unreachable",  # NIXL could not read from the owner (gone, bad address, connection refused)
+    "timeout",  # the read did not finish within pull_timeout_s
+    "checksum",  # a block arrived with another checksum than its record (slot reused, torn, corrupted)
+]
+DEFAULT_PULL_TIMEOUT_S = 5.0
+DEFAULT_LEASE_S = 60.0
+
+
+@dataclass(frozen=True, slots=True)
+class PullOutcome:
+    """What prefetch did for one prompt."""
+
+    num_local_tokens: int = 0  # leading prompt tokens held here before any pull (device cache or own store)
+    num_pulled_tokens: int = 0  # further tokens imported from another replica
+    num_bytes: int = 0
+    seconds: float = 0.0  # lookup + read + checksums + import (or until the fallback)
+    owner: str | None = None
+    fallback: FallbackReason | None = None
+
+    def log_fields(self) -> dict[str, object]:
+        """The request_end line's `kv` object."""
+        return {"local_tokens": self.num_local_tokens, "pulled_tokens": self.num_pulled_tokens,
+                "pull_bytes": self.num_bytes, "pull_ms": round(self.seconds * 1000, 3), "owner": self.owner,
+                "fallback": self.fallback}
+
+
+class KVSharing:
+    def __init__(self, aengine: AsyncEngine, replica_id: str, index: OwnershipIndex, store: HostKVStore,
+                 agent: TransferAgent, metrics: KVMetrics, *, pull_timeout_s: float = DEFAULT_PULL_TIMEOUT_S,
+                 on_pull: Callable[[int, float], None] | None = None):
+        """on_pull(num_bytes, seconds) hears of every successful pull (the router's bandwidth estimate)."""
+        self.aengine, self.engine = aengine, aengine.engine
+        self.replica_id, self.index, self.store, self.agent, self.metrics = replica_id, index, store, agent, metrics
+        self.salt = self.engine.cache.salt
+        self.block_size = self.engine.cache.layout.global_block_size
+        self.pull_timeout_s, self.on_pull = pull_timeout_s, on_pull
+        self._io = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kv-io")
+        self._tasks: set[asyncio.Task] = set()
+        self._renewal: asyncio.Task | None = None
+
+    @classmethod
+    def create(cls, aengine: AsyncEngine, replica_id: str, redis_url: str, *, region: str, host_kv_bytes: int,
+               metrics: KVMetrics, lease_s: float = DEFAULT_LEASE_S, **kw) -> "KVSharing":
+        """A host store of host_kv_bytes registered with a new NIXL agent, an ownership index on redis_url,
+        and this replica's peer record announced (a Redis failure here is counted; renewal retries)."""
+        engine = aengine.engine
+        salt, B = engine.cache.salt, engine.cache.layout.global_block_size
+        index = OwnershipIndex(redis_url, replica_id=replica_id, region=region, fingerprint=salt, lease_s=lease_s)
+        store = HostKVStore(salt, block_bytes(engine.cfg, B), host_kv_bytes, on_evict=index.withdraw)
+        agent = TransferAgent(f"{replica_id}-{os.getpid()}", store)
+        sharing = cls(aengine, replica_id, index, store, agent, metrics, **kw)
+        try:
+            index.announce(agent.name, agent.metadata)
+        except OwnershipUnavailable as e:
+            metrics.observe_publish_failure("redis_unavailable")
+            logger.warning("KV sharing: cannot announce replica %s yet: %s", replica_id, e)
+        return sharing
+
+    # ---- receiver side ------------------------------------------------------------------------------
+    async def prefetch(self, prompt_ids: list[int], hint: KVHint | None) -> PullOutcome | None:
+        """Before the prompt is added: make the leading blocks the hint names local. None without a hint."""
+        if hint is None or hint.num_blocks == 0:
+            return None
+        t0 = time.perf_counter()
+        if hint.fingerprint != self.salt:
+            return self._fallback("fingerprint", PullOutcome(), t0, f"the router decided under engine salt "
+                                  f"{hint.fingerprint.hex()[:16]}, this replica's is {self.salt.hex()[:16]}")
+        B = self.block_size
+        usable = min(hint.num_blocks, (len(prompt_ids) - 1) // B)  # a hit leaves one position to compute
+        head = list(prompt_ids[:usable * B])
+        hashes = block_hashes(head, B, self.salt)
+        num_local = (await self.aengine.call(self.engine.cache.cached_prefix, head))[0] // B
+        num_local = await self._restore_from_store(hashes, num_local)
+        outcome = PullOutcome(num_local_tokens=num_local * B)
+        if num_local >= usable or hint.pull_from is None or hint.pull_from == self.replica_id:
+            return outcome
+        try:
+            num_owned, owner, blocks = await self._run(self.index.longest_owned_prefix, hashes)
+        except OwnershipUnavailable as e:
+            return self._fallback("redis_unavailable", outcome, t0, e)
+        num_owned = min(num_owned, usable)
+        if num_owned <= num_local:
+            return self._fallback("record_expired", outcome, t0, f"no live record of blocks {num_local}..{usable - 1} "
+                                  f"(the router saw {hint.num_blocks} at {hint.pull_from})")
+        outcome = replace(outcome, owner=owner.replica_id)
+        try:
+            data = await self._run(self._pull, owner.agent_metadata, [b.ref() for b in blocks[num_local:num_owned]])
+            prefix = ExportedPrefix(owner.fingerprint, hashes[num_local:num_owned], data)
+            num_pulled = await self.aengine.call(self.engine.import_prefix, prefix)
+        except TransferFailed as e:
+            return self._fallback(_transfer_reason(e), outcome, t0, e)
+        except PrefixImportError as e:
+            return self._fallback("fingerprint", outcome, t0, e)
+        seconds = time.perf_counter() - t0
+        self.metrics.observe_pull(data.nbytes, seconds)
+        if self.on_pull is not None:
+            self.on_pull(data.nbytes, seconds)
+        return replace(outcome, num_pulled_tokens=num_pulled, num_bytes=data.nbytes, seconds=seconds)
+
+    def observe_hits(self, outcome: PullOutcome | None, num_cached_tokens: int) -> int:
+        """Splits a request's prefix-hit tokens into local and remote (pulled) for the metrics; returns
+        the remote ones. Pulled blocks count as remote only as far as the engine's hit reached them."""
+        remote = 0
+        if outcome is not None:
+            remote = max(0, min(outcome.num_pulled_tokens, num_cached_tokens - outcome.num_local_tokens))
+        self.metrics.observe_hits(num_cached_tokens - remote, remote)
+        return remote
+
+    # ---- owner side ---------------------------------------------------------------------------------
+    def publish_soon(self, token_ids: list[int]) -> None:
+        """After a request ended: store and publish its full blocks in the background (`flush` waits).
+        A failure is counted and logged, never raised into the request."""
+        task = asyncio.get_running_loop().create_task(self._publish(list(token_ids)), name="kv-publish")
+        self._tasks.add(task)
+        task.add_done_callback(self._publish_done)
+
+    async def flush(self) -> None:
+        """Waits until every publish started so far has ended."""
+        while self._tasks:
+            await asyncio.gather(*list(self._tasks), return_exceptions=True)
+
+    def start_renewal(self) -> None:
+        """Renews this replica's leases every lease_s / 3 from now on (idempotent; call on the serving loop)."""
+        if self._renewal is None:
+            self._renewal = asyncio.get_running_loop().create_task(self._renew_forever(), name="kv-renew")
+
+    async def renew(self) -> None:
+        """Re-announces the peer record and refreshes every published block (e.g. after Redis restarted
+        empty). Raises OwnershipUnavailable."""
+        await self._run(self.index.renew)
+
+    async def close(self) -> None:
+        """Shutdown: stop renewing, withdraw every record, deregister the buffers (best effort)."""
+        if self._renewal is not None:
+            self._renewal.cancel()
+        try:
+            await self._run(self.index.withdraw_all)
+        except OwnershipUnavailable as e:
+            logger.warning("KV sharing: could not withdraw replica %s's records (they expire): %s", self.replica_id, e)
+        await self._run(self.agent.close)
+        self._io.shutdown(wait=True)
+
+    # ---- internals ----------------------------------------------------------------------------------
+    def _run(self, fn: Callable[..., T], *args) -> asyncio.Future[T]:
+        return asyncio.get_running_loop().run_in_executor(self._io, fn, *args)
+
+    def _pull(self, metadata: bytes, refs: list[BlockRef]) -> np.ndarray:
+        return self.agent.pull(metadata, refs, timeout_s=self.pull_timeout_s).copy()  # out of the staging buffer
+
+    async def _restore_from_store(self, hashes: list[bytes], num_local: int) -> int:
+        stored = await self._run(self.store.read, hashes[num_local:])
+        if stored.num_blocks == 0:
+            return num_local
+        return num_local + await self.aengine.call(self.engine.import_prefix, stored) // self.block_size
+
+    def _fallback(self, reason: FallbackReason, outcome: PullOutcome, t0: float, why: object) -> PullOutcome:
+        self.metrics.observe_fallback(reason)
+        logger.warning("KV pull fell back to recomputation (%s): %s", reason, why)
+        return replace(outcome, fallback=reason, seconds=time.perf_counter() - t0)
+
+    async def _publish(self, token_ids: list[int]) -> None:
+        try:
+            hashes = block_hashes(token_ids, self.block_size, self.salt)
+            num_stored = await self._run(self.store.longest_prefix, hashes)
+            held, data = await self.aengine.call(self._read_new_blocks, token_ids, num_stored)
+            num_new = await self._run(self._store_and_publish, hashes, held, num_stored, data)
+        except OwnershipUnavailable as e:
+            self.metrics.observe_publish_failure("redis_unavailable")
+            logger.warning("KV sharing: publish failed (peers will recompute this prefix): %s", e)
+            return
+        except EngineShutdownError:
+            return
+        self.metrics.observe_published(num_new)
+
+    def _read_new_blocks(self, token_ids: list[int], num_stored: int) -> tuple[list[bytes], np.ndarray | None]:
+        """On the engine's worker: the hashes of token_ids' blocks the engine holds, and the flat records
+        of those past the first num_stored (the store has those already)."""
+        _, block_ids, held = self.engine.cache.cached_prefix(token_ids)
+        new = block_ids[num_stored:]
+        return held, self.engine.executor.read_blocks(new) if new else None
+
+    def _store_and_publish(self, hashes: list[bytes], held: list[bytes], num_stored: int,
+                           data: np.ndarray | None) -> int:
+        self.store.get_descriptors(hashes[:num_stored])  # the head most recent: this put evicts other chains first
+        if data is not None:
+            self.store.put(ExportedPrefix(self.salt, held[num_stored:], data))
+        refs = self.store.get_descriptors(hashes)  # the leading run from block 0 now stored
+        new = refs[num_stored:]
+        if new:
+            self.index.publish(new, first_block=num_stored)
+        return len(new)
+
+    def _publish_done(self, task: asyncio.Task) -> None:
+        self._tasks.discard(task)
+        if not task.cancelled() and task.exception() is not None:
+            logger.error("KV sharing: publish task failed", exc_info=task.exception())
+
+    async def _renew_forever(self) -> None:
+        while True:
+            await asyncio.sleep(self.index.lease_s / 3)
+            try:
+                await self.renew()
+            except OwnershipUnavailable as e:
+                self.metrics.observe_publish_failure("redis_unavailable")
+                logger.warning("KV sharing: lease renewal failed: %s", e)
+
+
+def _transfer_reason(e: TransferFailed) -> FallbackReason:
+    message = str(e)
+    if "checksum mismatch" in message:
+        return "checksum"
+    if "timed out" in message:
+        return "timeout"
+    return "owner_unreachable"
