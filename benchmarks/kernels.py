@@ -1,6 +1,6 @@
 """Kernel benchmarks on one CUDA GPU, with the baselines measured in the same run.
 
-    python benchmarks/kernels.py [--only fp8_linear] [--sweep]
+    python benchmarks/kernels.py [--only fp8_linear|gumbel] [--sweep]
 
 Timing (all kernels and baselines alike): one CUDA graph holds many back-to-back calls, each reading
 its own copy of the inputs (enough copies to exceed 4x the L2, so weights stream from HBM as in a
@@ -16,6 +16,7 @@ import argparse
 import math
 import statistics
 import sys
+import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -24,7 +25,10 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from engine.core.sampler import SampleRow, sample  # noqa: E402
+from engine.core.sampling_params import SamplingParams  # noqa: E402
 from engine.kernels.fp8_linear import Fp8LinearConfig, fp8_linear, fp8_linear_ref, pick_config  # noqa: E402
+from engine.kernels.gumbel import gumbel_argmax, gumbel_noise  # noqa: E402
 from engine.presets import full_config  # noqa: E402
 from engine.quant import act_quant, dequant_fp8_weight, quant_fp8_weight  # noqa: E402
 
@@ -246,7 +250,99 @@ def sweep_fp8_linear() -> None:
             f"{c}: {t:.1f} us {2 * m * n * k / t / 1e6:.0f} TFLOP/s" for c, t in sorted(res.items(), key=lambda kv: kv[1])))
 
 
-BENCHES = {"fp8_linear": bench_fp8_linear}
+# --- gumbel (sampling noise) ---------------------------------------------------------------------------------
+
+GUMBEL_N = (1, 8, 64, 128)
+
+
+def _old_cpu_generator_argmax(x: torch.Tensor, keys: list[tuple[int, int]]) -> torch.Tensor:
+    """The replaced path (sampler.py before 2026-11-30): per row, float64 Gumbel noise from a CPU
+    torch.Generator seeded by splitmix64(splitmix64(seed) ^ step), copied to the device, added to the
+    float64 logits, argmax."""
+    mask = (1 << 64) - 1
+
+    def mix(v: int) -> int:
+        v = (v + 0x9E3779B97F4A7C15) & mask
+        v = ((v ^ (v >> 30)) * 0xBF58476D1CE4E5B9) & mask
+        v = ((v ^ (v >> 27)) * 0x94D049BB133111EB) & mask
+        return v ^ (v >> 31)
+
+    rows = []
+    for seed, step in keys:
+        gen = torch.Generator(device="cpu")
+        gen.manual_seed(mix(mix(seed) ^ step))
+        u = torch.rand(x.size(1), generator=gen, dtype=torch.float64).clamp_(min=torch.finfo(torch.float64).tiny)
+        rows.append(-torch.log(-torch.log(u)))
+    return (x.double() + torch.stack(rows).to(x.device)).argmax(dim=-1)
+
+
+def _wall_ms(f: Callable[[], object], reps: int) -> float:
+    f()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        f()
+        torch.cuda.synchronize()
+        times.append((time.perf_counter() - t0) * 1e3)
+    return statistics.median(times)
+
+
+def bench_gumbel(copy_bw: float) -> None:
+    vocab = full_config().vocab_size
+    print(f"\n## gumbel: Gumbel-max sampling over V = {vocab:,} (CUDA graph replay, logits from HBM)")
+    print(f"copy bandwidth measured in this run: {copy_bw / 1e12:.2f} TB/s (read + write)\n")
+    head = ("| N | gumbel_argmax us | logits bytes | TB/s | % copy BW | Gtoken/s | noise-only kernel us (writes 4NV B) |"
+            " old CPU-generator path ms | speedup |")
+    print(head)
+    print("|" + "---|" * (head.count("|") - 1))
+    for n in GUMBEL_N:
+        nbytes = 4 * n * vocab
+        copies = _copies(nbytes)
+        xs = [torch.randn(n, vocab, device="cuda") * 3 for _ in range(copies)]
+        seeds = torch.arange(n, dtype=torch.int64, device="cuda") * 7919 + 1
+        steps = torch.full((n,), 17, dtype=torch.int64, device="cuda")
+        us = graph_time_us(_calls(lambda i: lambda: gumbel_argmax(xs[i], seeds, steps), copies))
+        noise_us = graph_time_us(_calls(lambda i: lambda: gumbel_noise(seeds, steps, vocab), 2))
+        keys = list(zip(seeds.tolist(), steps.tolist()))
+        old_ms = _wall_ms(lambda: _old_cpu_generator_argmax(xs[0], keys), reps=3 if n >= 64 else 7)
+        print(f"| {n} | {us:.1f} | {nbytes / 1e6:.2f} MB | {nbytes / us / 1e6:.2f} | "
+              f"{100 * nbytes / (us * 1e-6) / copy_bw:.0f}% | {n * vocab / us / 1e3:.1f} | {noise_us:.1f} | "
+              f"{old_ms:.1f} | {old_ms * 1e3 / us:,.0f}x |", flush=True)
+        del xs
+
+    print("\n## gumbel: launch shapes (us per call; default block_j 512, 4 warps)")
+    for n in (1, 128):
+        copies = _copies(4 * n * vocab)
+        xs = [torch.randn(n, vocab, device="cuda") * 3 for _ in range(copies)]
+        seeds = torch.arange(n, dtype=torch.int64, device="cuda")
+        steps = torch.zeros(n, dtype=torch.int64, device="cuda")
+        res = {}
+        for bj, warps in ((256, 4), (512, 4), (512, 8), (1024, 8)):
+            res[f"block_j {bj} w{warps}"] = graph_time_us(_calls(
+                lambda i, bj=bj, warps=warps: lambda: gumbel_argmax(xs[i], seeds, steps, block_j=bj, num_warps=warps),
+                copies))
+        print(f"- N={n}: " + "; ".join(f"{c}: {t:.1f}" for c, t in res.items()), flush=True)
+        del xs
+
+    print("\n## gumbel: whole sample() at N = 128 (wall clock incl. host work and the token copy-back)")
+    n = 128
+    logits = torch.randn(n, vocab, device="cuda") * 3
+    mixes = {
+        "greedy": SamplingParams(temperature=0.0),
+        "temperature 0.8": SamplingParams(temperature=0.8),
+        "top_k 50": SamplingParams(temperature=0.8, top_k=50),
+        "top_p 0.95": SamplingParams(temperature=0.8, top_p=0.95),
+        "top_k 50 + top_p 0.95 + min_p 0.05": SamplingParams(temperature=0.8, top_k=50, top_p=0.95, min_p=0.05),
+    }
+    print("| params (all 128 rows) | sample() ms |")
+    print("|---|---|")
+    for name, params in mixes.items():
+        rows = [SampleRow(params, seed=1000 + i, step=5) for i in range(n)]
+        print(f"| {name} | {_wall_ms(lambda: sample(logits, rows), reps=10):.2f} |", flush=True)
+
+
+BENCHES = {"fp8_linear": bench_fp8_linear, "gumbel": bench_gumbel}
 
 
 def main() -> None:

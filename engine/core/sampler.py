@@ -2,19 +2,25 @@
 
 A row's token depends only on its logits, its SamplingParams and (seed, step): never on its place in
 the batch or on the other rows. Ties are broken towards the lower token id everywhere (greedy argmax,
-the top-k cut, the top-p cut, the logprobs top list).
+the top-k cut, the top-p cut, the Gumbel-max, the logprobs top list). The noise is counter-based
+(engine/kernels/gumbel.py: Philox of (seed, step, token id)) and computed where the logits live; the
+CUDA kernel and the CPU reference give the same bits, so a seeded request samples the same tokens on
+either device.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 
 from engine.core.sampling_params import SamplingParams
+from engine.kernels.gumbel import gumbel_argmax, gumbel_argmax_ref
 
-_MASK64 = (1 << 64) - 1
+_TOPK_SELECT_MAX = 1024  # top-k cuts up to this k select the k largest values instead of sorting the row
+_INT64_MASK = (1 << 64) - 1
 
 
 @dataclass(frozen=True, slots=True)
@@ -37,59 +43,76 @@ class SampleOutput:
     logprobs: list[TokenLogprobs | None]  # None where params.logprobs is None
 
 
-def _splitmix64(x: int) -> int:
-    x = (x + 0x9E3779B97F4A7C15) & _MASK64
-    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
-    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _MASK64
-    return x ^ (x >> 31)
+def _as_int64(v: int) -> int:
+    """The int64 with v's low 64 bits (seeds are keys: only their bit pattern matters)."""
+    v &= _INT64_MASK
+    return v - (1 << 64) if v >> 63 else v
 
 
-def noise_seed(seed: int, step: int) -> int:
-    """The 64-bit torch.Generator seed of (seed, step): splitmix64(splitmix64(seed) ^ step).
-    splitmix64 is a bijection on 64-bit ints, so for one seed every step gets a distinct stream."""
-    return _splitmix64(_splitmix64(seed & _MASK64) ^ (step & _MASK64))
+def _min_p_thresholds(ps: Sequence[SamplingParams]) -> torch.Tensor:
+    """fp32 [M] t with d < t <=> d < log(min_p) for every fp32 d (log taken on the host in float64, then
+    rounded up to fp32), -inf where min_p is off: the min-p cut without float64 on the device."""
+    t64 = torch.tensor([math.log(p.min_p) if p.min_p > 0.0 else -math.inf for p in ps], dtype=torch.float64)
+    t32 = t64.float()
+    return torch.where(t32.double() < t64, torch.nextafter(t32, torch.tensor(math.inf)), t32)
 
 
-def gumbel_noise(seed: int, step: int, vocab_size: int) -> torch.Tensor:
-    """float64 [V] standard Gumbel noise -log(-log(u)), drawn on the CPU so every device sees the same
-    bits. u is clamped away from 0 so the noise is always finite (a lone kept token can't become -inf)."""
-    gen = torch.Generator(device="cpu")
-    gen.manual_seed(noise_seed(seed, step))
-    u = torch.rand(vocab_size, generator=gen, dtype=torch.float64).clamp_(min=torch.finfo(torch.float64).tiny)
-    return -torch.log(-torch.log(u))
+def _keep_first(x: torch.Tensor, num_keep: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+    """Keep the num_keep[m] first tokens of each row in (value desc, id asc) order; values [M, K] are each
+    row's K >= num_keep largest values, descending. Kept: every token above the num_keep-th value kth,
+    then the lowest-id tokens equal to it. Others -> -inf."""
+    kth = values.gather(1, (num_keep - 1)[:, None])  # [M, 1]
+    num_tied = num_keep - (values > kth).sum(dim=-1)  # >= 1; every value above kth is among the K
+    tied = x == kth
+    keep = (x > kth) | (tied & (tied.cumsum(dim=-1, dtype=torch.int32) <= num_tied[:, None]))
+    return x.masked_fill(~keep, float("-inf"))
 
 
-def filter_logits(x: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
-    """x float64 [M, V] temperature-scaled logits; top_k int64 [M] (0 = off), top_p / min_p float64 [M].
-    Returns x with dropped tokens set to -inf, filters applied in order, each on the previous one's output:
+def filter_logits(x: torch.Tensor, ps: Sequence[SamplingParams]) -> torch.Tensor:
+    """x fp32 [M, V] temperature-scaled logits, one SamplingParams per row -> x with dropped tokens -inf.
+    Filters apply in order, each on the previous one's output:
     - top_k keeps exactly the k first tokens in (logit desc, id asc) order: ties at the k-th value -> lower id;
     - top_p keeps the smallest (logit desc, id asc) prefix whose renormalised probability mass >= top_p
       (at least one token; top_p == 1 keeps everything, so float rounding of the cumsum never drops a tail);
+      the mass is summed in float64;
     - min_p drops tokens with p < min_p * p_max, i.e. x - x_max < log(min_p) (independent of normalisation).
+    Both cuts keep a (value desc, id asc) prefix, so they need only the sorted values (a top-k select when
+    every row's k is small) and the count to keep; which tokens tie at the cut is decided by id.
+    Which filters run is decided from the params on the host (no device sync).
     """
-    vocab_size = x.size(1)
-    if bool(((top_k > 0) & (top_k < vocab_size)).any()) or bool((top_p < 1.0).any()):
-        sorted_x, order = x.sort(dim=-1, descending=True, stable=True)  # [M, V]
-        rank = torch.arange(vocab_size, device=x.device)
-        k = torch.where(top_k > 0, top_k, vocab_size)
-        sorted_x = sorted_x.masked_fill(rank[None, :] >= k[:, None], float("-inf"))
-        probs = sorted_x.softmax(dim=-1)  # renormalised over the top-k survivors
-        mass_before = probs.cumsum(dim=-1) - probs  # [M, V]; exactly 0 at rank 0
-        keep = (mass_before < top_p[:, None]) | (top_p[:, None] >= 1.0)
-        sorted_x = sorted_x.masked_fill(~keep, float("-inf"))
-        x = torch.empty_like(x).scatter_(-1, order, sorted_x)
-    if bool((min_p > 0.0).any()):
+    num_rows, vocab_size = x.shape
+    k = [p.top_k if 0 < p.top_k < vocab_size else vocab_size for p in ps]
+    use_p = any(p.top_p < 1.0 for p in ps)
+    if max(k) < vocab_size or use_p:
+        device = x.device
+        if max(k) <= _TOPK_SELECT_MAX:
+            values = x.topk(max(k), dim=-1, sorted=True).values  # [M, K] descending
+        else:
+            values = x.sort(dim=-1, descending=True).values  # [M, V]
+        rank = torch.arange(values.size(1), device=device)
+        top_k = torch.tensor(k, dtype=torch.int64, device=device).clamp_max(values.size(1))
+        num_keep = top_k
+        if use_p:
+            top_p = torch.tensor([p.top_p for p in ps], dtype=torch.float64, device=device)
+            probs = values.masked_fill(rank[None, :] >= top_k[:, None], float("-inf")).double().softmax(dim=-1)
+            mass_before = probs.cumsum(dim=-1) - probs  # [M, K]; exactly 0 at rank 0
+            keep = ((mass_before < top_p[:, None]) | (top_p[:, None] >= 1.0)) & (rank[None, :] < top_k[:, None])
+            num_keep = keep.long().cumprod(dim=-1).sum(dim=-1)  # the kept prefix's length, >= 1
+        x = _keep_first(x, num_keep, values)
+    if any(p.min_p > 0.0 for p in ps):
         x_max = x.max(dim=-1, keepdim=True).values  # [M, 1]
-        x = x.masked_fill(x - x_max < torch.log(min_p)[:, None], float("-inf"))
+        x = x.masked_fill(x - x_max < _min_p_thresholds(ps).to(x.device)[:, None], float("-inf"))
     return x
 
 
 def sample(logits: torch.Tensor, rows: Sequence[SampleRow]) -> SampleOutput:
     """logits fp32 [N, V] (any device), one SampleRow per row -> N tokens and, where asked, their logprobs.
 
-    Temperature 0 is argmax of the raw logits. Otherwise the logits are divided by the temperature,
-    filtered (see filter_logits) and the token is argmax(x + gumbel_noise(seed, step, V)), the Gumbel-max
-    trick, which draws from softmax(x). Logprobs are log_softmax of the raw logits in float64.
+    Temperature 0 is argmax of the raw logits. Otherwise the logits are divided by the temperature in
+    fp32 (IEEE division: the same bits on every device), filtered (see filter_logits) and the token is
+    argmax(x + g(seed, step, v)), the Gumbel-max trick, which draws from softmax(x); g is
+    engine/kernels/gumbel.py's counter-based noise (the Triton kernel on CUDA, its torch reference
+    elsewhere: the same bits). Logprobs are log_softmax of the raw logits in float64.
     """
     assert logits.dtype == torch.float32, f"logits must be fp32, got {logits.dtype}"
     assert logits.dim() == 2, f"logits must be [N, V], got shape {tuple(logits.shape)}"
@@ -104,16 +127,12 @@ def sample(logits: torch.Tensor, rows: Sequence[SampleRow]) -> SampleOutput:
     if sampled_idx:
         ps = [rows[i].params for i in sampled_idx]
         idx = torch.tensor(sampled_idx, device=device)
-        temperature = torch.tensor([p.temperature for p in ps], dtype=torch.float64, device=device)
-        x = logits.index_select(0, idx).double() / temperature[:, None]  # [M, V]
-        x = filter_logits(
-            x,
-            top_k=torch.tensor([p.top_k for p in ps], dtype=torch.int64, device=device),
-            top_p=torch.tensor([p.top_p for p in ps], dtype=torch.float64, device=device),
-            min_p=torch.tensor([p.min_p for p in ps], dtype=torch.float64, device=device),
-        )
-        noise = torch.stack([gumbel_noise(rows[i].seed, rows[i].step, vocab_size) for i in sampled_idx])
-        token_ids[idx] = (x + noise.to(device)).argmax(dim=-1)
+        temperature = torch.tensor([p.temperature for p in ps], dtype=torch.float32, device=device)
+        x = filter_logits(logits.index_select(0, idx) / temperature[:, None], ps)  # fp32 [M, V]
+        keys = torch.tensor([[_as_int64(rows[i].seed) for i in sampled_idx],
+                             [_as_int64(rows[i].step) for i in sampled_idx]], dtype=torch.int64, device=device)
+        draw = gumbel_argmax if x.is_cuda else gumbel_argmax_ref
+        token_ids[idx] = draw(x, keys[0], keys[1])  # seeds, steps: [M] each
 
     token_list: list[int] = token_ids.tolist()
     logprobs: list[TokenLogprobs | None] = [None] * num_rows

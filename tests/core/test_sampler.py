@@ -1,4 +1,5 @@
-"""engine/core/sampler.py against hand-computed supports, python-math softmax and batch-invariance checks.
+"""engine/core/sampler.py against hand-computed supports, python-math softmax, a sort-based filter oracle
+and batch-invariance checks. (The noise itself is tested in tests/kernels/test_gumbel.py.)
 
 Token ids are compared exactly. Empirical distributions use fixed seeds (so the tests are deterministic)
 and Pearson's chi-square against the exact softmax, with the 0.1% critical value for V-1 dof.
@@ -9,8 +10,10 @@ import math
 import pytest
 import torch
 
-from engine.core.sampler import SampleRow, gumbel_noise, noise_seed, sample
+from engine.core import sampler
+from engine.core.sampler import SampleRow, filter_logits, sample
 from engine.core.sampling_params import SamplingParams
+from engine.kernels.gumbel import gumbel_noise_ref
 
 CHI2_999 = {3: 16.27, 4: 18.47}  # chi-square critical values at p = 0.001 by degrees of freedom
 
@@ -76,12 +79,26 @@ def test_same_seed_step_same_token_anywhere_in_any_batch() -> None:
             assert alone == first == last, f"{params} seed={seed} step={step}: {alone} {first} {last}"
 
 
-def test_noise_depends_only_on_seed_step_vocab() -> None:
-    assert torch.equal(gumbel_noise(42, 3, 100), gumbel_noise(42, 3, 100))
-    assert not torch.equal(gumbel_noise(42, 3, 100), gumbel_noise(42, 4, 100))
-    assert not torch.equal(gumbel_noise(42, 3, 100), gumbel_noise(43, 3, 100))
-    seeds = {noise_seed(s, t) for s in range(50) for t in range(50)}
-    assert len(seeds) == 2500 and all(0 <= x < 2**64 for x in seeds)
+def _noise(seed: int, step: int, vocab: int) -> torch.Tensor:
+    return gumbel_noise_ref(torch.tensor([seed]), torch.tensor([step]), vocab)[0]
+
+
+def test_noise_depends_only_on_seed_step_and_token_id() -> None:
+    assert torch.equal(_noise(42, 3, 100), _noise(42, 3, 100))
+    assert torch.equal(_noise(42, 3, 100), _noise(42, 3, 1000)[:100])  # a token's noise ignores the vocab size
+    assert not torch.equal(_noise(42, 3, 100), _noise(42, 4, 100))
+    assert not torch.equal(_noise(42, 3, 100), _noise(43, 3, 100))
+    rows = torch.stack([_noise(s, t, 8) for s in range(30) for t in range(30)])
+    assert len({tuple(r.tolist()) for r in rows}) == 900
+
+
+def test_seed_bit_pattern_is_the_key() -> None:
+    # seeds are 64-bit keys: 2^64 - 1 and -1 are one key; the sampler accepts any Python int
+    logits = torch.zeros(1, 64)
+    params = SamplingParams(temperature=1.0)
+    a = sample(logits, [SampleRow(params, seed=2**64 - 1, step=2**40)]).token_ids
+    expected = int((logits + gumbel_noise_ref(torch.tensor([-1]), torch.tensor([2**40]), 64)).argmax())
+    assert a == [expected]
 
 
 def test_different_steps_give_different_draws() -> None:
@@ -141,6 +158,61 @@ def test_min_p_support_hand_computed(min_p: float, support: set[int]) -> None:
     # probs 0.5, 0.3, 0.15, 0.05: keep p >= min_p * 0.5
     logits = _logits([0.5, 0.3, 0.15, 0.05])
     assert set(_draws(logits, SamplingParams(temperature=1.0, min_p=min_p), 1500)) == support
+
+
+def _filter_oracle(x: torch.Tensor, ps: list[SamplingParams]) -> torch.Tensor:
+    """The filters by their definition, one row at a time with a full stable sort in float64."""
+    out = x.double().clone()
+    for m, p in enumerate(ps):
+        row = out[m]
+        vals, order = row.sort(descending=True, stable=True)  # (value desc, id asc)
+        vocab = row.numel()
+        k = p.top_k if 0 < p.top_k < vocab else vocab
+        vals[k:] = float("-inf")
+        if p.top_p < 1.0:
+            probs = vals.softmax(dim=-1)
+            mass_before = probs.cumsum(dim=-1) - probs
+            vals[mass_before >= p.top_p] = float("-inf")
+        row = torch.empty_like(row).scatter_(0, order, vals)
+        if p.min_p > 0.0:
+            row[row - row.max() < math.log(p.min_p)] = float("-inf")
+        out[m] = row
+    return out
+
+
+def test_filters_match_sort_oracle_with_many_ties() -> None:
+    # integer-valued logits: many ties at every cut; k both below (top-k select) and above the vocab
+    g = torch.Generator().manual_seed(5)
+    vocab = 40
+    x = torch.randint(-3, 4, (48, vocab), generator=g).float() * 0.5
+    ps = [SamplingParams(temperature=1.0, top_k=[0, 1, 3, 7, 20, 45][i % 6], top_p=[1.0, 0.9, 0.5, 0.2][i % 4],
+                         min_p=[0.0, 0.0, 0.3, 0.05, 1.0][i % 5]) for i in range(48)]
+    got = filter_logits(x, ps)
+    ref = _filter_oracle(x, ps)
+    for m in range(48):
+        kept, kept_ref = torch.isfinite(got[m]).nonzero().flatten(), torch.isfinite(ref[m]).nonzero().flatten()
+        assert kept.tolist() == kept_ref.tolist(), f"row {m} {ps[m]}: kept {kept.tolist()} vs {kept_ref.tolist()}"
+        assert torch.equal(got[m][kept], x[m][kept]), f"row {m}: kept values changed"
+
+
+def test_filters_sort_path_matches_select_path(monkeypatch: pytest.MonkeyPatch) -> None:
+    g = torch.Generator().manual_seed(6)
+    x = torch.randint(-4, 5, (16, 300), generator=g).float()
+    ps = [SamplingParams(temperature=1.0, top_k=5 + 9 * i, top_p=1.0 - 0.05 * i) for i in range(16)]
+    select = filter_logits(x, ps)
+    monkeypatch.setattr(sampler, "_TOPK_SELECT_MAX", 0)
+    assert torch.equal(filter_logits(x, ps), select)
+
+
+def test_min_p_threshold_is_exact_in_fp32() -> None:
+    # d < log(min_p) decided in fp32 exactly as in float64, for d on both sides of the threshold
+    ps = [SamplingParams(temperature=1.0, min_p=m) for m in (0.1, 0.25, 0.5, 0.7, 1.0)]
+    thr = sampler._min_p_thresholds(ps)
+    for p, t in zip(ps, thr.tolist()):
+        exact = math.log(p.min_p)
+        d = torch.tensor(exact, dtype=torch.float32)
+        for cand in (torch.nextafter(d, torch.tensor(-math.inf)), d, torch.nextafter(d, torch.tensor(math.inf))):
+            assert bool(cand < t) == (cand.item() < exact), (p.min_p, cand.item(), t)
 
 
 # ---------------------------------------------------------------- distribution
@@ -230,13 +302,16 @@ def test_wrong_shape_raises() -> None:
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-def test_cuda_matches_cpu() -> None:
+@pytest.mark.parametrize("num_rows, vocab", [(64, 4099), (24, 129_280)])
+def test_cuda_matches_cpu(num_rows: int, vocab: int) -> None:
+    # CUDA: the Triton Gumbel-max kernel, top-k select or sort on the GPU; CPU: the torch reference
     g = torch.Generator().manual_seed(4)
-    logits = torch.randn(64, 4099, generator=g) * 2
+    logits = torch.randn(num_rows, vocab, generator=g) * 2
+    logits[1, :100] = 7.0  # a 100-way tie at the top: the top-k / top-p cuts pick by id
     rows = [
         SampleRow(SamplingParams(temperature=0.2 + 0.03 * i, top_k=i % 7 * 10, top_p=1.0 - i % 3 * 0.2,
                                  min_p=i % 4 * 0.02, logprobs=i % 3), seed=1000 + i, step=i)
-        for i in range(64)
+        for i in range(num_rows)
     ]
     cpu, gpu = sample(logits, rows), sample(logits.cuda(), rows)
     assert cpu.token_ids == gpu.token_ids

@@ -89,7 +89,7 @@ def test_chat_stream_equals_offline_engine_across_chunk_boundaries(api, oai, ref
     """Streamed text = decode(offline ids without EOS) and the logprobs name the offline ids in order. The
     seeds' outputs hold tokens that are partial UTF-8 characters (one of them last), so the held-back bytes
     must come out exactly once. Four streams at a time, so they share engine steps."""
-    seeds = (2, 9, 46, 58)
+    seeds = (1, 7, 13, 31)
     prompt = chat_prompt_ids(reference, chat_body())
     want = run_offline(reference, {f"s{s}": (prompt, SamplingParams(max_tokens=16, temperature=1.0, seed=s,
                                                                      logprobs=1)) for s in seeds})
