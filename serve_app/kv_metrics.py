@@ -4,31 +4,20 @@ update also lands in a local tally that `snapshot()` returns."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-
-from ray.util import metrics as ray_metrics
-
-from serve_app.metrics import _key, _Tally
+from serve_app.metrics import MetricSet
 
 _PULL_S = [0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0]
 
 
-class KVMetrics:
+class KVMetrics(MetricSet):
     def __init__(self, model_name: str):
-        self.tally = _Tally()
-        default = {"model": model_name}
-
-        def counter(name: str, description: str, tag_keys: Sequence[str] = ()):
-            metric = ray_metrics.Counter(name, description, tag_keys=("model", *tag_keys))
-            metric.set_default_tags(default)
-            return metric
+        super().__init__(model_name)
+        counter = self.counter
 
         self.pulls = counter("dsv41_kv_pulls_total", "Prefixes pulled from another replica and imported.")
         self.pull_bytes = counter("dsv41_kv_pull_bytes_total", "Bytes of global KV blocks pulled.")
-        self.pull_latency = ray_metrics.Histogram(
-            "dsv41_kv_pull_latency_seconds", "Ownership lookup + NIXL read + checksums + import, per pull.",
-            boundaries=_PULL_S, tag_keys=("model",))
-        self.pull_latency.set_default_tags(default)
+        self.pull_latency = self.histogram(
+            "dsv41_kv_pull_latency_seconds", "Ownership lookup + NIXL read + checksums + import, per pull.", _PULL_S)
         self.fallbacks = counter("dsv41_kv_pull_fallbacks_total", "Pulls the router asked for that fell back to "
                                  "recomputation, by reason.", ("reason",))
         self.hit_tokens = counter("dsv41_kv_hit_tokens_total", "Prompt tokens served from cached KV, by where "
@@ -41,9 +30,7 @@ class KVMetrics:
     def observe_pull(self, num_bytes: int, seconds: float) -> None:
         self._inc(self.pulls, "dsv41_kv_pulls_total", 1)
         self._inc(self.pull_bytes, "dsv41_kv_pull_bytes_total", num_bytes)
-        self.pull_latency.observe(seconds)
-        self.tally.add("dsv41_kv_pull_latency_seconds_count", 1)
-        self.tally.add("dsv41_kv_pull_latency_seconds_sum", seconds)
+        self._observe(self.pull_latency, "dsv41_kv_pull_latency_seconds", seconds)
 
     def observe_fallback(self, reason: str) -> None:
         self._inc(self.fallbacks, "dsv41_kv_pull_fallbacks_total", 1, {"reason": reason})
@@ -60,11 +47,3 @@ class KVMetrics:
 
     def observe_decision(self, decision: str) -> None:
         self._inc(self.decisions, "dsv41_kv_route_decisions_total", 1, {"decision": decision})
-
-    def snapshot(self) -> dict[str, float]:
-        return dict(self.tally.values)
-
-    def _inc(self, metric, name: str, value: float, tags: dict[str, str] | None = None) -> None:
-        if value:
-            metric.inc(value, tags=tags)
-            self.tally.add(_key(name, tags), value)

@@ -40,23 +40,45 @@ def _key(name: str, tags: dict[str, str] | None) -> str:
     return name if not tags else name + "{" + ",".join(f"{k}={v}" for k, v in sorted(tags.items())) + "}"
 
 
-class ServeMetrics:
+class MetricSet:
+    """Ray metrics tagged with the served model name, each update mirrored in a local tally."""
+
     def __init__(self, model_name: str):
         self.tally = _Tally()
-        default = {"model": model_name}
+        self._default_tags = {"model": model_name}
 
-        def made(metric):
-            metric.set_default_tags(default)
-            return metric
+    def counter(self, name: str, description: str, tag_keys: Sequence[str] = ()):
+        return self._made(ray_metrics.Counter(name, description, tag_keys=("model", *tag_keys)))
 
-        def counter(name: str, description: str, tag_keys: Sequence[str] = ()):
-            return made(ray_metrics.Counter(name, description, tag_keys=("model", *tag_keys)))
+    def histogram(self, name: str, description: str, boundaries: list[float]):
+        return self._made(ray_metrics.Histogram(name, description, boundaries=boundaries, tag_keys=("model",)))
 
-        def histogram(name: str, description: str, boundaries: list[float]):
-            return made(ray_metrics.Histogram(name, description, boundaries=boundaries, tag_keys=("model",)))
+    def gauge(self, name: str, description: str):
+        return self._made(ray_metrics.Gauge(name, description, tag_keys=("model",)))
 
-        def gauge(name: str, description: str):
-            return made(ray_metrics.Gauge(name, description, tag_keys=("model",)))
+    def snapshot(self) -> dict[str, float]:
+        """Counter totals as `name{tags}`, histograms as `name_count` / `name_sum`, gauges' last values."""
+        return dict(self.tally.values)
+
+    def _made(self, metric):
+        metric.set_default_tags(self._default_tags)
+        return metric
+
+    def _inc(self, metric, name: str, value: float, tags: dict[str, str] | None = None) -> None:
+        if value:
+            metric.inc(value, tags=tags)
+            self.tally.add(_key(name, tags), value)
+
+    def _observe(self, metric, name: str, value: float) -> None:
+        metric.observe(value)
+        self.tally.add(name + "_count", 1)
+        self.tally.add(name + "_sum", value)
+
+
+class ServeMetrics(MetricSet):
+    def __init__(self, model_name: str):
+        super().__init__(model_name)
+        counter, histogram, gauge = self.counter, self.histogram, self.gauge
 
         self.ttft = histogram("dsv41_time_to_first_token_seconds", "Arrival at the engine to the first token.",
                               _LATENCY_S)
@@ -98,20 +120,6 @@ class ServeMetrics:
                                     (self.prefix_hit_rate, "dsv41_prefix_cache_hit_rate", prefix_hit_rate)):
             metric.set(value)
             self.tally.set(name, float(value))
-
-    def snapshot(self) -> dict[str, float]:
-        """Counter totals as `name{tags}`, histograms as `name_count` / `name_sum`, gauges' last values."""
-        return dict(self.tally.values)
-
-    def _inc(self, metric, name: str, value: float, tags: dict[str, str] | None = None) -> None:
-        if value:
-            metric.inc(value, tags=tags)
-            self.tally.add(_key(name, tags), value)
-
-    def _observe(self, metric, name: str, value: float) -> None:
-        metric.observe(value)
-        self.tally.add(name + "_count", 1)
-        self.tally.add(name + "_sum", value)
 
 
 # ---- the request_end log line ---------------------------------------------------------------------------
