@@ -27,7 +27,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from engine.core.sampler import SampleRow, sample  # noqa: E402
 from engine.core.sampling_params import SamplingParams  # noqa: E402
-from engine.kernels.fp8_linear import Fp8LinearConfig, fp8_linear, fp8_linear_ref, pick_config  # noqa: E402
+from engine.kernels.fp8_linear import (Fp8LinearConfig, fp8_linear, fp8_linear_ref, layer_shapes,  # noqa: E402
+                                      pick_config)
 from engine.kernels.gumbel import gumbel_argmax, gumbel_noise  # noqa: E402
 from engine.presets import full_config  # noqa: E402
 from engine.quant import act_quant, dequant_fp8_weight, quant_fp8_weight  # noqa: E402
@@ -90,16 +91,8 @@ def _calls(make: Callable[[int], Callable[[], object]], copies: int) -> list[Cal
 # --- fp8_linear -------------------------------------------------------------------------------------------------
 
 def fp8_shapes() -> dict[str, tuple[int, int]]:
-    """(N, K) = (out, in) of the FP8 linears of one decoder layer, from the released config."""
-    c = full_config()
-    return {
-        "wq_a": (c.q_lora_rank, c.dim),
-        "wq_b": (c.n_heads * c.head_dim, c.q_lora_rank),
-        "wkv": (c.head_dim, c.dim),
-        "wo_b": (c.dim, c.o_groups * c.o_lora_rank),
-        "shared w1/w3": (c.moe_inter_dim, c.dim),
-        "shared w2": (c.dim, c.moe_inter_dim),
-    }
+    """One decoder layer's FP8 linears on the released config."""
+    return layer_shapes(full_config())
 
 
 def _weights(n: int, k: int, copies: int) -> list[tuple[torch.Tensor, torch.Tensor]]:

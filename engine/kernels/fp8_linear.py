@@ -37,6 +37,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
+from engine.config import ModelConfig
 from engine.quant import BLOCK, act_quant
 
 _INV_FP8_MAX = tl.constexpr(1.0 / 448.0)  # rounded to fp32 where used, as engine.quant._fp32(1/448)
@@ -316,3 +317,15 @@ def fp8_linear_ref(x: Tensor, weight: Tensor, scale: Tensor) -> Tensor:
     for kb in range(k // BLOCK):
         acc += (a[:, kb] @ w[:, kb].T).float() * (sa[:, kb, None] * sw[None, :, kb])
     return acc.to(torch.bfloat16).view(*x.shape[:-1], n)
+
+
+def layer_shapes(cfg: ModelConfig) -> dict[str, tuple[int, int]]:
+    """(N, K) = (out, in) of one decoder layer's FP8 linears (tests and benchmarks use the same set)."""
+    return {
+        "wq_a": (cfg.q_lora_rank, cfg.dim),
+        "wq_b": (cfg.n_heads * cfg.head_dim, cfg.q_lora_rank),
+        "wkv": (cfg.head_dim, cfg.dim),
+        "wo_b": (cfg.dim, cfg.o_groups * cfg.o_lora_rank),
+        "shared_w1_w3": (cfg.moe_inter_dim, cfg.dim),
+        "shared_w2": (cfg.dim, cfg.moe_inter_dim),
+    }

@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from engine.kernels.fp8_linear import (Fp8LinearConfig, _tickets, fp8_act_qdq, fp8_act_quant, fp8_linear,
-                                       fp8_linear_ref)
+                                       fp8_linear_ref, layer_shapes)
 from engine.presets import full_config
 from engine.quant import _act_dequant, act_quant, act_quant_qdq, dequant_fp8_weight, linear, quant_fp8_weight
 
@@ -155,16 +155,8 @@ def test_contract_is_asserted():
 # --- GPU: real V4.1 shapes -------------------------------------------------------------------------------------
 
 def real_shapes() -> dict[str, tuple[int, int]]:
-    """FP8 linears of one decoder layer, (N, K) = (out, in), from the released config."""
-    c = full_config()
-    return {
-        "wq_a": (c.q_lora_rank, c.dim),
-        "wq_b": (c.n_heads * c.head_dim, c.q_lora_rank),
-        "wkv": (c.head_dim, c.dim),
-        "wo_b": (c.dim, c.o_groups * c.o_lora_rank),
-        "shared_w1_w3": (c.moe_inter_dim, c.dim),
-        "shared_w2": (c.dim, c.moe_inter_dim),
-    }
+    """One decoder layer's FP8 linears on the released config."""
+    return layer_shapes(full_config())
 
 
 @gpu
