@@ -198,7 +198,7 @@ class KVCacheManager:
             return
         if len(req.block_hashes) < num_full:
             known = req.block_hashes[-1] if req.block_hashes else None
-            req.block_hashes += block_hashes(req.all_ids[len(req.block_hashes) * B:num_full * B], B, self.salt, known)
+            req.block_hashes += block_hashes(req.ids_between(len(req.block_hashes) * B, num_full * B), B, self.salt, known)
         for i in range(req.num_registered_blocks, num_full):
             self.global_pool.register(req.global_blocks[i], req.block_hashes[i])
         req.num_registered_blocks = num_full

@@ -38,8 +38,8 @@ def plan_step(out: SchedulerOutput, lookback: int = ENGRAM_LOOKBACK) -> StepPlan
     chunks = []
     for c in out.chunks:
         r = c.request
-        ids = r.all_ids
-        chunks.append(ChunkPlan(c.start, c.end, ids[c.start:c.end], ids[max(0, c.start - lookback):c.start], c.sample,
+        chunks.append(ChunkPlan(c.start, c.end, r.ids_between(c.start, c.end),
+                                r.ids_between(max(0, c.start - lookback), c.start), c.sample,
                                 r.keep_logits, list(r.global_blocks), dict(r.swa_blocks), r.pending_slot, r.global_from,
                                 r.swa_floor, r.decoder_from, r.decoder_floor))
     return StepPlan(chunks, list(out.copies))

@@ -89,6 +89,15 @@ class Request:
     def all_ids(self) -> list[int]:
         return self.prompt_ids + self.output_ids
 
+    def ids_between(self, start: int, end: int) -> list[int]:
+        """Token ids at positions start..end-1 without building the whole list (a per-step path)."""
+        P = len(self.prompt_ids)
+        if end <= P:
+            return self.prompt_ids[start:end]
+        if start >= P:
+            return self.output_ids[start - P:end - P]
+        return self.prompt_ids[start:] + self.output_ids[:end - P]
+
     @property
     def is_finished(self) -> bool:
         return self.status is RequestStatus.FINISHED

@@ -158,3 +158,12 @@ def test_integrity_check_catches_a_leak():
     a.global_blocks.pop()  # the request forgets a block it holds
     with pytest.raises(AssertionError, match="global block 1"):
         s.check_integrity()
+
+
+def test_ids_between_equals_slicing_all_ids():
+    r = req("r", [10, 11, 12, 13])
+    r.output_ids = [20, 21, 22]
+    ids = r.all_ids
+    for a in range(len(ids) + 1):
+        for b in range(a, len(ids) + 1):
+            assert r.ids_between(a, b) == ids[a:b], (a, b)
