@@ -1,6 +1,6 @@
 """Kernel benchmarks on one CUDA GPU, with the baselines measured in the same run.
 
-    python benchmarks/kernels.py [--only fp8_linear|gumbel] [--sweep]
+    python benchmarks/kernels.py [--only fp8_linear|gumbel|sparse_attn] [--sweep]
 
 Timing (all kernels and baselines alike): one CUDA graph holds many back-to-back calls, each reading
 its own copy of the inputs (enough copies to exceed 4x the L2, so weights stream from HBM as in a
@@ -30,6 +30,7 @@ from engine.core.sampling_params import SamplingParams  # noqa: E402
 from engine.kernels.fp8_linear import (Fp8LinearConfig, fp8_linear, fp8_linear_ref, layer_shapes,  # noqa: E402
                                       pick_config)
 from engine.kernels.gumbel import gumbel_argmax, gumbel_noise  # noqa: E402
+from engine.kernels.sparse_attention import gather_rows_ref, sparse_attn_paged  # noqa: E402
 from engine.presets import full_config  # noqa: E402
 from engine.quant import act_quant, dequant_fp8_weight, quant_fp8_weight  # noqa: E402
 
@@ -335,7 +336,70 @@ def bench_gumbel(copy_bw: float) -> None:
         print(f"| {name} | {_wall_ms(lambda: sample(logits, rows), reps=10):.2f} |", flush=True)
 
 
-BENCHES = {"fp8_linear": bench_fp8_linear, "gumbel": bench_gumbel}
+# --- sparse_attn (decode MQA over the packed pools) ------------------------------------------------------------
+
+SPARSE_M = (1, 6, 32)
+SPARSE_SHAPE = dict(h=64, d=512, kw=128, km=512)
+SPARSE_CONFIGS = ((16, 32, 32, 4), (16, 32, 64, 4), (16, 32, 64, 8), (16, 16, 32, 4), (32, 32, 64, 8),
+                  (64, 32, 64, 8), (16, 64, 128, 8))  # block_h, block_n, rows_per_split, warps
+
+
+def _sparse_torch_fp32(q, swa_pool, swa_idx, main_pool, main_idx, sink, scale):
+    """Baseline: unpack the listed records with cache_records, then the golden's math in fp32 torch ops."""
+    kv, idx = gather_rows_ref(q, swa_pool, swa_idx, main_pool, main_idx)  # bf16 [M, K, D], [M, 1, K]
+    kvf = kv.float()
+    logits = torch.einsum("mhd,mkd->mhk", q.float(), kvf) * scale
+    logits = logits.masked_fill(idx < 0, float("-inf"))
+    mx = logits.amax(-1, keepdim=True).clamp_min(-1e30)
+    p = torch.exp(logits - mx)
+    denom = p.sum(-1, keepdim=True) + torch.exp(sink.view(1, -1, 1) - mx)
+    return (torch.einsum("mhk,mkd->mhd", p.bfloat16().float(), kvf) / denom).bfloat16()
+
+
+def bench_sparse_attn(copy_bw: float) -> None:
+    h, d, kw, km = (SPARSE_SHAPE[k] for k in ("h", "d", "kw", "km"))
+    swa_slots, main_slots = 1 << 18, 1 << 19  # 138 MB + 151 MB of records: gathers come from HBM
+    swa_rec, main_rec = d + d // 32, d // 2 + d // 16
+    swa_pool = torch.randint(0, 256, (swa_slots, swa_rec), dtype=torch.uint8, device="cuda")
+    swa_pool[:, :d] &= 0x77  # finite E4M3 codes, moderate magnitudes
+    swa_pool[:, d:] = torch.randint(120, 131, (swa_slots, d // 32), dtype=torch.uint8, device="cuda")
+    main_pool = torch.randint(0, 256, (main_slots, main_rec), dtype=torch.uint8, device="cuda")
+    main_pool[:, d // 2:] = torch.randint(0x30, 0x40, (main_slots, d // 16), dtype=torch.uint8, device="cuda")
+    sink = torch.randn(h, device="cuda")
+    scale = d ** -0.5
+    print(f"\n## sparse_attn: decode MQA over packed pools (H={h}, D={d}, KW={kw} FP8 rows + KM={km} FP4 rows; "
+          "CUDA graph replay, fresh random slots per call)")
+    print(f"copy bandwidth measured in this run: {copy_bw / 1e12:.2f} TB/s (read + write)\n")
+    head = ("| M | sparse_attn_paged us | bytes | TB/s | % copy BW | torch fp32 (unpack + math) us | speedup |"
+            " best config (block_h, block_n, rows/split, warps): us |")
+    print(head)
+    print("|" + "---|" * (head.count("|") - 1))
+    for m in SPARSE_M:
+        copies = 32
+        qs = [torch.randn(m, h, d, device="cuda").bfloat16() for _ in range(copies)]
+        sw = [torch.randint(0, swa_slots, (m, kw), dtype=torch.int32, device="cuda") for _ in range(copies)]
+        mn = [torch.randint(0, main_slots, (m, km), dtype=torch.int32, device="cuda") for _ in range(copies)]
+        args = lambda i: (qs[i], swa_pool, sw[i], main_pool, mn[i], sink, scale)  # noqa: E731
+        us = graph_time_us(_calls(lambda i: lambda: sparse_attn_paged(*args(i)), copies))
+        nbytes = m * (kw * swa_rec + km * main_rec + 4 * (kw + km) + 4 * h * d)
+        base = graph_time_us(_calls(lambda i: lambda: _sparse_torch_fp32(*args(i)), copies))
+        res = {}
+        for bh, bn, rps, warps in SPARSE_CONFIGS:
+            try:
+                res[(bh, bn, rps, warps)] = graph_time_us(_calls(
+                    lambda i, bh=bh, bn=bn, rps=rps, warps=warps: lambda: sparse_attn_paged(
+                        *args(i), block_h=bh, block_n=bn, rows_per_split=rps, num_warps=warps), copies))
+            except Exception as e:  # noqa: BLE001 - reported
+                print(f"  M={m} {(bh, bn, rps, warps)}: {type(e).__name__}: {str(e).splitlines()[0][:120]}")
+        best = min(res.items(), key=lambda kv: kv[1]) if res else (None, float("nan"))
+        print(f"| {m} | {us:.1f} | {nbytes / 1e6:.3f} MB | {nbytes / us / 1e6:.3f} | "
+              f"{100 * nbytes / (us * 1e-6) / copy_bw:.1f}% | {base:.1f} | {base / us:.1f}x | "
+              f"{best[0]}: {best[1]:.1f} |", flush=True)
+        print("  configs: " + "; ".join(f"{c}: {t:.1f}" for c, t in res.items()), flush=True)
+        del qs, sw, mn
+
+
+BENCHES = {"fp8_linear": bench_fp8_linear, "gumbel": bench_gumbel, "sparse_attn": bench_sparse_attn}
 
 
 def main() -> None:
