@@ -1,6 +1,6 @@
 """Kernel benchmarks on one CUDA GPU, with the baselines measured in the same run.
 
-    python benchmarks/kernels.py [--only fp8_linear|gumbel|sparse_attn] [--sweep]
+    python benchmarks/kernels.py [--only fp8_linear|gumbel|sparse_attn|indexer] [--sweep]
 
 Timing (all kernels and baselines alike): one CUDA graph holds many back-to-back calls, each reading
 its own copy of the inputs (enough copies to exceed 4x the L2, so weights stream from HBM as in a
@@ -30,6 +30,8 @@ from engine.core.sampling_params import SamplingParams  # noqa: E402
 from engine.kernels.fp8_linear import (Fp8LinearConfig, fp8_linear, fp8_linear_ref, layer_shapes,  # noqa: E402
                                       pick_config)
 from engine.kernels.gumbel import gumbel_argmax, gumbel_noise  # noqa: E402
+from engine.kernels.indexer import index_scores  # noqa: E402
+from engine.kernels.cache_records import unpack_index_k  # noqa: E402
 from engine.kernels.sparse_attention import gather_rows_ref, sparse_attn_paged  # noqa: E402
 from engine.presets import full_config  # noqa: E402
 from engine.quant import act_quant, dequant_fp8_weight, quant_fp8_weight  # noqa: E402
@@ -399,7 +401,67 @@ def bench_sparse_attn(copy_bw: float) -> None:
         del qs, sw, mn
 
 
-BENCHES = {"fp8_linear": bench_fp8_linear, "gumbel": bench_gumbel, "sparse_attn": bench_sparse_attn}
+# --- indexer (lightning-indexer scores over packed MXFP4 keys) --------------------------------------------------
+
+INDEXER_T = (1 << 16, 1 << 20)
+INDEXER_M = (1, 6)
+INDEXER_CONFIGS = ((64, 4, 2), (64, 4, 8), (64, 4, 16), (32, 4, 16), (128, 4, 8), (128, 8, 4), (32, 2, 32),
+                   (64, 4, 1000))  # block_t, warps, programs/SM
+
+
+def _indexer_torch(q, w, pool, slots, visible, dtype):
+    """Baseline: gather + unpack the records, einsum in `dtype`, the golden's relu * w head sum."""
+    k = unpack_index_k(pool[slots.long()], q.size(-1)).to(dtype)  # [T, D]
+    score = torch.einsum("mhd,td->mht", q.to(dtype), k).bfloat16()
+    score = (score.relu() * w.unsqueeze(-1)).float().sum(1).bfloat16()
+    t = torch.arange(k.size(0), device=q.device)
+    return score.masked_fill(t >= visible.unsqueeze(-1), float("-inf"))
+
+
+def bench_indexer(copy_bw: float) -> None:
+    cfg = full_config()
+    h, d = cfg.index_n_heads, cfg.index_head_dim
+    rec = d // 2 + d // 32
+    print(f"\n## indexer: index_scores over packed MXFP4 keys (H={h}, D={d}, {rec} B records, int32 slots; "
+          "CUDA graph replay, keys from HBM)")
+    print(f"copy bandwidth measured in this run: {copy_bw / 1e12:.2f} TB/s (read + write)\n")
+    head = ("| T | M | index_scores us | bytes | TB/s | % copy BW | torch fp32 us | torch bf16 us |"
+            " speedup vs best torch | best config (block_t, warps, programs/SM): us |")
+    print(head)
+    print("|" + "---|" * (head.count("|") - 1))
+    for t in INDEXER_T:
+        copies = _copies(t * (rec + 4))
+        pools = [torch.randint(0, 256, (t, rec), dtype=torch.uint8, device="cuda") for _ in range(copies)]
+        for p in pools:
+            p[:, d // 2:] = torch.randint(120, 131, (t, d // 32), dtype=torch.uint8, device="cuda")
+        slots = [torch.randperm(t, device="cuda").to(torch.int32) for _ in range(copies)]
+        for m in INDEXER_M:
+            q = (torch.randn(m, h, d, device="cuda")).bfloat16()
+            w = (torch.randn(m, h, device="cuda") * 0.02).bfloat16()
+            vis = torch.full((m,), t, dtype=torch.int32, device="cuda")
+            args = lambda i: (q, w, pools[i], slots[i], vis)  # noqa: E731
+            us = graph_time_us(_calls(lambda i: lambda: index_scores(*args(i)), copies))
+            nbytes = t * (rec + 4) + 2 * m * h * d + 2 * m * h + 2 * m * t
+            few = min(copies, 8)
+            f32 = graph_time_us(_calls(lambda i: lambda: _indexer_torch(*args(i), torch.float32), few), replays=3)
+            b16 = graph_time_us(_calls(lambda i: lambda: _indexer_torch(*args(i), torch.bfloat16), few), replays=3)
+            res = {}
+            for bt, warps, pps in INDEXER_CONFIGS:
+                try:
+                    res[(bt, warps, pps)] = graph_time_us(_calls(
+                        lambda i, bt=bt, warps=warps, pps=pps: lambda: index_scores(
+                            *args(i), block_t=bt, num_warps=warps, programs_per_sm=pps), copies))
+                except Exception as e:  # noqa: BLE001 - reported
+                    print(f"  T={t} M={m} {(bt, warps, pps)}: {type(e).__name__}: {str(e).splitlines()[0][:120]}")
+            best = min(res.items(), key=lambda kv: kv[1]) if res else (None, float("nan"))
+            print(f"| {t:,} | {m} | {us:.1f} | {nbytes / 1e6:.2f} MB | {nbytes / us / 1e6:.2f} | "
+                  f"{100 * nbytes / (us * 1e-6) / copy_bw:.0f}% | {f32:.1f} | {b16:.1f} | {min(f32, b16) / us:.1f}x | "
+                  f"{best[0]}: {best[1]:.1f} ({100 * nbytes / (best[1] * 1e-6) / copy_bw:.0f}%) |", flush=True)
+        del pools, slots
+
+
+BENCHES = {"fp8_linear": bench_fp8_linear, "gumbel": bench_gumbel, "sparse_attn": bench_sparse_attn,
+           "indexer": bench_indexer}
 
 
 def main() -> None:
