@@ -14,7 +14,7 @@ import asyncio
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterator
 from dataclasses import replace
 
 import httpx
@@ -98,6 +98,25 @@ class _Turn:
     def _consumed(self, chunk: GenerateChunk, stream, before: int) -> list:
         return chunk.logprobs[:stream.num_tokens - before]
 
+    async def events(self, chunks: "_Chunks") -> AsyncIterator[dict]:
+        """OpenAI payloads as the engine's chunks arrive; ends once every choice finished."""
+        async for chunk in chunks:
+            self._account(chunk)
+            i, stream = chunk.choice_index, self.streams[chunk.choice_index]
+            if self.finished[i]:
+                continue
+            before = stream.num_tokens
+            out = stream.feed(chunk.token_ids)  # chat: delta dicts; completions: text
+            consumed = self._consumed(chunk, stream, before)
+            reason = self._check_reason(chunk.finish_reason)
+            if reason is not None or stream.is_stopped:
+                out += stream.finish(reason)
+                self.finished[i] = True
+            for payload in self._payloads(i, stream, out, consumed):
+                yield payload
+            if all(self.finished):
+                return
+
     @staticmethod
     def _check_reason(reason: str | None) -> str | None:
         if reason in ("abort", "error"):
@@ -113,29 +132,15 @@ class _ChatTurn(_Turn):
         super().__init__(*args)
         self.logprob_rows: list[list[dict]] = [[] for _ in self.streams]
 
-    async def events(self, chunks: _Chunks) -> AsyncIterator[dict]:
-        async for chunk in chunks:
-            self._account(chunk)
-            i, stream = chunk.choice_index, self.streams[chunk.choice_index]
-            if self.finished[i]:
-                continue
-            before = stream.num_tokens
-            deltas = stream.feed(chunk.token_ids)
-            lp = chat_logprobs(self.strings, self._consumed(chunk, stream, before)) if self.want_logprobs else None
-            if lp:
-                self.logprob_rows[i] += lp
-            reason = self._check_reason(chunk.finish_reason)
-            if reason is not None or stream.is_stopped:
-                deltas += stream.finish(reason)
-                self.finished[i] = True
-            for k, delta in enumerate(deltas or ([{"content": ""}] if lp else [])):
-                choice = chat_stream_choice(i, delta, logprobs=lp if k == 0 else None)
-                yield chat_chunk(self.rid, self.created, self.model, [choice])
-            if self.finished[i]:
-                yield chat_chunk(self.rid, self.created, self.model,
-                                 [chat_stream_choice(i, {}, finish_reason=stream.finish_reason)])
-            if all(self.finished):
-                return
+    def _payloads(self, i: int, stream, deltas: list[dict], consumed: list) -> Iterator[dict]:
+        lp = chat_logprobs(self.strings, consumed) if self.want_logprobs else None
+        if lp:
+            self.logprob_rows[i] += lp
+        for k, delta in enumerate(deltas or ([{"content": ""}] if lp else [])):
+            yield chat_chunk(self.rid, self.created, self.model, [chat_stream_choice(i, delta, logprobs=lp if k == 0 else None)])
+        if self.finished[i]:
+            yield chat_chunk(self.rid, self.created, self.model,
+                             [chat_stream_choice(i, {}, finish_reason=stream.finish_reason)])
 
     def response(self) -> dict:
         choices = [chat_choice(i, s.message(), s.finish_reason, self.logprob_rows[i] if self.want_logprobs else None)
@@ -155,26 +160,13 @@ class _CompletionTurn(_Turn):
         self.logprobs = [CompletionLogprobs(self.strings) for _ in self.streams]
         self.logprob_docs: list[dict | None] = [None] * len(self.streams)
 
-    async def events(self, chunks: _Chunks) -> AsyncIterator[dict]:
-        async for chunk in chunks:
-            self._account(chunk)
-            i, stream = chunk.choice_index, self.streams[chunk.choice_index]
-            if self.finished[i]:
-                continue
-            before = stream.num_tokens
-            text = stream.feed(chunk.token_ids)
-            lp = self.logprobs[i].add(self._consumed(chunk, stream, before)) if self.want_logprobs else None
-            if lp is not None:
-                self.logprob_docs[i] = _merge(self.logprob_docs[i], lp)
-            reason = self._check_reason(chunk.finish_reason)
-            if reason is not None or stream.is_stopped:
-                text += stream.finish(reason)
-                self.finished[i] = True
-            if text or lp or self.finished[i]:
-                yield completion_chunk(self.rid, self.created, self.model,
-                                       [completion_choice(i, text, stream.finish_reason if self.finished[i] else None, lp)])
-            if all(self.finished):
-                return
+    def _payloads(self, i: int, stream, text: str, consumed: list) -> Iterator[dict]:
+        lp = self.logprobs[i].add(consumed) if self.want_logprobs else None
+        if lp is not None:
+            self.logprob_docs[i] = _merge(self.logprob_docs[i], lp)
+        if text or lp or self.finished[i]:
+            reason = stream.finish_reason if self.finished[i] else None
+            yield completion_chunk(self.rid, self.created, self.model, [completion_choice(i, text, reason, lp)])
 
     def response(self) -> dict:
         choices = [completion_choice(i, s.text, s.finish_reason, self.logprob_docs[i]) for i, s in enumerate(self.streams)]
