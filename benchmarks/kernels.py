@@ -87,6 +87,17 @@ def _copies(bytes_each: int) -> int:
     return max(2, min(128, math.ceil(4 * l2 / bytes_each)))
 
 
+def _sweep(configs, label: str, time_us: Callable[[tuple], float]) -> tuple[dict, tuple]:
+    """Time every launch config (a failing one is reported, not fatal); returns all times and the best."""
+    res = {}
+    for c in configs:
+        try:
+            res[c] = time_us(c)
+        except Exception as e:  # noqa: BLE001 - reported
+            print(f"  {label} {c}: {type(e).__name__}: {str(e).splitlines()[0][:120]}")
+    return res, (min(res.items(), key=lambda kv: kv[1]) if res else (None, float("nan")))
+
+
 def _calls(make: Callable[[int], Callable[[], object]], copies: int) -> list[Callable[[], object]]:
     return [make(i % copies) for i in range(max(copies, 32))]
 
@@ -385,15 +396,9 @@ def bench_sparse_attn(copy_bw: float) -> None:
         us = graph_time_us(_calls(lambda i: lambda: sparse_attn_paged(*args(i)), copies))
         nbytes = m * (kw * swa_rec + km * main_rec + 4 * (kw + km) + 4 * h * d)
         base = graph_time_us(_calls(lambda i: lambda: _sparse_torch_fp32(*args(i)), copies))
-        res = {}
-        for bh, bn, rps, warps in SPARSE_CONFIGS:
-            try:
-                res[(bh, bn, rps, warps)] = graph_time_us(_calls(
-                    lambda i, bh=bh, bn=bn, rps=rps, warps=warps: lambda: sparse_attn_paged(
-                        *args(i), block_h=bh, block_n=bn, rows_per_split=rps, num_warps=warps), copies))
-            except Exception as e:  # noqa: BLE001 - reported
-                print(f"  M={m} {(bh, bn, rps, warps)}: {type(e).__name__}: {str(e).splitlines()[0][:120]}")
-        best = min(res.items(), key=lambda kv: kv[1]) if res else (None, float("nan"))
+        res, best = _sweep(SPARSE_CONFIGS, f"M={m}", lambda c: graph_time_us(_calls(
+            lambda i: lambda: sparse_attn_paged(*args(i), block_h=c[0], block_n=c[1], rows_per_split=c[2],
+                                                num_warps=c[3]), copies)))
         print(f"| {m} | {us:.1f} | {nbytes / 1e6:.3f} MB | {nbytes / us / 1e6:.3f} | "
               f"{100 * nbytes / (us * 1e-6) / copy_bw:.1f}% | {base:.1f} | {base / us:.1f}x | "
               f"{best[0]}: {best[1]:.1f} |", flush=True)
@@ -445,15 +450,9 @@ def bench_indexer(copy_bw: float) -> None:
             few = min(copies, 8)
             f32 = graph_time_us(_calls(lambda i: lambda: _indexer_torch(*args(i), torch.float32), few), replays=3)
             b16 = graph_time_us(_calls(lambda i: lambda: _indexer_torch(*args(i), torch.bfloat16), few), replays=3)
-            res = {}
-            for bt, warps, pps in INDEXER_CONFIGS:
-                try:
-                    res[(bt, warps, pps)] = graph_time_us(_calls(
-                        lambda i, bt=bt, warps=warps, pps=pps: lambda: index_scores(
-                            *args(i), block_t=bt, num_warps=warps, programs_per_sm=pps), copies))
-                except Exception as e:  # noqa: BLE001 - reported
-                    print(f"  T={t} M={m} {(bt, warps, pps)}: {type(e).__name__}: {str(e).splitlines()[0][:120]}")
-            best = min(res.items(), key=lambda kv: kv[1]) if res else (None, float("nan"))
+            _, best = _sweep(INDEXER_CONFIGS, f"T={t} M={m}", lambda c: graph_time_us(_calls(
+                lambda i: lambda: index_scores(*args(i), block_t=c[0], num_warps=c[1], programs_per_sm=c[2]),
+                copies)))
             print(f"| {t:,} | {m} | {us:.1f} | {nbytes / 1e6:.2f} MB | {nbytes / us / 1e6:.2f} | "
                   f"{100 * nbytes / (us * 1e-6) / copy_bw:.0f}% | {f32:.1f} | {b16:.1f} | {min(f32, b16) / us:.1f}x | "
                   f"{best[0]}: {best[1]:.1f} ({100 * nbytes / (best[1] * 1e-6) / copy_bw:.0f}%) |", flush=True)
