@@ -34,72 +34,10 @@ from engine.kernels.indexer import index_scores  # noqa: E402
 from engine.kernels.cache_records import unpack_index_k  # noqa: E402
 from engine.kernels.sparse_attention import gather_rows_ref, sparse_attn_paged  # noqa: E402
 from engine.presets import full_config  # noqa: E402
+from benchmarks.gpu_timing import calls_of, copies_for, copy_bandwidth, graph_time_us, sweep  # noqa: E402
 from engine.quant import act_quant, dequant_fp8_weight, quant_fp8_weight  # noqa: E402
 
 M_VALUES = (1, 2, 4, 8, 16, 64, 512)
-
-
-def graph_time_us(calls: list[Callable[[], object]], replays: int = 10) -> float:
-    """Median per-call time of `calls` captured back to back in one CUDA graph (microseconds)."""
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):  # compile, allocate, pick algorithms outside the capture
-        for f in calls[:3]:
-            f()
-    torch.cuda.current_stream().wait_stream(side)
-    torch.cuda.synchronize()
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        for f in calls:
-            f()
-    g.replay()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(replays):
-        t0, t1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        t0.record()
-        g.replay()
-        t1.record()
-        t1.synchronize()
-        times.append(t0.elapsed_time(t1) * 1e3 / len(calls))
-    del g
-    return statistics.median(times)
-
-
-def copy_bandwidth() -> float:
-    """Device-to-device copy rate, bytes read + written per second: 2 GiB copied by torch's copy kernel,
-    timed with events outside a graph (a captured copy becomes a copy-engine node, ~2.8 TB/s here)."""
-    src = torch.randint(0, 255, (1 << 29,), dtype=torch.int32, device="cuda")
-    dst = torch.empty_like(src)
-    for _ in range(3):
-        dst.copy_(src)
-    t0, t1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    t0.record()
-    for _ in range(20):
-        dst.copy_(src)
-    t1.record()
-    t1.synchronize()
-    return 20 * 2 * src.numel() * 4 / (t0.elapsed_time(t1) * 1e-3)
-
-
-def _copies(bytes_each: int) -> int:
-    l2 = torch.cuda.get_device_properties(0).L2_cache_size
-    return max(2, min(128, math.ceil(4 * l2 / bytes_each)))
-
-
-def _sweep(configs, label: str, time_us: Callable[[tuple], float]) -> tuple[dict, tuple]:
-    """Time every launch config (a failing one is reported, not fatal); returns all times and the best."""
-    res = {}
-    for c in configs:
-        try:
-            res[c] = time_us(c)
-        except Exception as e:  # noqa: BLE001 - reported
-            print(f"  {label} {c}: {type(e).__name__}: {str(e).splitlines()[0][:120]}")
-    return res, (min(res.items(), key=lambda kv: kv[1]) if res else (None, float("nan")))
-
-
-def _calls(make: Callable[[int], Callable[[], object]], copies: int) -> list[Callable[[], object]]:
-    return [make(i % copies) for i in range(max(copies, 32))]
 
 
 # --- fp8_linear -------------------------------------------------------------------------------------------------
@@ -155,7 +93,7 @@ def scaled_mm_probes(n: int = 1280, k: int = 5120, m: int = 64) -> dict[str, str
 
 def _time_fp8(m, n, k, wts, cfg: Fp8LinearConfig | None = None) -> float:
     xs = [_x(m, k) for _ in range(4)]
-    return graph_time_us(_calls(lambda i: lambda: fp8_linear(xs[i % 4], *wts[i], cfg), len(wts)))
+    return graph_time_us(calls_of(lambda i: lambda: fp8_linear(xs[i % 4], *wts[i], cfg), len(wts)))
 
 
 def bench_fp8_linear(copy_bw: float) -> None:
@@ -187,18 +125,18 @@ def bench_fp8_linear(copy_bw: float) -> None:
     print(head)
     print("|" + "---|" * (head.count("|") - 1))
     for name, (n, k) in fp8_shapes().items():
-        wts = _weights(n, k, _copies(n * k))
-        bf = [dequant_fp8_weight(*wts[0]).bfloat16() for _ in range(_copies(2 * n * k))]
+        wts = _weights(n, k, copies_for(n * k))
+        bf = [dequant_fp8_weight(*wts[0]).bfloat16() for _ in range(copies_for(2 * n * k))]
         one = torch.ones((), device="cuda")
         for m in M_VALUES:
             us = _time_fp8(m, n, k, wts)
             nbytes = _fp8_bytes(m, n, k)
             x = _x(m, k)
-            cublas = graph_time_us(_calls(lambda i: lambda: F.linear(x, bf[i]), len(bf)))
+            cublas = graph_time_us(calls_of(lambda i: lambda: F.linear(x, bf[i]), len(bf)))
             cublas_bytes = 2 * (n * k + m * k + m * n)
             xf8 = x.to(torch.float8_e4m3fn)
             try:
-                smm = f"{graph_time_us(_calls(lambda i: lambda: torch._scaled_mm(xf8, wts[i][0].t(), scale_a=one, scale_b=one, out_dtype=torch.bfloat16), len(wts))):.1f}"  # noqa: E501
+                smm = f"{graph_time_us(calls_of(lambda i: lambda: torch._scaled_mm(xf8, wts[i][0].t(), scale_a=one, scale_b=one, out_dtype=torch.bfloat16), len(wts))):.1f}"  # noqa: E501
             except Exception as e:  # noqa: BLE001 - reported in the table
                 smm = type(e).__name__
             row = (f"| {name} ({n}x{k}) | {m} | {us:.1f} | {nbytes / 1e6:.2f} MB | {nbytes / us / 1e6:.2f} | "
@@ -221,7 +159,7 @@ def sweep_fp8_linear() -> None:
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     for name in ("wq_a", "wq_b", "wkv", "wo_b"):
         n, k = fp8_shapes()[name]
-        wts = _weights(n, k, _copies(n * k))
+        wts = _weights(n, k, copies_for(n * k))
         for m in (1, 8, 64):
             auto = pick_config(m, n, k, sms)
             results = {"auto": _time_fp8(m, n, k, wts)}
@@ -243,7 +181,7 @@ def sweep_fp8_linear() -> None:
                   + "; ".join(f"{c}: {t:.1f}" for c, t in best), flush=True)
         del wts
     n, k = fp8_shapes()["wq_b"]
-    wts = _weights(n, k, _copies(n * k))
+    wts = _weights(n, k, copies_for(n * k))
     for m in (512, 4096):
         res = {}
         for bn, bm, bk, warps, stages in ((128, 128, 64, 8, 3), (128, 128, 128, 8, 3), (128, 64, 64, 4, 4),
@@ -305,12 +243,12 @@ def bench_gumbel(copy_bw: float) -> None:
     print("|" + "---|" * (head.count("|") - 1))
     for n in GUMBEL_N:
         nbytes = 4 * n * vocab
-        copies = _copies(nbytes)
+        copies = copies_for(nbytes)
         xs = [torch.randn(n, vocab, device="cuda") * 3 for _ in range(copies)]
         seeds = torch.arange(n, dtype=torch.int64, device="cuda") * 7919 + 1
         steps = torch.full((n,), 17, dtype=torch.int64, device="cuda")
-        us = graph_time_us(_calls(lambda i: lambda: gumbel_argmax(xs[i], seeds, steps), copies))
-        noise_us = graph_time_us(_calls(lambda i: lambda: gumbel_noise(seeds, steps, vocab), 2))
+        us = graph_time_us(calls_of(lambda i: lambda: gumbel_argmax(xs[i], seeds, steps), copies))
+        noise_us = graph_time_us(calls_of(lambda i: lambda: gumbel_noise(seeds, steps, vocab), 2))
         keys = list(zip(seeds.tolist(), steps.tolist()))
         old_ms = _wall_ms(lambda: _old_cpu_generator_argmax(xs[0], keys), reps=3 if n >= 64 else 7)
         print(f"| {n} | {us:.1f} | {nbytes / 1e6:.2f} MB | {nbytes / us / 1e6:.2f} | "
@@ -320,13 +258,13 @@ def bench_gumbel(copy_bw: float) -> None:
 
     print("\n## gumbel: launch shapes (us per call; default block_j 512, 4 warps)")
     for n in (1, 128):
-        copies = _copies(4 * n * vocab)
+        copies = copies_for(4 * n * vocab)
         xs = [torch.randn(n, vocab, device="cuda") * 3 for _ in range(copies)]
         seeds = torch.arange(n, dtype=torch.int64, device="cuda")
         steps = torch.zeros(n, dtype=torch.int64, device="cuda")
         res = {}
         for bj, warps in ((256, 4), (512, 4), (512, 8), (1024, 8)):
-            res[f"block_j {bj} w{warps}"] = graph_time_us(_calls(
+            res[f"block_j {bj} w{warps}"] = graph_time_us(calls_of(
                 lambda i, bj=bj, warps=warps: lambda: gumbel_argmax(xs[i], seeds, steps, block_j=bj, num_warps=warps),
                 copies))
         print(f"- N={n}: " + "; ".join(f"{c}: {t:.1f}" for c, t in res.items()), flush=True)
@@ -393,10 +331,10 @@ def bench_sparse_attn(copy_bw: float) -> None:
         sw = [torch.randint(0, swa_slots, (m, kw), dtype=torch.int32, device="cuda") for _ in range(copies)]
         mn = [torch.randint(0, main_slots, (m, km), dtype=torch.int32, device="cuda") for _ in range(copies)]
         args = lambda i: (qs[i], swa_pool, sw[i], main_pool, mn[i], sink, scale)  # noqa: E731
-        us = graph_time_us(_calls(lambda i: lambda: sparse_attn_paged(*args(i)), copies))
+        us = graph_time_us(calls_of(lambda i: lambda: sparse_attn_paged(*args(i)), copies))
         nbytes = m * (kw * swa_rec + km * main_rec + 4 * (kw + km) + 4 * h * d)
-        base = graph_time_us(_calls(lambda i: lambda: _sparse_torch_fp32(*args(i)), copies))
-        res, best = _sweep(SPARSE_CONFIGS, f"M={m}", lambda c: graph_time_us(_calls(
+        base = graph_time_us(calls_of(lambda i: lambda: _sparse_torch_fp32(*args(i)), copies))
+        res, best = sweep(SPARSE_CONFIGS, f"M={m}", lambda c: graph_time_us(calls_of(
             lambda i: lambda: sparse_attn_paged(*args(i), block_h=c[0], block_n=c[1], rows_per_split=c[2],
                                                 num_warps=c[3]), copies)))
         print(f"| {m} | {us:.1f} | {nbytes / 1e6:.3f} MB | {nbytes / us / 1e6:.3f} | "
@@ -435,7 +373,7 @@ def bench_indexer(copy_bw: float) -> None:
     print(head)
     print("|" + "---|" * (head.count("|") - 1))
     for t in INDEXER_T:
-        copies = _copies(t * (rec + 4))
+        copies = copies_for(t * (rec + 4))
         pools = [torch.randint(0, 256, (t, rec), dtype=torch.uint8, device="cuda") for _ in range(copies)]
         for p in pools:
             p[:, d // 2:] = torch.randint(120, 131, (t, d // 32), dtype=torch.uint8, device="cuda")
@@ -445,12 +383,12 @@ def bench_indexer(copy_bw: float) -> None:
             w = (torch.randn(m, h, device="cuda") * 0.02).bfloat16()
             vis = torch.full((m,), t, dtype=torch.int32, device="cuda")
             args = lambda i: (q, w, pools[i], slots[i], vis)  # noqa: E731
-            us = graph_time_us(_calls(lambda i: lambda: index_scores(*args(i)), copies))
+            us = graph_time_us(calls_of(lambda i: lambda: index_scores(*args(i)), copies))
             nbytes = t * (rec + 4) + 2 * m * h * d + 2 * m * h + 2 * m * t
             few = min(copies, 8)
-            f32 = graph_time_us(_calls(lambda i: lambda: _indexer_torch(*args(i), torch.float32), few), replays=3)
-            b16 = graph_time_us(_calls(lambda i: lambda: _indexer_torch(*args(i), torch.bfloat16), few), replays=3)
-            _, best = _sweep(INDEXER_CONFIGS, f"T={t} M={m}", lambda c: graph_time_us(_calls(
+            f32 = graph_time_us(calls_of(lambda i: lambda: _indexer_torch(*args(i), torch.float32), few), replays=3)
+            b16 = graph_time_us(calls_of(lambda i: lambda: _indexer_torch(*args(i), torch.bfloat16), few), replays=3)
+            _, best = sweep(INDEXER_CONFIGS, f"T={t} M={m}", lambda c: graph_time_us(calls_of(
                 lambda i: lambda: index_scores(*args(i), block_t=c[0], num_warps=c[1], programs_per_sm=c[2]),
                 copies)))
             print(f"| {t:,} | {m} | {us:.1f} | {nbytes / 1e6:.2f} MB | {nbytes / us / 1e6:.2f} | "

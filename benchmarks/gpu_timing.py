@@ -1,0 +1,77 @@
+"""GPU timing shared by the kernel benchmarks (benchmarks/kernels.py and benchmarks/kernel_benches/).
+
+Timing: one CUDA graph holds many back-to-back calls, each reading its own copy of the inputs (enough
+copies to exceed 4x the L2, so weights stream from HBM as in a decode step); per-call time = median graph
+replay time / calls. Rates are reported against the device-to-device copy bandwidth measured in the run.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+from collections.abc import Callable
+
+import torch
+
+
+def graph_time_us(calls: list[Callable[[], object]], replays: int = 10) -> float:
+    """Median per-call time of `calls` captured back to back in one CUDA graph (microseconds)."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):  # compile, allocate, pick algorithms outside the capture
+        for f in calls[:3]:
+            f()
+    torch.cuda.current_stream().wait_stream(side)
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        for f in calls:
+            f()
+    g.replay()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(replays):
+        t0, t1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        t0.record()
+        g.replay()
+        t1.record()
+        t1.synchronize()
+        times.append(t0.elapsed_time(t1) * 1e3 / len(calls))
+    del g
+    return statistics.median(times)
+
+
+def copy_bandwidth() -> float:
+    """Device-to-device copy rate, bytes read + written per second: 2 GiB copied by torch's copy kernel,
+    timed with events outside a graph (a captured copy becomes a copy-engine node, ~2.8 TB/s here)."""
+    src = torch.randint(0, 255, (1 << 29,), dtype=torch.int32, device="cuda")
+    dst = torch.empty_like(src)
+    for _ in range(3):
+        dst.copy_(src)
+    t0, t1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    t0.record()
+    for _ in range(20):
+        dst.copy_(src)
+    t1.record()
+    t1.synchronize()
+    return 20 * 2 * src.numel() * 4 / (t0.elapsed_time(t1) * 1e-3)
+
+
+def copies_for(bytes_each: int) -> int:
+    l2 = torch.cuda.get_device_properties(0).L2_cache_size
+    return max(2, min(128, math.ceil(4 * l2 / bytes_each)))
+
+
+def sweep(configs, label: str, time_us: Callable[[tuple], float]) -> tuple[dict, tuple]:
+    """Time every launch config (a failing one is reported, not fatal); returns all times and the best."""
+    res = {}
+    for c in configs:
+        try:
+            res[c] = time_us(c)
+        except Exception as e:  # noqa: BLE001 - reported
+            print(f"  {label} {c}: {type(e).__name__}: {str(e).splitlines()[0][:120]}")
+    return res, (min(res.items(), key=lambda kv: kv[1]) if res else (None, float("nan")))
+
+
+def calls_of(make: Callable[[int], Callable[[], object]], copies: int) -> list[Callable[[], object]]:
+    return [make(i % copies) for i in range(max(copies, 32))]
