@@ -1,6 +1,9 @@
 """Kernel benchmarks on one CUDA GPU, with the baselines measured in the same run.
 
-    python benchmarks/kernels.py [--only fp8_linear|gumbel|sparse_attn|indexer] [--sweep]
+    python benchmarks/kernels.py [--only NAME[,NAME...]|none] [--sweep]
+
+NAME: fp8_linear, gumbel, sparse_attn, indexer (here) or a module of benchmarks/kernel_benches/ (moe, topk,
+mhc, store, engram, sparse_prefill).
 
 Timing (all kernels and baselines alike): one CUDA graph holds many back-to-back calls, each reading
 its own copy of the inputs (enough copies to exceed 4x the L2, so weights stream from HBM as in a
@@ -13,6 +16,7 @@ as TB/s and as % of the device-to-device copy bandwidth measured at the start of
 from __future__ import annotations
 
 import argparse
+import importlib
 import math
 import statistics
 import sys
@@ -397,13 +401,20 @@ def bench_indexer(copy_bw: float) -> None:
         del pools, slots
 
 
+def _module_bench(name: str) -> Callable[[float], None]:
+    """A benchmark in benchmarks/kernel_benches/<name>.py, imported when it runs."""
+    return lambda bw: importlib.import_module(f"benchmarks.kernel_benches.{name}").bench(bw)
+
+
 BENCHES = {"fp8_linear": bench_fp8_linear, "gumbel": bench_gumbel, "sparse_attn": bench_sparse_attn,
-           "indexer": bench_indexer}
+           "indexer": bench_indexer,
+           **{name: _module_bench(name) for name in ("moe", "topk", "mhc", "store", "engram", "sparse_prefill")}}
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--only", choices=sorted(BENCHES), help="run one kernel's benchmark")
+    parser.add_argument("--only", help="comma-separated benchmarks to run (none: only the sweeps); "
+                        f"default all of {', '.join(BENCHES)}")
     parser.add_argument("--sweep", action="store_true", help="also sweep fp8_linear launch shapes")
     args = parser.parse_args()
     assert torch.cuda.is_available(), "benchmarks/kernels.py needs a CUDA GPU"
@@ -413,9 +424,11 @@ def main() -> None:
     bw = copy_bandwidth()
     if args.sweep:
         sweep_fp8_linear()
-    for name, bench in BENCHES.items():
-        if args.only in (None, name):
-            bench(bw)
+    only = list(BENCHES) if args.only is None else [n for n in args.only.split(",") if n != "none"]
+    unknown = set(only) - set(BENCHES)
+    assert not unknown, f"unknown benchmarks {sorted(unknown)}; known: {', '.join(BENCHES)}"
+    for name in only:
+        BENCHES[name](bw)
 
 
 if __name__ == "__main__":
