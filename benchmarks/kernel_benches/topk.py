@@ -1,0 +1,89 @@
+"""Indexer top-k (index_topk, k = index_topk) and candidate-block selection (candidate_block_mask /
+candidate_blocks, full config) vs torch in the same run.
+
+Bytes = the bf16 scores read once (2·M·T, the floor); the kernels make 4 passes (plus a block-max pass
+for the candidates), re-reading the scores from L2 when they fit. Torch baselines: the golden path
+(torch.sort(stable=True), sort of the ids, gather, where: index_topk_ref / candidate_blocks_ref) and
+plain torch.topk on the bf16 scores (not tie-exact; for candidates: amax over blocks + torch.topk).
+index_topk "keys" is the int64-key + torch.topk variant of the same exact selection.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from benchmarks.gpu_timing import calls_of, copies_for, graph_time_us, sweep
+from engine.kernels.topk import (ROW_MAX_T, candidate_block_mask, candidate_blocks, candidate_blocks_ref, index_topk,
+                                 index_topk_ref)
+from engine.presets import full_config
+
+SHAPES_T = (1 << 14, 1 << 17, 1 << 20)
+SHAPES_M = (1, 6)
+# (chunk, num_warps, row_max_t): row_max_t 0 = multi-program radix select, 2^30 = one program per row
+CONFIGS = [(c, w, r) for c in (1024, 2048, 4096, 8192) for w in (4, 8, 16) for r in (0, 1 << 30)]
+DEVICE = "cuda"
+
+
+def _scores(m: int, t: int, data: str) -> torch.Tensor:
+    if data == "random":
+        return torch.randn(m, t, device=DEVICE).bfloat16()
+    vals = torch.tensor([-1.0, 0.5, 2.0], device=DEVICE).bfloat16()  # "few": crowded threshold bins
+    return vals[torch.randint(0, 3, (m, t), device=DEVICE)]
+
+
+def _torch_topk(s: torch.Tensor, k: int) -> torch.Tensor:
+    return torch.topk(s, min(k, s.size(-1)), dim=-1).indices
+
+
+def _torch_blocks(s: torch.Tensor, topk_blocks: int, block: int) -> torch.Tensor:
+    blocks = s.unflatten(-1, (-1, block)).amax(-1)
+    return torch.topk(blocks, min(topk_blocks, blocks.size(-1)), dim=-1).indices
+
+
+def _row(name: str, t: int, m: int, data: str, us: float, nbytes: int, copy_bw: float, base: dict[str, float],
+         variant: float, best: tuple) -> None:
+    cols = " | ".join(f"{v:.1f}" for v in base.values())
+    print(f"| {name} | {t:,} | {m} | {data} | {us:.1f} | {nbytes / 1e6:.2f} MB | {nbytes / us / 1e6:.3f} | "
+          f"{100 * nbytes / (us * 1e-6) / copy_bw:.1f}% | {cols} | {min(base.values()) / us:.1f}x | {variant:.1f} | "
+          f"{best[0]}: {best[1]:.1f} |", flush=True)
+
+
+def bench(copy_bw: float) -> None:
+    cfg = full_config()
+    k, kb, blk = cfg.index_topk, cfg.candidate_topk_blocks, cfg.candidate_block_size
+    print(f"\n## topk: exact indexer top-{k} and candidate blocks ({kb} blocks of {blk}); CUDA graph replay")
+    print(f"copy bandwidth measured in this run: {copy_bw / 1e12:.2f} TB/s (read + write); defaults: chunk 4096, "
+          f"8 warps, one program per row up to {ROW_MAX_T:,} entries (blocks for the candidates)\n")
+    head = ("| op | T | M | data | ours us | bytes (scores once) | TB/s | % copy BW | torch golden (stable sort) us |"
+            " torch.topk (not exact) us | speedup vs best torch | our variant us (index_topk: method='keys'; "
+            "candidates: bool [M, T] output) | best (chunk, warps, row_max_t): us |")
+    print(head)
+    print("|" + "---|" * (head.count("|") - 1))
+    for t in SHAPES_T:
+        for m in SHAPES_M:
+            for data in ("random", "few"):
+                nbytes = 2 * m * t
+                copies = copies_for(nbytes)
+                ss = [_scores(m, t, data) for _ in range(copies)]
+                vis = torch.full((m,), t, dtype=torch.int32, device=DEVICE)
+                few = min(copies, 8)
+
+                def time_of(f, n=copies, replays=10):
+                    return graph_time_us(calls_of(lambda i: lambda: f(ss[i]), n), replays=replays)
+
+                us = time_of(lambda s: index_topk(s, k))
+                base = {"golden": time_of(lambda s: index_topk_ref(s, k), few, 3),
+                        "topk": time_of(lambda s: _torch_topk(s, k), few, 3)}
+                variant = time_of(lambda s: index_topk(s, k, method="keys"), few, 3)
+                _, best = sweep(CONFIGS, f"index_topk T={t} M={m}", lambda c: time_of(
+                    lambda s: index_topk(s, k, chunk=c[0], num_warps=c[1], row_max_t=c[2])))
+                _row("index_topk", t, m, data, us, nbytes, copy_bw, base, variant, best)
+
+                us = time_of(lambda s: candidate_block_mask(s, vis, kb, blk))
+                base = {"golden": time_of(lambda s: candidate_blocks_ref(s, vis, kb, blk), few, 3),
+                        "topk": time_of(lambda s: _torch_blocks(s, kb, blk), few, 3)}
+                variant = time_of(lambda s: candidate_blocks(s, vis, kb, blk), few, 3)
+                _, best = sweep(CONFIGS, f"candidate_block_mask T={t} M={m}", lambda c: time_of(
+                    lambda s: candidate_block_mask(s, vis, kb, blk, chunk=c[0], num_warps=c[1], row_max_t=c[2])))
+                _row("candidate_block_mask", t, m, data, us, nbytes, copy_bw, base, variant, best)
+                del ss
