@@ -207,7 +207,10 @@ class EngramPrefetch:
     """
 
     def __init__(self, tables: Sequence[HostEngramTable], device: torch.device | str):
-        self.tables, self.device = list(tables), torch.device(device)
+        device = torch.device(device)
+        if device.type == "cuda" and device.index is None:  # "cuda" -> "cuda:N", as tensors report it
+            device = torch.device("cuda", torch.cuda.current_device())
+        self.tables, self.device = list(tables), device
         self.stream = torch.cuda.Stream(self.device, priority=-1) if self.device.type == "cuda" else None
         self._rows: list[Tensor | None] = [None] * len(self.tables)
         self._events: list[torch.cuda.Event | None] = [None] * len(self.tables)

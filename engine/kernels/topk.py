@@ -51,7 +51,13 @@ from engine.model.attention import select_candidate_blocks, stable_topk
 U_NEG_INF = 0x007F  # u(-inf)
 U_POS_INF = 0xFF80  # u(+inf)
 U_NAN = 0xFFC0  # u(NaN), every NaN canonicalised to 0x7FC0
-ROW_MAX_T = 16384  # rows up to this length (entries, or blocks for the candidates) use one program per row
+# Launch defaults from the H200 sweep (benchmarks/kernel_benches/topk.py, 2026-11-30): top-512 over 16K-128K
+# entries was fastest as the multi-program form with 1024-entry chunks (12.7-24.7 us vs 37.8 with 4096-entry
+# chunks and one program per row); candidate blocks (2048-16K blocks) with 1024-entry chunks, one program per
+# row up to a few thousand blocks.
+CHUNK = 1024
+ROW_MAX_T = 0  # index_topk: rows up to this length use one program per row (0: never)
+BLOCK_ROW_MAX_T = 4096  # candidate_block_mask: rows of up to this many blocks use one program per row
 _K_NEG_INF: tl.constexpr = tl.constexpr(U_NEG_INF)
 _K_POS_INF: tl.constexpr = tl.constexpr(U_POS_INF)
 _K_NAN: tl.constexpr = tl.constexpr(U_NAN)
@@ -263,7 +269,7 @@ def _check_candidates(candidates: Tensor | None, M: int, T: int, block: int) -> 
 
 
 def index_topk(score: Tensor, k: int, candidates: Tensor | None = None, block: int = 1,
-               method: Literal["radix", "keys"] = "radix", chunk: int = 4096, num_warps: int = 8,
+               method: Literal["radix", "keys"] = "radix", chunk: int = CHUNK, num_warps: int = 8,
                row_max_t: int = ROW_MAX_T) -> Tensor:
     """Top min(k, T) entries per row, ties to the lower index, in position order, -1 where -inf.
 
@@ -295,8 +301,8 @@ def index_topk(score: Tensor, k: int, candidates: Tensor | None = None, block: i
     return torch.where((u != U_NEG_INF) & (u != U_NAN), ids, -1).to(torch.int32)
 
 
-def candidate_block_mask(score: Tensor, visible: Tensor, topk_blocks: int, block: int, chunk: int = 4096,
-                         num_warps: int = 8, row_max_t: int = ROW_MAX_T) -> Tensor:
+def candidate_block_mask(score: Tensor, visible: Tensor, topk_blocks: int, block: int, chunk: int = CHUNK,
+                         num_warps: int = 8, row_max_t: int = BLOCK_ROW_MAX_T) -> Tensor:
     """Level one of the two-level top-k, block form: score bf16 [M, T] (invisible already -inf), visible
     int [M] -> bool [M, ceil(T / block)], True for the min(topk_blocks, nb) best blocks by block max
     (the newest visible entry's block forced in; ties to the lower block) whose max is > -inf."""
@@ -318,8 +324,8 @@ def candidate_block_mask(score: Tensor, visible: Tensor, topk_blocks: int, block
     return out.view(torch.bool)
 
 
-def candidate_blocks(score: Tensor, visible: Tensor, topk_blocks: int, block: int, chunk: int = 4096,
-                     num_warps: int = 8, row_max_t: int = ROW_MAX_T) -> Tensor:
+def candidate_blocks(score: Tensor, visible: Tensor, topk_blocks: int, block: int, chunk: int = CHUNK,
+                     num_warps: int = 8, row_max_t: int = BLOCK_ROW_MAX_T) -> Tensor:
     """select_candidate_blocks for one batch row: score bf16 [M, T], visible int [M] -> bool [M, T]."""
     mask = candidate_block_mask(score, visible, topk_blocks, block, chunk, num_warps, row_max_t)
     T = score.size(1)

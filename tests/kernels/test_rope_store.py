@@ -11,6 +11,9 @@ Tolerances:
 - fused stores: the records are bitwise paged.store_* of the kernel's own pre-quantisation bf16 values
   (`norm_rope`, same code); a record differs from the golden's only in rows whose bf16 values differ
   (by <= 1 ULP, detected here), and at least 99% of the records are bitwise the golden's when N >= 256.
+  Norm + RoPE: the golden rounds the normed row to bf16 before rotating, so the rotated dims also get the
+  rotated rounding slack 2^-7 (|a| + |b|) of their pair (`rotated_rounding_slack`; seen once on the H200 in
+  4096 x 128 index keys: 0.000977 off, 2 ULP of a cancelling output).
 - compressor pending state: bitwise (copies).
 """
 
@@ -95,8 +98,19 @@ def _pool(total: int, rec: int, g: torch.Generator, device) -> torch.Tensor:
     return torch.randint(0, 256, (total // 4, 4, rec), generator=g, dtype=torch.uint8).to(device)
 
 
+def rotated_rounding_slack(normed: torch.Tensor, rd: int) -> torch.Tensor:
+    """Extra error allowed after RoPE for a fused norm + RoPE: the golden rounds the normed row to bf16 before
+    rotating, so a 1-ULP difference there (<= 2^-7 |v|) moves each rotated output by up to
+    ulp(a)|cos| + ulp(b)|sin| <= 2^-7 (|a| + |b|) of its pair (a, b), which is many output ULPs where the
+    rotation cancels. normed bf16 [N, D] (the golden's pre-RoPE values) -> fp64 [N, D] (0 outside the last rd)."""
+    extra = torch.zeros(normed.shape, dtype=torch.float64, device=normed.device)
+    pairs = normed[:, -rd:].double().abs().unflatten(-1, (-1, 2)).sum(-1, keepdim=True)  # |a| + |b| per pair
+    extra[:, -rd:] = (2.0**-7 * pairs).expand(-1, -1, 2).flatten(-2)
+    return extra
+
+
 def assert_records(pool: torch.Tensor, init: torch.Tensor, slots: torch.Tensor, v_kernel: torch.Tensor,
-                   v_golden: torch.Tensor, store_ref, what: str) -> None:
+                   v_golden: torch.Tensor, store_ref, what: str, slack: torch.Tensor | None = None) -> None:
     """pool (kernel-written) = store_ref(init, v_kernel) bitwise; records differ from store_ref(init, v_golden)
     only in rows where v_kernel != v_golden (<= 1 ULP); >= 99% of the records are the golden's when N >= 256."""
     keep = slots >= 0
@@ -110,7 +124,7 @@ def assert_records(pool: torch.Tensor, init: torch.Tensor, slots: torch.Tensor, 
     rec_differs = (flat_k[slots[keep]] != flat_g[slots[keep]]).any(-1)
     val_differs = (v_kernel[keep].view(torch.int16) != v_golden[keep].view(torch.int16)).any(-1)
     assert not (rec_differs & ~val_differs).any(), f"{what}: a record differs although its bf16 values are equal"
-    assert_bf16_close(v_kernel, v_golden, f"{what} (pre-quantisation values)")
+    assert_bf16_close(v_kernel, v_golden, f"{what} (pre-quantisation values)", extra=slack)
     if keep.sum() >= 256:
         frac = 1.0 - rec_differs.double().mean().item()
         assert frac >= 0.99, f"{what}: only {100 * frac:.2f}% of the records bitwise the golden's"
@@ -228,12 +242,13 @@ def check_fused_stores(cfg: ModelConfig, n: int, device, seed: int) -> None:
 
     # window KV: RMSNorm(kv_norm) -> RoPE -> FP8 (Attention.window_kv_unquantized, then paged.store_swa)
     kv, w = _rows(n, d, g, device), _weight(d, g, device)
-    golden = apply_rotary(_norm(w, eps)(kv)[None], cis)[0]
+    normed = _norm(w, eps)(kv)
+    golden = apply_rotary(normed[None], cis)[0]
     init = _pool(total, swa_record_bytes(d), g, device)
     pool = init.clone()
     store_swa_fused(kv, w, eps, pos, table, pool, slots)
     assert_records(pool, init, slots, norm_rope(kv, w, eps, pos, table), golden, paged.store_swa,
-                   f"store_swa_fused N={n} D={d}")
+                   f"store_swa_fused N={n} D={d}", rotated_rounding_slack(normed, table.rd))
 
     # main KV from a pre-RoPE latent: RoPE at group positions -> NVFP4 (Attention.rotate_latent)
     latent = _rows(n, d, g, device)
@@ -246,12 +261,13 @@ def check_fused_stores(cfg: ModelConfig, n: int, device, seed: int) -> None:
 
     # index keys after wk: k_norm -> RoPE -> MXFP4 (Indexer.index_keys)
     keys, kw = _rows(n, di, g, device), _weight(di, g, device)
-    golden = apply_rotary(_norm(kw, eps)(keys)[None], cis)[0]
+    normed = _norm(kw, eps)(keys)
+    golden = apply_rotary(normed[None], cis)[0]
     init = _pool(total, fp4_record_bytes(di, 32), g, device)
     pool = init.clone()
     store_index_k_fused(keys, kw, eps, pos, table, pool, slots)
     assert_records(pool, init, slots, norm_rope(keys, kw, eps, pos, table), golden, paged.store_index_k,
-                   f"store_index_k_fused N={n} Di={di}")
+                   f"store_index_k_fused N={n} Di={di}", rotated_rounding_slack(normed, table.rd))
 
 
 def test_fused_stores_cpu():

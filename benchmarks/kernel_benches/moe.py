@@ -1,0 +1,161 @@
+"""Routed-expert MoE kernels (engine.kernels.moe) at the released layer shape, with a naive torch baseline.
+
+    python benchmarks/kernels.py --only moe
+
+One MoE layer of DeepSeek-V4.1-Flash: 384 FP4 experts (W1, W3 [2304 x 5120], W2 [5120 x 2304], E8M0 per 32:
+18.8 MB each), top-6, FP8 shared expert. Per token count T:
+- routed up+down: moe_plan + moe_up (x act-quantised inside at decode) + moe_down for given (ids, weights). Decode rows
+  (T <= 8) route every token to 6 distinct experts, distinct across the batch; consecutive calls take the
+  next experts, so the 7.2 GB expert stack streams from HBM. T = 64, 512: random top-6 per token.
+- moe_forward: router + the above + shared expert + combine (router picks from a fresh x per call).
+- baseline: what a naive implementation does: per used expert (host-side list), index_select of its tokens,
+  F.linear on dequantised bf16 [W1; W3] and W2 (cuBLAS), the clamped SwiGLU and weight in torch, index_add.
+Bytes (the floor): each used expert's FP4 weights + scales once (U x 18.8 MB) + x (2 T D) + the fp32 expert
+outputs (4 T k D); moe_forward adds the gate (2 E D), the shared expert (FP8 + scales) and y (2 T D).
+"""
+
+from __future__ import annotations
+
+from dataclasses import astuple
+
+import torch
+import torch.nn.functional as F
+
+from benchmarks.gpu_timing import graph_time_us, sweep
+from engine.kernels.moe import (ExpertWeights, MoeGemmConfig, moe_down, moe_forward, moe_plan, moe_route, moe_up,
+                                pick_block_m, stack_experts)
+from engine.model.layers import Linear
+from engine.model.moe import MoE
+from engine.presets import full_config
+from engine.quant import dequant_fp4_weight
+
+T_VALUES = (1, 2, 4, 8, 64, 512)
+DECODE_COPIES = 64  # 64 calls x 6 experts = all 384 experts at T = 1: no L2 reuse between calls
+SWEEP_T = (1, 8)
+SWEEP_CONFIGS = tuple(MoeGemmConfig(bn, bk, split, warps, stages, ds)
+                      for bn, bk, split, warps, stages, ds in (
+                          (128, 128, 1, 8, 3, False), (128, 128, 2, 8, 3, False), (128, 128, 4, 8, 3, False),
+                          (64, 128, 1, 4, 3, False), (64, 128, 2, 4, 4, False), (128, 256, 1, 8, 2, False),
+                          (128, 128, 1, 4, 3, False), (128, 128, 1, 8, 3, True), (128, 128, 2, 8, 3, True)))
+
+
+def _build() -> tuple[MoE, ExpertWeights]:
+    cfg = full_config()
+    g = torch.Generator(device="cuda").manual_seed(0)
+    with torch.device("cuda"):
+        moe = MoE(cfg, 0)
+    for m in moe.modules():
+        if isinstance(m, Linear):
+            m.weight.view(torch.uint8).copy_(torch.randint(0, 256, m.weight.shape, generator=g, device="cuda",
+                                                           dtype=torch.uint8))
+            if m.fmt == "fp8":
+                m.weight.view(torch.uint8).bitwise_and_(0xF7)  # no E4M3 NaN codes
+            m.scale.view(torch.uint8).copy_(torch.randint(115, 122, m.scale.shape, generator=g, device="cuda",
+                                                          dtype=torch.uint8))
+    moe.gate.weight.copy_((torch.randn(moe.gate.weight.shape, generator=g, device="cuda") * 0.02).bfloat16())
+    moe.gate.bias.copy_(torch.randn(moe.gate.bias.shape, generator=g, device="cuda") * 0.02)
+    return moe, stack_experts(moe)
+
+
+def _routes(t: int, k: int, e: int, copies: int, seed: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """(ids int32 [T, k], weights fp32 [T, k]) per call."""
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    out = []
+    for i in range(copies):
+        if t * k <= e:  # decode: distinct experts, the next ones each call
+            ids = ((torch.arange(t * k, device="cuda") + i * t * k) % e).view(t, k)
+        else:
+            ids = torch.rand(t, e, generator=g, device="cuda").topk(k, dim=-1).indices
+        w = torch.rand(t, k, generator=g, device="cuda") * 0.5 + 0.1
+        out.append((ids.to(torch.int32).contiguous(), w))
+    return out
+
+
+def _routed(x, ids, w, ex: ExpertWeights, limit: float, config: MoeGemmConfig | None = None) -> torch.Tensor:
+    e = ex.w13.size(0)
+    plan = moe_plan(ids, e, pick_block_m(ids.numel(), e))
+    return moe_down(moe_up(x, ex, plan, w, limit, config=config), ex, plan, config=config)
+
+
+class _Baseline:
+    """Per-expert F.linear on dequantised bf16 weights (27 GB for the 384 experts)."""
+
+    def __init__(self, ex: ExpertWeights, limit: float):
+        e, two_i, half_d = ex.w13.shape
+        self.inter, self.limit = two_i // 2, limit
+        self.w13 = torch.empty(e, two_i, 2 * half_d, dtype=torch.bfloat16, device="cuda")
+        self.w2 = torch.empty(e, 2 * half_d, self.inter, dtype=torch.bfloat16, device="cuda")
+        for i in range(e):
+            self.w13[i] = dequant_fp4_weight(ex.w13[i], ex.s13[i]).bfloat16()
+            self.w2[i] = dequant_fp4_weight(ex.w2[i], ex.s2[i]).bfloat16()
+
+    def prepare(self, ids: torch.Tensor, w: torch.Tensor) -> list[tuple[int, torch.Tensor, torch.Tensor]]:
+        """Host-side grouping (outside the timed graph): (expert, token rows, their weights) per used expert."""
+        out = []
+        for e in torch.unique(ids).tolist():
+            rows, slot = torch.where(ids == e)
+            out.append((e, rows, w[rows, slot].unsqueeze(1)))
+        return out
+
+    def __call__(self, x: torch.Tensor, groups) -> torch.Tensor:
+        y = torch.zeros(x.size(0), x.size(1), dtype=torch.float32, device=x.device)
+        for e, rows, we in groups:
+            gu = F.linear(x.index_select(0, rows), self.w13[e]).float()
+            g, u = gu[:, :self.inter].clamp(max=self.limit), gu[:, self.inter:].clamp(-self.limit, self.limit)
+            h = (F.silu(g) * u * we).bfloat16()
+            y.index_add_(0, rows, F.linear(h, self.w2[e]).float())
+        return y
+
+
+def _rate(nbytes: int, us: float, copy_bw: float) -> str:
+    return f"{nbytes / us / 1e6:.2f} | {100 * nbytes / (us * 1e-6) / copy_bw:.0f}%"
+
+
+def bench(copy_bw: float) -> None:
+    cfg = full_config()
+    d, inter, k, e = cfg.dim, cfg.moe_inter_dim, cfg.n_activated_experts, cfg.n_routed_experts
+    moe, ex = _build()
+    limit = moe.experts[0].limit
+    expert_bytes = 3 * inter * d // 2 + 3 * inter * d // 32
+    shared_bytes = 3 * inter * d + 3 * (inter // 32) * (d // 32)
+    print(f"\n## moe: routed FP4 experts (E={e}, top-{k}, D={d}, I={inter}; {expert_bytes / 1e6:.1f} MB per expert; "
+          "CUDA graph replay, weights from HBM)")
+    print(f"copy bandwidth measured in this run: {copy_bw / 1e12:.2f} TB/s (read + write)\n")
+    head = ("| T | experts read | routed up+down us | bytes | TB/s | % copy BW | torch per-expert bf16 us | speedup |"
+            " moe_forward us | fwd bytes | fwd TB/s | fwd % copy BW |")
+    print(head)
+    print("|" + "---|" * (head.count("|") - 1))
+    base = _Baseline(ex, limit)
+    for t in T_VALUES:
+        copies = DECODE_COPIES if t * k <= e else 8
+        routes = _routes(t, k, e, copies, seed=t)
+        xs = [torch.randn(t, d, device="cuda").bfloat16() for _ in range(copies)]
+        used = sum(int(torch.unique(ids).numel()) for ids, _ in routes) / copies
+        nbytes = int(used * expert_bytes) + 2 * t * d + 4 * t * k * d
+        us = graph_time_us([lambda i=i: _routed(xs[i], *routes[i], ex, limit) for i in range(copies)])
+        groups = [base.prepare(*routes[i]) for i in range(copies)]
+        n_base = copies if t <= 8 else 4
+        base_us = graph_time_us([lambda i=i: base(xs[i], groups[i]) for i in range(n_base)], replays=5)
+        fwd_us = graph_time_us([lambda i=i: moe_forward(xs[i], moe, ex) for i in range(copies)])
+        g = moe.gate
+        fwd_used = sum(int(torch.unique(moe_route(x, g.weight, g.bias, k, g.route_scale, g.norm_topk)[1]).numel())
+                       for x in xs) / copies  # the experts the router picked
+        fwd_bytes = int(fwd_used * expert_bytes) + 2 * t * d + 4 * t * k * d + 2 * e * d + shared_bytes + 2 * t * d
+        print(f"| {t} | {used:.0f} | {us:.1f} | {nbytes / 1e6:.1f} MB | {_rate(nbytes, us, copy_bw)} | {base_us:.1f} | "
+              f"{base_us / us:.1f}x | {fwd_us:.1f} | {fwd_bytes / 1e6:.1f} MB | {_rate(fwd_bytes, fwd_us, copy_bw)} |",
+              flush=True)
+        del routes, xs, groups
+    del base
+
+    print("\n## moe: launch shapes of routed up+down (MoeGemmConfig block_n, block_k, split_k, warps, stages, "
+          "dot_scaled; one config for both GEMMs), us per call")
+    for t in SWEEP_T:
+        routes = _routes(t, k, e, DECODE_COPIES, seed=t)
+        xs = [torch.randn(t, d, device="cuda").bfloat16() for _ in range(DECODE_COPIES)]
+        nbytes = k * t * expert_bytes + 2 * t * d + 4 * t * k * d
+        res, best = sweep(SWEEP_CONFIGS, f"T={t}", lambda c: graph_time_us(
+            [lambda i=i: _routed(xs[i], *routes[i], ex, limit, c) for i in range(DECODE_COPIES)]))
+        print(f"- T={t}: " + "; ".join(f"{astuple(c)[:5]}{' dot_scaled' if c.dot_scaled else ''}: {us:.1f}"
+                                      for c, us in res.items()))
+        if best[0] is not None:
+            print(f"  best {best[0]}: {best[1]:.1f} us, {100 * nbytes / (best[1] * 1e-6) / copy_bw:.0f}% of copy BW")

@@ -1,0 +1,319 @@
+// FP8 block-scaled GEMV for decode shapes (M = 1..8): DeepSeek's fp8_gemm semantics,
+//
+//   y[m, n] = bf16( Σ_kb (Σ_{k in kb} qa[m, k] · qw[n, k]) · (sa[m, kb] · sw[n / 32, kb]) )
+//
+// (qa, sa) = act_quant(x) per 32 along K (E4M3 codes, UE8M0 power-of-two scales; computed here, bit for bit
+// engine.quant.act_quant), qw FP8 E4M3 [N, K], sw E8M0 [ceil(N/32), K/32]. The block sums are exact products
+// summed in fp32 and scaled per block in fp32, accumulated in K order: the order of fp8_linear_ref.
+//
+// Why tensor cores here: at M = 8 a CUDA-core GEMV needs 8 fp32 FMAs per weight byte, ~32 T FMA/s at the HBM
+// rate: the whole fp32 throughput of the H200. So each warp streams 16..32 weight rows with 8-byte loads and
+// feeds them to mma.sync m16n8k16 (f16 in, f32 accumulate; the 8 tokens are the MMA's N, E4M3 values are
+// exact in f16, products are exact) as a fast FMA unit; the f32 block partial is then scaled by sa·sw.
+// Fragment trick: thread (g, t) of a warp loads the 8 bytes [8t, 8t + 8) of block kb of rows g and g + 8
+// and the 8 f16 activations [8t, 8t + 8) of token g from shared memory: the MMA's logical k order is a
+// permutation of the block's 32 positions that is the same for A and B, so no shuffles are needed.
+//
+// Launch: programmatic dependent launch (optional): the first weight loads are issued before waiting for the
+// previous kernel (griddepcontrol.wait), so they overlap its tail; x is read and y written only after it.
+// Work: CTA (split s, row tile) owns rows_cta = warps_n · row_tiles · 16 rows and a K range of kc = K/splits.
+// Its warps_k warp columns split that range further. Reduction is deterministic: warps in warp-column order
+// through shared memory, then the `splits` CTAs of a thread-block cluster (DSMEM) in rank order.
+// Memory traffic: N·K weight bytes + N·K/1024 scale bytes + 2·M·K·(N / rows_cta) (x re-read per CTA, from
+// L2) + 2·M·N output bytes. No global workspace, no atomics: CUDA-graph capturable, any stream.
+
+#include <cooperative_groups.h>
+#include <cuda_bf16.h>
+#include <cuda_fp8.h>
+#include <cuda_runtime.h>
+#include <stdint.h>
+
+namespace cg = cooperative_groups;
+
+namespace {
+
+constexpr int kMaxM = 8;        // the MMA's N
+constexpr int kMaxWarps = 8;    // per CTA
+constexpr int kMaxSplits = 8;   // portable cluster size
+constexpr int kMaxSmem = 200 * 1024;
+
+__device__ __forceinline__ uint2 ldg_stream(const uint8_t* p) {
+  uint2 v;
+  asm volatile("ld.global.nc.L1::no_allocate.L2::256B.v2.u32 {%0, %1}, [%2];"
+               : "=r"(v.x), "=r"(v.y) : "l"(p));
+  return v;
+}
+
+// 4 E4M3 bytes -> two f16x2: lo = (byte0, byte1), hi = (byte2, byte3), low half from the low byte.
+__device__ __forceinline__ void e4m3x4_to_f16x4(uint32_t w, uint32_t& lo, uint32_t& hi) {
+  asm("{\n\t.reg .b16 l, h;\n\tmov.b32 {l, h}, %2;\n\t"
+      "cvt.rn.f16x2.e4m3x2 %0, l;\n\tcvt.rn.f16x2.e4m3x2 %1, h;\n\t}"
+      : "=r"(lo), "=r"(hi) : "r"(w));
+}
+
+__device__ __forceinline__ void mma_16816(float (&c)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
+  asm volatile(
+      "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
+      "{%0, %1, %2, %3};"
+      : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+
+__host__ __device__ __forceinline__ int x_stride(int kc) { return (kc % 64 == 0) ? kc + 32 : kc; }
+
+// act_quant of one 32-block (bf16 in global memory) -> 32 E4M3 values as f16 in shared memory; returns sa.
+__device__ __forceinline__ float quant_block(const __nv_bfloat16* src, __half* dst) {
+  uint4 raw[4];
+  const uint4* s4 = reinterpret_cast<const uint4*>(src);
+#pragma unroll
+  for (int i = 0; i < 4; ++i) raw[i] = s4[i];
+  float v[32];
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    const uint32_t w[4] = {raw[i].x, raw[i].y, raw[i].z, raw[i].w};
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+      v[8 * i + 2 * j] = __uint_as_float(w[j] << 16);
+      v[8 * i + 2 * j + 1] = __uint_as_float(w[j] & 0xFFFF0000u);
+    }
+  }
+  float amax = 0.f;
+#pragma unroll
+  for (int i = 0; i < 32; ++i) amax = fmaxf(amax, fabsf(v[i]));
+  amax = fmaxf(amax, 1e-4f);
+  const uint32_t yb = __float_as_uint(__fmul_rn(amax, 1.0f / 448.0f));
+  const uint32_t e = ((yb >> 23) & 0xFF) + ((yb & 0x7FFFFF) != 0);  // s = 2^ceil(log2 y), biased exponent
+  const float inv_s = __uint_as_float((254u - e) << 23);            // 1/s exactly
+  uint32_t out[16];
+#pragma unroll
+  for (int i = 0; i < 16; ++i) {
+    float2 q;
+    q.x = fminf(fmaxf(__fmul_rn(v[2 * i], inv_s), -448.f), 448.f);
+    q.y = fminf(fmaxf(__fmul_rn(v[2 * i + 1], inv_s), -448.f), 448.f);
+    const __nv_fp8x2_storage_t c = __nv_cvt_float2_to_fp8x2(q, __NV_SATFINITE, __NV_E4M3);
+    const __half2_raw h = __nv_cvt_fp8x2_to_halfraw2(c, __NV_E4M3);
+    out[i] = uint32_t(h.x) | (uint32_t(h.y) << 16);
+  }
+  uint4* d4 = reinterpret_cast<uint4*>(dst);
+#pragma unroll
+  for (int i = 0; i < 4; ++i) d4[i] = make_uint4(out[4 * i], out[4 * i + 1], out[4 * i + 2], out[4 * i + 3]);
+  return __uint_as_float(e << 23);
+}
+
+template <int RT, int U>
+__global__ void __launch_bounds__(32 * kMaxWarps) fp8_gemv_kernel(
+    const __nv_bfloat16* x, const uint8_t* __restrict__ w, const uint8_t* __restrict__ ws,
+    __nv_bfloat16* __restrict__ y, int M, int N, int K, int kc, int warps_n, int warps_k, int splits) {
+  extern __shared__ __align__(16) unsigned char smem[];
+  const int stride = x_stride(kc);
+  const int kbc = kc / 32;
+  const int rows_cta = warps_n * RT * 16;
+  __half* x_s = reinterpret_cast<__half*>(smem);                                  // [8][stride]
+  float* sa_s = reinterpret_cast<float*>(smem + kMaxM * stride * 2);              // [kbc][8]
+  float* red = sa_s + kbc * kMaxM;                                                // [warps_k][8][rows_cta]
+
+  const int split = blockIdx.x;
+  const int k0 = split * kc;
+  const int kb_valid = min(kc, K - k0) / 32;
+  const int row0 = blockIdx.y * rows_cta;
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  const int g = lane >> 2, t = lane & 3;
+  const int wn = warp % warps_n, wk = warp / warps_n;
+  const int per = (kb_valid + warps_k - 1) / warps_k;
+  const int kb_lo = min(wk * per, kb_valid), kb_hi = min(kb_lo + per, kb_valid);
+  const int wrow = row0 + wn * RT * 16;
+  const uint8_t* ws_row = ws + size_t(min(wrow, N - 1) / 32) * (K / 32) + k0 / 32;
+  const uint8_t* wp[RT][2];
+#pragma unroll
+  for (int rt = 0; rt < RT; ++rt)
+#pragma unroll
+    for (int h = 0; h < 2; ++h)
+      wp[rt][h] = w + size_t(min(wrow + rt * 16 + h * 8 + g, N - 1)) * K + k0 + 8 * t;
+
+  uint2 wr[U][RT][2];
+  uint32_t swb[U];
+  auto load = [&](int kb0) {
+#pragma unroll
+    for (int u = 0; u < U; ++u) {
+      if (kb0 + u < kb_hi) {
+#pragma unroll
+        for (int rt = 0; rt < RT; ++rt)
+#pragma unroll
+          for (int h = 0; h < 2; ++h) wr[u][rt][h] = ldg_stream(wp[rt][h] + (kb0 + u) * 32);
+        swb[u] = __ldg(ws_row + kb0 + u);
+      }
+    }
+  };
+  load(kb_lo);  // the first weight bytes are in flight while x is quantised
+  // Programmatic dependent launch: everything above reads only weights; x (the previous kernel's output)
+  // is read, and y written, after the previous grid has completed (a no-op without the launch attribute).
+  asm volatile("griddepcontrol.wait;" ::: "memory");  // (x is not __restrict__: no load moves above this)
+
+  for (int p = tid; p < kMaxM * kbc; p += blockDim.x) {
+    const int m = p / kbc, blk = p % kbc;
+    __half* dst = x_s + m * stride + blk * 32;
+    float s = 0.f;
+    if (m < M && blk < kb_valid) {
+      s = quant_block(x + size_t(m) * K + k0 + blk * 32, dst);
+    } else {
+      uint4* d4 = reinterpret_cast<uint4*>(dst);
+#pragma unroll
+      for (int i = 0; i < 4; ++i) d4[i] = make_uint4(0, 0, 0, 0);
+    }
+    sa_s[blk * kMaxM + m] = s;
+  }
+  __syncthreads();
+
+  float acc[RT][4];
+#pragma unroll
+  for (int rt = 0; rt < RT; ++rt)
+#pragma unroll
+    for (int i = 0; i < 4; ++i) acc[rt][i] = 0.f;
+
+  for (int kb0 = kb_lo; kb0 < kb_hi; kb0 += U) {
+#pragma unroll
+    for (int u = 0; u < U; ++u) {
+      const int kb = kb0 + u;
+      if (kb < kb_hi) {
+        const uint4 q = *reinterpret_cast<const uint4*>(x_s + g * stride + kb * 32 + 8 * t);
+        const float2 sa = *reinterpret_cast<const float2*>(sa_s + kb * kMaxM + 2 * t);
+        const float sw = __uint_as_float(swb[u] << 23);
+        const float s0 = __fmul_rn(sa.x, sw), s1 = __fmul_rn(sa.y, sw);  // tokens 2t, 2t + 1
+#pragma unroll
+        for (int rt = 0; rt < RT; ++rt) {
+          float c[4] = {0.f, 0.f, 0.f, 0.f};
+          uint32_t a[4];
+          // A regs: (row g, k 2t..), (row g + 8, k 2t..), (row g, k 2t + 8..), (row g + 8, k 2t + 8..)
+          e4m3x4_to_f16x4(wr[u][rt][0].x, a[0], a[2]);
+          e4m3x4_to_f16x4(wr[u][rt][1].x, a[1], a[3]);
+          mma_16816(c, a, q.x, q.y);
+          e4m3x4_to_f16x4(wr[u][rt][0].y, a[0], a[2]);
+          e4m3x4_to_f16x4(wr[u][rt][1].y, a[1], a[3]);
+          mma_16816(c, a, q.z, q.w);
+          acc[rt][0] = __fadd_rn(acc[rt][0], __fmul_rn(c[0], s0));
+          acc[rt][1] = __fadd_rn(acc[rt][1], __fmul_rn(c[1], s1));
+          acc[rt][2] = __fadd_rn(acc[rt][2], __fmul_rn(c[2], s0));
+          acc[rt][3] = __fadd_rn(acc[rt][3], __fmul_rn(c[3], s1));
+        }
+      }
+    }
+    load(kb0 + U);
+  }
+
+  asm volatile("griddepcontrol.launch_dependents;" ::: "memory");  // the next kernel may start its prologue
+  // C fragment: (row g, tokens 2t, 2t + 1), (row g + 8, tokens 2t, 2t + 1)
+  float* red_w = red + wk * kMaxM * rows_cta;
+#pragma unroll
+  for (int rt = 0; rt < RT; ++rt) {
+    const int r = wn * RT * 16 + rt * 16 + g;
+    red_w[(2 * t) * rows_cta + r] = acc[rt][0];
+    red_w[(2 * t + 1) * rows_cta + r] = acc[rt][1];
+    red_w[(2 * t) * rows_cta + r + 8] = acc[rt][2];
+    red_w[(2 * t + 1) * rows_cta + r + 8] = acc[rt][3];
+  }
+  __syncthreads();
+  const int outs = M * rows_cta;  // [token][row] elements of this CTA that are stored
+  for (int e = tid; e < outs; e += blockDim.x) {
+    float s = red[e];
+    for (int j = 1; j < warps_k; ++j) s = __fadd_rn(s, red[j * kMaxM * rows_cta + e]);
+    if (splits == 1) {
+      const int m = e / rows_cta, r = row0 + e % rows_cta;
+      if (r < N) y[size_t(m) * N + r] = __float2bfloat16_rn(s);
+    } else {
+      red[e] = s;
+    }
+  }
+  if (splits > 1) {
+    cg::cluster_group cluster = cg::this_cluster();
+    cluster.sync();  // every CTA's K-range partial is in its shared memory
+    const int rank = int(cluster.block_rank());
+    for (int e = rank * blockDim.x + tid; e < outs; e += splits * blockDim.x) {
+      float s = cluster.map_shared_rank(red, 0)[e];
+      for (int j = 1; j < splits; ++j) s = __fadd_rn(s, cluster.map_shared_rank(red, j)[e]);
+      const int m = e / rows_cta, r = row0 + e % rows_cta;
+      if (r < N) y[size_t(m) * N + r] = __float2bfloat16_rn(s);
+    }
+    cluster.sync();  // no CTA leaves while another still reads its shared memory
+  }
+}
+
+template <int RT, int U>
+cudaError_t launch(const void* x, const void* w, const void* ws, void* y, int M, int N, int K, int kc,
+                   int warps_n, int warps_k, int splits, bool pdl, size_t smem, cudaStream_t stream) {
+  auto kernel = fp8_gemv_kernel<RT, U>;
+  // the shared-memory opt-in, once per device (the first call, a warm-up, is outside any graph capture)
+  static uint64_t smem_set = 0;
+  int device = 0;
+  cudaError_t err = cudaGetDevice(&device);
+  if (err != cudaSuccess) return err;
+  if (device >= 64) return cudaErrorInvalidDevice;
+  if (!(smem_set >> device & 1)) {
+    err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kMaxSmem);
+    if (err != cudaSuccess) return err;
+    smem_set |= uint64_t(1) << device;
+  }
+  const int rows_cta = warps_n * RT * 16;
+  cudaLaunchConfig_t cfg = {};
+  cfg.gridDim = dim3(splits, (N + rows_cta - 1) / rows_cta, 1);
+  cfg.blockDim = dim3(32 * warps_n * warps_k, 1, 1);
+  cfg.dynamicSmemBytes = smem;
+  cfg.stream = stream;
+  cudaLaunchAttribute attr[2];
+  unsigned num_attrs = 0;
+  if (splits > 1) {
+    attr[num_attrs].id = cudaLaunchAttributeClusterDimension;
+    attr[num_attrs].val.clusterDim.x = splits;
+    attr[num_attrs].val.clusterDim.y = 1;
+    attr[num_attrs].val.clusterDim.z = 1;
+    ++num_attrs;
+  }
+  if (pdl) {
+    attr[num_attrs].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+    attr[num_attrs].val.programmaticStreamSerializationAllowed = 1;
+    ++num_attrs;
+  }
+  cfg.attrs = attr;
+  cfg.numAttrs = num_attrs;
+  return cudaLaunchKernelEx(&cfg, kernel, static_cast<const __nv_bfloat16*>(x), static_cast<const uint8_t*>(w),
+                            static_cast<const uint8_t*>(ws), static_cast<__nv_bfloat16*>(y), M, N, K, kc, warps_n,
+                            warps_k, splits);
+}
+
+}  // namespace
+
+extern "C" {
+
+// Shared memory bytes of one CTA (0 when the parameters are invalid); the Python wrapper checks its limit.
+size_t dsv41_fp8_gemv_smem(int K, int row_tiles, int warps_n, int warps_k, int splits) {
+  if (K <= 0 || K % 32 || row_tiles < 1 || row_tiles > 2 || warps_n < 1 || warps_k < 1 ||
+      warps_n * warps_k > kMaxWarps || splits < 1 || splits > kMaxSplits)
+    return 0;
+  const int kb = K / 32, kbc = (kb + splits - 1) / splits, kc = kbc * 32;
+  return size_t(kMaxM) * x_stride(kc) * 2 + size_t(kbc) * kMaxM * 4 +
+         size_t(warps_k) * kMaxM * warps_n * row_tiles * 16 * 4;
+}
+
+// y [M, N] bf16 = act_quant(x [M, K] bf16) @ dequant(w [N, K] e4m3, ws [ceil(N/32), K/32] e8m0)^T.
+// splits must not exceed ceil(K/32 / ceil(K/32 / splits)) (every CTA of a cluster owns K columns).
+// Returns a cudaError_t (cudaErrorInvalidValue for parameters outside the contract, before any CUDA call).
+// pdl: launch with programmatic stream serialization (weight loads overlap the previous kernel's tail).
+int dsv41_fp8_gemv(const void* x, const void* w, const void* ws, void* y, int M, int N, int K, int row_tiles,
+                   int unroll, int warps_n, int warps_k, int splits, int pdl, void* stream) {
+  const size_t smem = dsv41_fp8_gemv_smem(K, row_tiles, warps_n, warps_k, splits);
+  if (M < 1 || M > kMaxM || N < 1 || smem == 0 || smem > kMaxSmem) return int(cudaErrorInvalidValue);
+  const int kb = K / 32, kbc = (kb + splits - 1) / splits;
+  if ((kb + kbc - 1) / kbc != splits) return int(cudaErrorInvalidValue);
+  const int kc = kbc * 32;
+  const cudaStream_t s = static_cast<cudaStream_t>(stream);
+#define DSV41_GEMV_CASE(RT, U)                                                                                \
+  if (row_tiles == RT && unroll == U)                                                                         \
+    return int(launch<RT, U>(x, w, ws, y, M, N, K, kc, warps_n, warps_k, splits, pdl != 0, smem, s));
+  DSV41_GEMV_CASE(1, 2) DSV41_GEMV_CASE(1, 4) DSV41_GEMV_CASE(1, 8)
+  DSV41_GEMV_CASE(2, 2) DSV41_GEMV_CASE(2, 4) DSV41_GEMV_CASE(2, 8)
+#undef DSV41_GEMV_CASE
+  return int(cudaErrorInvalidValue);
+}
+
+const char* dsv41_cuda_error_string(int err) { return cudaGetErrorString(static_cast<cudaError_t>(err)); }
+
+}  // extern "C"

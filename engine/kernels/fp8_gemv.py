@@ -1,0 +1,176 @@
+"""FP8 block-scaled GEMV for decode shapes (M = 1..8): the CUDA C++ kernel of `cuda/fp8_gemv.cu`.
+
+Same math and contract as engine.kernels.fp8_linear.fp8_linear (whose docstring states it), with the
+activation quantisation fused (act_quant bit for bit, per CTA, into shared memory):
+
+    y[m, n] = bf16( Σ_kb (Σ_{k in kb} qa[m, k] · qw[n, k]) · (sa[m, kb] · sw[n // 32, kb]) )
+
+Block sums are exact products summed in fp32 (mma.sync f16 x f16 -> f32: E4M3 values are exact in f16),
+scaled per 32-block in fp32 and accumulated in K order, as fp8_linear_ref does; the split-K reduction
+(warps through shared memory, then the CTAs of a thread-block cluster) runs in a fixed order, so the
+result is deterministic. No workspace and no atomics: any stream, CUDA-graph capturable. With
+programmatic dependent launch (GemvParams.pdl, default on) the first weight loads are issued before the
+kernel waits for its predecessor on the stream; x is read and y written only after that wait.
+
+Memory traffic (the floor): N·K weight bytes + N·K/1024 scale bytes + 2·M·K (x) + 2·M·N (y); each CTA
+also re-reads its K range of x from L2 (2·M·K·N / rows per CTA bytes of L2 traffic).
+
+Launch shape (GemvParams): a warp owns row_tiles x 16 rows; a CTA has warps_n x warps_k warps (warps_k
+split the CTA's K range), a cluster of `splits` CTAs splits K further. unroll = 32-blocks of weight loaded
+per warp per step (8 bytes per thread per row per block).
+"""
+
+from __future__ import annotations
+
+import ctypes
+from dataclasses import dataclass
+from functools import lru_cache
+
+import torch
+from torch import Tensor
+
+from engine.kernels.cuda_build import load, nvcc_path
+from engine.quant import BLOCK
+
+MAX_M = 8  # the MMA's N: tokens per launch
+MAX_K = 65536  # 8 cluster splits of <= 8192 columns: every K up to this has a launch shape
+_MAX_WARPS = 8
+_MAX_SPLITS = 8
+_MAX_SMEM = 200 * 1024  # the launcher's opt-in limit (kMaxSmem in cuda/fp8_gemv.cu)
+_SMEM_PER_SM = 228 * 1024
+_CTA_OVERHEAD_BYTES = 4096  # pick_params: a CTA's start-up (x quantisation, reduction) in weight-byte terms
+
+
+@dataclass(frozen=True, slots=True)
+class GemvParams:
+    """Launch shape of fp8_gemv (see the module docstring). splits is rounded down by `normalised` to the
+    number of CTAs that own K columns."""
+
+    row_tiles: int  # 1 or 2: rows per warp / 16
+    unroll: int  # 2, 4 or 8
+    warps_n: int
+    warps_k: int
+    splits: int  # cluster size, 1..8
+    pdl: bool = True  # programmatic dependent launch: weight loads overlap the previous kernel's tail
+
+    def normalised(self, k: int) -> GemvParams:
+        kb = k // BLOCK
+        kbc = _cdiv(kb, min(self.splits, kb))
+        return GemvParams(self.row_tiles, self.unroll, self.warps_n, self.warps_k, _cdiv(kb, kbc), self.pdl)
+
+    @property
+    def rows_per_cta(self) -> int:
+        return self.warps_n * self.row_tiles * 16
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def smem_bytes(k: int, p: GemvParams) -> int:
+    """Shared memory of one CTA: x as f16 [8, kc (+32 pad)], sa [kc/32, 8], fp32 partials [warps_k, 8, rows]."""
+    kbc = _cdiv(k // BLOCK, p.splits)
+    kc = kbc * BLOCK
+    stride = kc + 32 if kc % 64 == 0 else kc
+    return MAX_M * stride * 2 + kbc * MAX_M * 4 + p.warps_k * MAX_M * p.rows_per_cta * 4
+
+
+@lru_cache(maxsize=1024)
+def pick_params(m: int, n: int, k: int, num_sms: int = 132) -> GemvParams:
+    """Launch shape by a bytes-per-wave model (to be replaced by the H200 sweep of
+    benchmarks/kernel_benches/fp8_gemv.py): 8 warps of 32 rows, K split over warps and a cluster so that
+    one wave of CTAs (2 per SM when shared memory allows) covers the matrix with the fewest weight bytes
+    per CTA (weight bytes, plus each CTA's re-read of x from L2 at half weight and a fixed start-up cost
+    in bytes); ties go to fewer cluster splits, then fewer warp splits."""
+    kb = k // BLOCK
+    best: tuple[float, int, int, GemvParams] | None = None
+    for warps_k in (1, 2, 4, 8):
+        for splits in range(1, _MAX_SPLITS + 1):
+            p = GemvParams(2, 4, _MAX_WARPS // warps_k, warps_k, splits)
+            if p.normalised(k).splits != splits or (warps_k > 1 and _cdiv(kb, splits) < 2 * warps_k):
+                continue
+            smem = smem_bytes(k, p)
+            if smem > _MAX_SMEM:
+                continue
+            resident = max(1, min(2, _SMEM_PER_SM // (smem + 1024)))
+            ctas = _cdiv(n, p.rows_per_cta) * splits
+            waves = _cdiv(ctas, resident * num_sms)
+            kc = _cdiv(kb, splits) * BLOCK
+            cost = waves * (p.rows_per_cta * kc + m * kc + _CTA_OVERHEAD_BYTES)  # x: 2 B per token, from L2
+            key = (cost, splits, warps_k, p)
+            if best is None or key[:3] < best[:3]:
+                best = key
+    assert best is not None, f"no launch shape for K = {k}"
+    return best[3]
+
+
+@lru_cache(maxsize=None)
+def _lib() -> ctypes.CDLL:
+    lib = load("fp8_gemv")
+    lib.dsv41_fp8_gemv.restype = ctypes.c_int
+    lib.dsv41_fp8_gemv.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int] * 9 + [ctypes.c_void_p]
+    lib.dsv41_fp8_gemv_smem.restype = ctypes.c_size_t
+    lib.dsv41_fp8_gemv_smem.argtypes = [ctypes.c_int] * 5
+    lib.dsv41_cuda_error_string.restype = ctypes.c_char_p
+    lib.dsv41_cuda_error_string.argtypes = [ctypes.c_int]
+    return lib
+
+
+@lru_cache(maxsize=None)
+def _num_sms(device_index: int) -> int:
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+@lru_cache(maxsize=None)
+def gemv_available(device_index: int = 0) -> bool:
+    """True where the kernel can run: a CUDA device of compute capability >= 9.0 and an nvcc to build it."""
+    return (torch.cuda.is_available() and torch.cuda.get_device_capability(device_index) >= (9, 0)
+            and nvcc_path() is not None)
+
+
+def gemv_applies(x: Tensor, weight: Tensor) -> bool:
+    """Whether fp8_linear should route this call here: CUDA, 1..MAX_M rows, 16-byte aligned, buildable."""
+    m = x.numel() // max(1, x.size(-1))
+    return (x.is_cuda and 0 < m <= MAX_M and x.size(-1) <= MAX_K and x.data_ptr() % 16 == 0
+            and weight.data_ptr() % 16 == 0 and gemv_available(x.device.index or 0))
+
+
+def fp8_gemv(x: Tensor, weight: Tensor, scale: Tensor, params: GemvParams | None = None) -> Tensor:
+    """y = act_quant(x) @ weight^T with per-block scales: bf16 [..., K] x FP8 [N, K] -> bf16 [..., N].
+
+    At most MAX_M rows of x (the leading dims flattened); weight float8_e4m3fn [N, K] (K % 32 == 0),
+    scale float8_e8m0fnu [ceil(N/32), K/32]; all contiguous, 16-byte aligned and on one CUDA device.
+    Matches fp8_linear_ref within the tolerance of tests/kernels/test_fp8_linear.py (GPU_EPS).
+    """
+    assert x.dtype == torch.bfloat16, f"x must be bf16, got {x.dtype}"
+    assert weight.dtype == torch.float8_e4m3fn and weight.dim() == 2, (
+        f"weight must be 2-D float8_e4m3fn, got {weight.dtype} {tuple(weight.shape)}")
+    assert scale.dtype == torch.float8_e8m0fnu, f"scale must be float8_e8m0fnu, got {scale.dtype}"
+    n, k = weight.shape
+    assert x.size(-1) == k, f"x {tuple(x.shape)} does not match weight {tuple(weight.shape)}"
+    assert k % BLOCK == 0 and k > 0, f"K = {k} is not a positive multiple of {BLOCK}"
+    assert tuple(scale.shape) == (_cdiv(n, BLOCK), k // BLOCK), (
+        f"weight {tuple(weight.shape)} needs scale {(_cdiv(n, BLOCK), k // BLOCK)}, got {tuple(scale.shape)}")
+    assert x.is_contiguous() and weight.is_contiguous() and scale.is_contiguous(), "x, weight, scale must be contiguous"
+    m = x.numel() // k
+    assert m <= MAX_M, f"fp8_gemv takes at most {MAX_M} rows, got {m} (use fp8_linear)"
+    assert x.is_cuda and x.device == weight.device == scale.device, (
+        f"x, weight, scale must be on one CUDA device: {x.device} {weight.device} {scale.device}")
+    assert x.data_ptr() % 16 == 0 and weight.data_ptr() % 16 == 0, "x and weight must be 16-byte aligned"
+    assert n < 2**31 and k < 2**31, f"N = {n}, K = {k} exceed int32"
+    y = torch.empty(*x.shape[:-1], n, dtype=torch.bfloat16, device=x.device)
+    if m == 0:
+        return y
+    p = (params or pick_params(m, n, k, _num_sms(x.device.index or 0))).normalised(k)
+    assert p.row_tiles in (1, 2) and p.unroll in (2, 4, 8), f"no kernel instance for {p}"
+    assert p.warps_n * p.warps_k <= _MAX_WARPS and 1 <= p.splits <= _MAX_SPLITS, f"bad launch shape {p}"
+    assert smem_bytes(k, p) <= _MAX_SMEM, f"{p} needs {smem_bytes(k, p)} B of shared memory for K = {k}"
+    lib = _lib()
+    with torch.cuda.device(x.device):
+        err = lib.dsv41_fp8_gemv(x.data_ptr(), weight.data_ptr(), scale.data_ptr(), y.data_ptr(), m, n, k,
+                                 p.row_tiles, p.unroll, p.warps_n, p.warps_k, p.splits, int(p.pdl),
+                                 torch.cuda.current_stream(x.device).cuda_stream)
+    if err:
+        raise RuntimeError(f"fp8_gemv launch {p} for M={m} N={n} K={k} failed: "
+                           f"{lib.dsv41_cuda_error_string(err).decode()}")
+    return y

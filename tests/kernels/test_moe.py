@@ -1,0 +1,473 @@
+"""Routed-expert MoE kernels (engine.kernels.moe) against the golden model's math.
+
+Tolerances (per element; ULP = bf16 unit in the last place of the reference value):
+- router: ids equal to the golden's (inputs are drawn with no near-ties: adjacent biased scores among the
+  top k + 1 at least TIE_GAP apart; at the real shapes tokens with closer scores are excluded and counted);
+  weights within 2^-16 relative (fp32 scores and normalisation vs float64).
+- plan: bitwise (the stable order of the valid pairs and an exact tile cover).
+- up (h = bf16(w silu(min(g, L)) clamp(u, ±L))): the kernel's g, u are bf16 of fp32 sums, so either may
+  be the neighbouring bf16 of the golden's (fp32 summation order); h must lie within 1 ULP of the interval
+  spanned by the float64 SwiGLU at g +- 1 ULP, u +- 1 ULP (with g, u the golden pre-activations). With an
+  exact problem (integer activations, one weight scale: every fp32 sum is exact) g and u are the golden's
+  and h is within 1 ULP of the golden's h (fp32 vs float64 SwiGLU), at least 95% bitwise. The fused QDQ
+  output is bitwise act_quant_qdq of the plain output.
+- down (fp32): |o - ref| <= eps * S, S = Σ_i |A(h)_i| |W2_i|, eps 2^-16 on the CPU (numpy fp32 sums), 2^-14
+  on the GPU (bf16 MMA, fp32 accumulation); bitwise on the exact problem.
+- moe_forward (bf16) vs the golden MoE: |y - ref| <= 1 ULP + 2^-7 (Σ_j |o_j| + |shared|) + 2^-8 S_t, where
+  o_j are the golden's expert outputs and S_t sums Σ_i |A(h)_i| |W2_i| over the token's routed and shared
+  experts (each term may round to the neighbouring bf16; an h element 1 ULP off moves o by <= 2^-8 of its
+  share of S); and at least 90% of the elements bitwise equal.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from engine.kernels.fp8_linear import _tickets
+from engine.kernels.moe import (ExpertWeights, MoeGemmConfig, moe_down, moe_down_ref, moe_forward,
+                                moe_forward_ref, moe_plan, moe_route, moe_route_ref, moe_up, moe_up_ref,
+                                pick_block_m, pick_gemm_config, stack_experts)
+from engine.model.layers import Linear
+from engine.model.moe import MoE
+from engine.presets import full_config, tiny_config
+from engine.quant import (_act_dequant, act_quant, act_quant_qdq, dequant_fp4_weight, dequant_fp8_weight,
+                          quant_fp4_weight, quant_fp8_weight)
+
+gpu = pytest.mark.gpu
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+TIE_GAP = 1e-4
+CPU_EPS, GPU_EPS = 2.0**-16, 2.0**-14
+LIMIT = 10.0
+
+
+# --- problems ------------------------------------------------------------------------------------------------------
+
+def _fill_moe(moe: MoE, seed: int, exact: bool = False) -> MoE:
+    """Random buffers. exact: routed weights are random FP4 codes with one scale 2^-6 (with integer
+    activations every product sum is exact in fp32)."""
+    g = torch.Generator().manual_seed(seed)
+    dev = moe.gate.weight.device
+    for m in moe.modules():
+        if isinstance(m, Linear):
+            if m.fmt == "fp4" and exact:
+                m.weight.copy_(torch.randint(0, 256, m.weight.shape, generator=g, dtype=torch.uint8))
+                m.scale.view(torch.uint8).fill_(121)  # 2^-6
+                continue
+            w = torch.randn(m.out_features, m.in_features, generator=g) * 0.05
+            w *= torch.logspace(-0.5, 0.5, m.in_features)[torch.randperm(m.in_features, generator=g)]
+            q, s = (quant_fp4_weight if m.fmt == "fp4" else quant_fp8_weight)(w)
+            m.weight.copy_(q)
+            m.scale.copy_(s)
+    moe.gate.weight.copy_((torch.randn(moe.gate.weight.shape, generator=g) * 0.1).bfloat16())
+    moe.gate.bias.copy_(torch.randn(moe.gate.bias.shape, generator=g) * 0.1)
+    return moe.to(dev)
+
+
+def _tiny_moe(seed: int = 0, exact: bool = False, layer: int = 0) -> tuple[MoE, ExpertWeights]:
+    moe = _fill_moe(MoE(tiny_config(), layer), seed, exact)
+    return moe, stack_experts(moe)
+
+
+def _router_gaps(x: torch.Tensor, moe: MoE) -> torch.Tensor:
+    """Per token: the smallest gap between adjacent biased golden scores among the top k + 1 (float64)."""
+    scores = F.softplus(x.double() @ moe.gate.weight.double().T).sqrt() + moe.gate.bias.double()
+    top = scores.topk(min(moe.gate.topk + 1, scores.size(1)), dim=-1).values
+    return (top[:, :-1] - top[:, 1:]).min(dim=-1).values
+
+
+def _tokens(t: int, moe: MoE, seed: int, exact: bool = False) -> torch.Tensor:
+    """x bf16 [T, D] without router near-ties (tiny shapes: redraw a row until its gaps exceed TIE_GAP).
+    exact: integers in [-8, 8] with 8 in every 32-block (act_quant keeps them exactly)."""
+    g = torch.Generator().manual_seed(seed)
+    d = moe.gate.weight.size(1)
+    rows = []
+    while len(rows) < t:
+        if exact:
+            r = torch.randint(-8, 9, (d,), generator=g).float()
+            r[::32] = 8.0
+        else:
+            r = torch.randn(d, generator=g) * torch.logspace(-1, 0.5, d)[torch.randperm(d, generator=g)]
+        r = r.bfloat16().to(moe.gate.weight.device)
+        if _router_gaps(r[None], moe).item() > TIE_GAP:
+            rows.append(r)
+    return torch.stack(rows) if rows else torch.zeros(0, d, dtype=torch.bfloat16, device=moe.gate.weight.device)
+
+
+def _route(x: torch.Tensor, moe: MoE) -> tuple[torch.Tensor, torch.Tensor]:
+    g = moe.gate
+    return moe_route(x, g.weight, g.bias, g.topk, g.route_scale, g.norm_topk)
+
+
+def _unsort(h: torch.Tensor, plan) -> torch.Tensor:
+    """Rows by sorted position -> rows by pair id (all pairs valid)."""
+    return h[torch.argsort(plan.sorted_pairs.long())]
+
+
+def _ulp(ref: torch.Tensor) -> torch.Tensor:
+    _, e = torch.frexp(ref.double().abs().clamp_min(2.0**-126))
+    return torch.ldexp(torch.ones_like(ref, dtype=torch.float64), e - 8)
+
+
+def _fail_worst(bad: torch.Tensor, err: torch.Tensor, allowed: torch.Tensor, y, ref, what: str) -> None:
+    if bad.any():
+        worst = int(torch.where(bad, err / allowed, -1.0).argmax())
+        idx = tuple(int(i) for i in torch.unravel_index(torch.tensor(worst), bad.shape))
+        pytest.fail(f"{what}: {int(bad.sum())}/{bad.numel()} out of tolerance; worst at {idx}: y={y[idx].item():.6g} "
+                    f"ref={ref[idx].item():.6g} err={err[idx].item():.3g} allowed={allowed[idx].item():.3g}")
+
+
+# --- router --------------------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("t", [1, 3, 17])
+def test_route_matches_golden(t):
+    moe, _ = _tiny_moe(seed=t)
+    x = _tokens(t, moe, seed=100 + t)
+    w, ids = _route(x, moe)
+    g = moe.gate
+    w_ref, ids_ref = moe_route_ref(x, g.weight, g.bias, g.topk, g.route_scale, g.norm_topk)
+    gw, gids = g(x)  # the golden module itself
+    assert torch.equal(ids_ref, gids) and torch.equal(w_ref, gw), "moe_route_ref is not the golden Gate"
+    assert ids.dtype == torch.int32 and w.dtype == torch.float32
+    assert torch.equal(ids.long(), ids_ref), f"ids {ids.tolist()} != golden {ids_ref.tolist()}"
+    rel = ((w.double() - w_ref) / w_ref).abs().max().item()
+    assert rel <= 2.0**-16, f"weights relative error {rel:.3g}"
+
+
+def test_route_without_normalisation_and_empty():
+    moe, _ = _tiny_moe(seed=4)
+    x = _tokens(5, moe, seed=5)
+    g = moe.gate
+    w, ids = moe_route(x, g.weight, g.bias, 3, 2.5, False)
+    w_ref, ids_ref = moe_route_ref(x, g.weight, g.bias, 3, 2.5, False)
+    assert torch.equal(ids.long(), ids_ref)
+    assert ((w.double() - w_ref) / w_ref).abs().max().item() <= 2.0**-16
+    w0, ids0 = moe_route(x[:0], g.weight, g.bias, 3, 2.5, False)
+    assert w0.shape == ids0.shape == (0, 3)
+
+
+# --- plan ----------------------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("block_m", [16, 32])
+def test_plan_groups_pairs_stably(block_m):
+    g = torch.Generator().manual_seed(7)
+    e, k = 40, 3
+    ids = torch.randint(0, 6, (37, k), generator=g, dtype=torch.int32)  # experts 6..39 get no tokens
+    ids[:20, 0] = 2  # one expert with more than a tile of pairs
+    ids[3] = -1  # a padding token: all slots dropped
+    ids[5, 1] = -1
+    plan = moe_plan(ids, e, block_m)
+    flat = ids.view(-1).long()
+    valid = torch.where(flat >= 0)[0]
+    expect = valid[torch.sort(flat[valid], stable=True).indices]
+    n = valid.numel()
+    assert torch.equal(plan.sorted_pairs[:n].long(), expect), "pairs are not in stable expert order"
+    covered = []
+    for te, start, rows in zip(plan.tile_expert.tolist(), plan.tile_start.tolist(), plan.tile_rows.tolist()):
+        if rows:
+            assert 0 < rows <= block_m
+            seg = plan.sorted_pairs[start:start + rows].long()
+            assert bool((flat[seg] == te).all()), f"tile of expert {te} holds other pairs"
+            covered.extend(range(start, start + rows))
+    assert sorted(covered) == list(range(n)), "tiles do not cover every valid sorted row exactly once"
+    assert plan.tile_rows.numel() == min(e, ids.numel()) + ids.numel() // block_m
+
+
+# --- up / down -----------------------------------------------------------------------------------------------------
+
+# the automatic configs (no split, 128-row tiles; x quantised in the up GEMM at block_m 16, before it at 32)
+# and small tiles with K splits
+CPU_CASES = [(1, 16, None), (3, 16, MoeGemmConfig(64, 128, 2, 4, 2, fuse_quant=False)),
+             (5, 16, MoeGemmConfig(32, 32, 3, 4, 2)), (17, 32, None)]  # (T, block_m, config)
+CASE_IDS = ["T1-auto", "T3-bn64-split2-prequant", "T5-bn32-bk32-split3", "T17-bm32-auto"]
+
+
+def _gu_ref(x: torch.Tensor, ex: ExpertWeights, ids: torch.Tensor) -> torch.Tensor:
+    """Golden bf16 pre-activations [w1(x) | w3(x)] per pair, float64 [T*k, 2I]."""
+    t, k = ids.shape
+    a = _act_dequant(*act_quant(x), 32).double()
+    out = torch.zeros(t * k, 2 * ex.inter, dtype=torch.float64, device=x.device)
+    for e in torch.unique(ids).tolist():
+        rows, slot = torch.where(ids == e)
+        w = dequant_fp4_weight(ex.w13[e], ex.s13[e]).double()
+        out[rows * k + slot] = (a[rows] @ w.T).float().bfloat16().double()
+    return out
+
+
+def assert_up_close(h: torch.Tensor, x, ex, w, ids, what: str, min_bitwise: float = 0.0) -> None:
+    ref = moe_up_ref(x, ex, w, ids, LIMIT, qdq_out=False).double()
+    gu = _gu_ref(x, ex, ids)
+    inter = ex.inter
+    g0, u0 = gu[:, :inter], gu[:, inter:]
+    wd = w.double().view(-1, 1)
+    cands = []
+    for dg in (-1, 0, 1):
+        for du in (-1, 0, 1):
+            g = (g0 + dg * _ulp(g0)).clamp(max=LIMIT)
+            u = (u0 + du * _ulp(u0)).clamp(-LIMIT, LIMIT)
+            cands.append((wd * F.silu(g) * u).bfloat16().double())
+    lo, hi = torch.stack(cands).amin(0), torch.stack(cands).amax(0)
+    lo, hi = lo - _ulp(lo), hi + _ulp(hi)
+    y = h.double()
+    bad = ~((y >= lo) & (y <= hi))
+    _fail_worst(bad, (y - ref).abs(), (hi - lo) / 2, y, ref, what)
+    same = (h == ref.bfloat16()).double().mean().item()
+    assert same >= min_bitwise, f"{what}: only {same:.1%} of h bitwise equal to the golden"
+
+
+@pytest.mark.parametrize("t,block_m,cfg", CPU_CASES, ids=CASE_IDS)
+def test_up_and_down_match_golden(t, block_m, cfg):
+    moe, ex = _tiny_moe(seed=t)
+    x = _tokens(t, moe, seed=t)
+    w, ids = _route(x, moe)
+    plan = moe_plan(ids, ex.w13.size(0), block_m)
+    h = moe_up(x, ex, plan, w, LIMIT, qdq_out=False, config=cfg)
+    assert_up_close(_unsort(h, plan), x, ex, w, ids, f"up T={t} {cfg}", min_bitwise=0.9)
+    hq = moe_up(x, ex, plan, w, LIMIT, qdq_out=True, config=cfg)
+    assert torch.equal(hq.view(torch.int16), act_quant_qdq(h).view(torch.int16)), "fused QDQ is not act_quant_qdq"
+    o = moe_down(hq, ex, plan, config=cfg)
+    assert o.dtype == torch.float32 and o.shape == (t * ids.size(1), moe.gate.weight.size(1))
+    assert_down_close(o, _unsort(hq, plan), ex, ids, CPU_EPS, f"down T={t} {cfg}")
+    assert not _tickets(x.device).any(), "split-K tickets were not reset"
+
+
+@pytest.mark.usefixtures("one_torch_thread")
+def test_up_exact_problem():
+    moe, ex = _tiny_moe(seed=2, exact=True)
+    x = _tokens(9, moe, seed=3, exact=True)
+    assert torch.equal(act_quant_qdq(x), x), "the exact problem's activations must survive act_quant"
+    w, ids = _route(x, moe)
+    plan = moe_plan(ids, ex.w13.size(0), 16)
+    h = moe_up(x, ex, plan, w, LIMIT, qdq_out=False, config=MoeGemmConfig(32, 64, 2, 4, 2))
+    ref = moe_up_ref(x, ex, w, ids, LIMIT, qdq_out=False)
+    hu = _unsort(h, plan)
+    err = (hu.double() - ref.double()).abs()
+    _fail_worst(err > _ulp(ref), err, _ulp(ref), hu.double(), ref.double(), "exact up")
+    assert (hu == ref).double().mean().item() >= 0.95
+
+
+def _abs_experts(ex: ExpertWeights) -> ExpertWeights:
+    """The same experts with |W| (E2M1 sign bits cleared)."""
+    def fp8_abs(w: torch.Tensor) -> torch.Tensor:  # bit ops: fp8 abs is not implemented on every device
+        return (w.view(torch.uint8) & 0x7F).view(torch.float8_e4m3fn)
+
+    return ExpertWeights(ex.w13 & 0x77, ex.s13, ex.w2 & 0x77, ex.s2, fp8_abs(ex.shared_w13), ex.shared_s13,
+                         fp8_abs(ex.shared_w2), ex.shared_s2)
+
+
+def assert_down_close(o, h_by_pair, ex, ids, eps, what, exact=False):
+    ref = moe_down_ref(h_by_pair, ex, ids)
+    flat = ids.view(-1)
+    o, ref = o[flat >= 0], ref[flat >= 0]  # rows of dropped pairs are not written
+    if exact:
+        assert torch.equal(o, ref), f"{what}: not bitwise; max err {(o - ref).abs().max().item():.3g}"
+        return
+    s = moe_down_ref(h_by_pair.abs(), _abs_experts(ex), ids)[flat >= 0].double()
+    err = (o.double() - ref.double()).abs()
+    _fail_worst(~(err <= eps * s), err, eps * s, o, ref, what)
+
+
+def test_down_exact_problem_with_dropped_slots():
+    """Integer h, one weight scale: fp32 sums are exact, so the kernel is bitwise the golden; -1 slots
+    and experts without tokens included; one expert shared by all tokens (more pairs than a tile)."""
+    moe, ex = _tiny_moe(seed=5, exact=True)
+    g = torch.Generator().manual_seed(6)
+    t, k = 19, 2
+    ids = torch.stack([torch.full((t,), 3), torch.randint(5, 8, (t,), generator=g)], 1).to(torch.int32)
+    ids[4, 1] = -1
+    ids[11] = -1
+    h_by_pair = torch.randint(-8, 9, (t * k, ex.inter), generator=g).float()
+    h_by_pair[:, ::32] = 8
+    h_by_pair = h_by_pair.bfloat16()
+    plan = moe_plan(ids.contiguous(), ex.w13.size(0), 16)
+    h_sorted = h_by_pair[plan.sorted_pairs.long()].contiguous()  # rows past the valid pairs: unused
+    for cfg in (None, MoeGemmConfig(64, 64, 2, 4, 2)):
+        o = moe_down(h_sorted, ex, plan, config=cfg)
+        assert_down_close(o, h_by_pair, ex, ids, 0.0, f"exact down {cfg}", exact=True)
+
+
+# --- stacking and the whole layer ----------------------------------------------------------------------------------
+
+def test_stack_experts_replaces_buffers_with_views():
+    moe = _fill_moe(MoE(tiny_config(), 0), seed=8)
+    x = _tokens(6, moe, seed=9)
+    before = moe_forward_ref(x, moe)
+    e3, sh = moe.experts[3], moe.shared_experts
+    originals = [e3.w2.weight.clone(), e3.w1.scale.clone(), sh.w3.weight.clone()]
+    ex = stack_experts(moe)
+    after = moe_forward_ref(x, moe)
+    assert torch.equal(before.view(torch.int16), after.view(torch.int16)), "stacking changed the golden output"
+    assert torch.equal(e3.w2.weight, originals[0])
+    assert torch.equal(e3.w1.scale.view(torch.uint8), originals[1].view(torch.uint8))
+    assert torch.equal(sh.w3.weight.view(torch.uint8), originals[2].view(torch.uint8))
+    for view, base in ((e3.w1.weight, ex.w13), (e3.w3.weight, ex.w13), (e3.w2.weight, ex.w2), (e3.w2.scale, ex.s2),
+                       (e3.w3.scale, ex.s13), (sh.w1.weight, ex.shared_w13),
+                       (sh.w3.scale, ex.shared_s13)):
+        assert view.untyped_storage().data_ptr() == base.untyped_storage().data_ptr(), "not a view of the stack"
+    assert e3.w3.weight.data_ptr() == ex.w13[3, ex.inter:].data_ptr()
+    assert e3.w1.weight.dtype == torch.uint8 and e3.w1.scale.dtype == torch.float8_e8m0fnu
+
+
+def _forward_bound(x: torch.Tensor, moe: MoE, ex: ExpertWeights, ref: torch.Tensor) -> torch.Tensor:
+    """The allowed |y - ref| per element (see the module docstring), float64 [T, D]."""
+    weights, ids = moe.gate(x)
+    t, k = ids.shape
+    mag = torch.zeros(t, x.size(1), dtype=torch.float64, device=x.device)
+    s = torch.zeros_like(mag)
+    abs_ex = _abs_experts(ex)
+    h = moe_up_ref(x, ex, weights.float(), ids.to(torch.int32), LIMIT, qdq_out=False)
+    s_routed = moe_down_ref(h.abs(), abs_ex, ids).double().view(t, k, -1).sum(1)
+    for e in torch.unique(ids).tolist():
+        rows, slot = torch.where(ids == e)
+        mag[rows] += moe.experts[e](x[rows], weights[rows, slot, None]).double().abs()
+    sh = moe.shared_experts
+    mag += sh(x).double().abs()
+    g, u = sh.w1(x).double(), sh.w3(x).double()
+    h_sh = (F.silu(g.clamp(max=LIMIT)) * u.clamp(-LIMIT, LIMIT)).bfloat16()
+    a = _act_dequant(*act_quant(h_sh), 32).double().abs()
+    s_shared = a @ dequant_fp8_weight(abs_ex.shared_w2, ex.shared_s2).double().T
+    s = s_routed + s_shared
+    return _ulp(ref) + 2.0**-7 * mag + 2.0**-8 * s
+
+
+def assert_forward_close(y, ref, bound, what, rows=None):
+    assert y.dtype == torch.bfloat16 and y.shape == ref.shape
+    if rows is not None:
+        y, ref, bound = y[rows], ref[rows], bound[rows]
+    err = (y.double() - ref.double()).abs()
+    _fail_worst(~(err <= bound), err, bound, y.double(), ref.double(), what)
+    same = (y == ref).double().mean().item()
+    assert same >= 0.9, f"{what}: only {same:.1%} bitwise equal to the golden"
+
+
+@pytest.mark.parametrize("t", [1, 3, 17])
+def test_moe_forward_matches_golden(t):
+    moe, ex = _tiny_moe(seed=10 + t)
+    x = _tokens(t, moe, seed=30 + t)
+    y = moe_forward(x, moe, ex)
+    ref = moe_forward_ref(x, moe)
+    assert_forward_close(y, ref, _forward_bound(x, moe, ex, ref), f"moe_forward T={t}")
+    assert torch.equal(y, moe_forward(x, moe, ex)), "not deterministic"
+
+
+def test_moe_forward_repeated_experts_and_dropped_slots():
+    """Given routing: every token shares expert 6, expert 0-2 get no tokens, a token with both slots -1 gets
+    only the shared expert, another drops one slot."""
+    moe, ex = _tiny_moe(seed=12)
+    x = _tokens(7, moe, seed=13)
+    ids = torch.tensor([[6, 3], [6, 4], [5, 6], [6, 7], [-1, -1], [6, -1], [3, 6]], dtype=torch.int32)
+    weights = torch.rand(7, 2, generator=torch.Generator().manual_seed(1)) + 0.2
+    y = moe_forward(x, moe, ex, ids=ids, weights=weights)
+    ref = torch.zeros(7, x.size(1), dtype=torch.float64)
+    for tok in range(7):
+        for j in range(2):
+            e = int(ids[tok, j])
+            if e >= 0:
+                ref[tok] += moe.experts[e](x[tok:tok + 1], weights[tok:tok + 1, j:j + 1].double()).double()[0]
+    ref = (ref + moe.shared_experts(x).double()).bfloat16()
+    err = (y.double() - ref.double()).abs()
+    _fail_worst(~(err <= 2 * _ulp(ref)), err, 2 * _ulp(ref), y.double(), ref.double(), "given routing")
+    assert (y == ref).double().mean().item() >= 0.9
+    assert moe_forward(x[:0], moe, ex).shape == (0, x.size(1))
+
+
+def test_contract_is_asserted():
+    moe, ex = _tiny_moe(seed=14)
+    x = _tokens(2, moe, seed=15)
+    g = moe.gate
+    with pytest.raises(AssertionError, match="bf16"):
+        moe_route(x.float(), g.weight, g.bias, 2, 1.5, True)
+    with pytest.raises(AssertionError, match="bias"):
+        moe_route(x, g.weight, g.bias.double(), 2, 1.5, True)
+    with pytest.raises(AssertionError, match="ids"):
+        moe_plan(torch.zeros(2, 2, dtype=torch.int64), 8, 16)
+    with pytest.raises(AssertionError, match="does not match"):
+        moe_up(x[:, :128].contiguous(), ex, moe_plan(torch.zeros(2, 2, dtype=torch.int32), 8, 16),
+               torch.ones(2, 2), LIMIT)
+
+
+# --- GPU: real shapes ------------------------------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def full_moe():
+    """The released layer shape (384 experts x 3 FP4 [2304 x 5120] matrices, 7.2 GB) with random codes and
+    scales, built on the GPU."""
+    cfg = full_config()
+    g = torch.Generator(device="cuda").manual_seed(0)
+    with torch.device("cuda"):
+        moe = MoE(cfg, 0)
+    for m in moe.modules():
+        if isinstance(m, Linear):
+            m.weight.view(torch.uint8).copy_(torch.randint(0, 256, m.weight.shape, generator=g, device="cuda",
+                                                           dtype=torch.uint8))
+            if m.fmt == "fp8":
+                m.weight.view(torch.uint8).bitwise_and_(0xF7)  # no E4M3 NaN codes (0x7F / 0xFF)
+            m.scale.view(torch.uint8).copy_(torch.randint(115, 122, m.scale.shape, generator=g, device="cuda",
+                                                          dtype=torch.uint8))
+    moe.gate.weight.copy_((torch.randn(moe.gate.weight.shape, generator=g, device="cuda") * 0.02).bfloat16())
+    moe.gate.bias.copy_(torch.randn(moe.gate.bias.shape, generator=g, device="cuda") * 0.02)
+    return moe, stack_experts(moe)
+
+
+def _gpu_tokens(t: int, seed: int) -> torch.Tensor:
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    return torch.randn(t, full_config().dim, generator=g, device="cuda").bfloat16()
+
+
+@gpu
+@needs_cuda
+@pytest.mark.parametrize("t", [1, 6, 64, 512])
+def test_route_real_shapes_gpu(full_moe, t):
+    moe, _ = full_moe
+    x = _gpu_tokens(t, t)
+    w, ids = _route(x, moe)
+    g = moe.gate
+    w_ref, ids_ref = moe_route_ref(x, g.weight, g.bias, g.topk, g.route_scale, g.norm_topk)
+    clear = _router_gaps(x, moe) > TIE_GAP  # tokens without near-ties
+    assert clear.float().mean().item() >= 0.9, "too many near-ties to test"
+    assert torch.equal(ids.long()[clear], ids_ref[clear]), "ids differ from the golden"
+    same = (ids.long() == ids_ref).all(1)
+    rel = ((w.double() - w_ref) / w_ref).abs()[same].max().item()
+    assert rel <= 2.0**-16, f"weights relative error {rel:.3g}"
+
+
+@gpu
+@needs_cuda
+@pytest.mark.parametrize("t", [1, 6, 64, 512, 2048])  # 2048: 32-token tiles, x pre-quantised
+@pytest.mark.parametrize("dot_scaled", [False, True])
+def test_experts_real_shapes_gpu(full_moe, t, dot_scaled):
+    moe, ex = full_moe
+    x = _gpu_tokens(t, 100 + t)
+    w, ids = _route(x, moe)
+    e = ex.w13.size(0)
+    plan = moe_plan(ids, e, pick_block_m(ids.numel(), e))
+    up_cfg = pick_gemm_config(plan.tile_rows.numel(), ex.inter, x.size(1), plan.block_m)
+    down_cfg = pick_gemm_config(plan.tile_rows.numel(), x.size(1), ex.inter, plan.block_m)
+    if dot_scaled:
+        up_cfg, down_cfg = replace(up_cfg, dot_scaled=True), replace(down_cfg, dot_scaled=True)
+    what = f"T={t} block_m={plan.block_m} {up_cfg} / {down_cfg}"
+    h = moe_up(x, ex, plan, w, LIMIT, qdq_out=False, config=up_cfg)
+    assert_up_close(_unsort(h, plan), x, ex, w, ids, f"up {what}", min_bitwise=0.9)
+    hq = moe_up(x, ex, plan, w, LIMIT, config=up_cfg)
+    assert torch.equal(hq.view(torch.int16), act_quant_qdq(h).view(torch.int16)), "fused QDQ is not act_quant_qdq"
+    o = moe_down(hq, ex, plan, config=down_cfg)
+    assert_down_close(o, _unsort(hq, plan), ex, ids, GPU_EPS, f"down {what}")
+    again = moe_down(moe_up(x, ex, plan, w, LIMIT, config=up_cfg), ex, plan, config=down_cfg)
+    assert torch.equal(o, again), "not deterministic"
+    assert not _tickets(x.device).any(), "split-K tickets were not reset"
+
+
+@gpu
+@needs_cuda
+@pytest.mark.parametrize("t", [1, 6, 64])
+def test_moe_forward_real_shapes_gpu(full_moe, t):
+    moe, ex = full_moe
+    x = _gpu_tokens(t, 200 + t)
+    y = moe_forward(x, moe, ex)
+    ref = moe_forward_ref(x, moe)
+    clear = _router_gaps(x, moe) > TIE_GAP
+    assert_forward_close(y, ref, _forward_bound(x, moe, ex, ref), f"moe_forward T={t}", rows=clear)
+    assert torch.equal(y, moe_forward(x, moe, ex)), "not deterministic"
