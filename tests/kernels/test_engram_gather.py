@@ -207,11 +207,10 @@ def test_gpu_prefetch_overlaps_and_matches_sync(big_table):
         prefetch.launch(hash_ids)
         x = a @ a  # compute on the current stream while the gathers run on the side stream
         rows0 = prefetch.wait(0)
-        y = rows0.float().sum() + x.float().sum()
+        used = rows0.clone()  # read on the current stream right after the wait: must see the finished gather
         rows1 = prefetch.wait(1)
         torch.cuda.synchronize()
-        assert torch.isfinite(y)
-        for i, rows in enumerate((rows0, rows1)):
+        for i, rows in enumerate((used, rows1)):
             assert_bitwise(rows, sync[i], hash_ids[:, i], f"prefetch layer {i}")
 
     # captured in a CUDA graph (the served decode step is): replays follow new ids written in place
