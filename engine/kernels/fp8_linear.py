@@ -38,6 +38,7 @@ import triton.language as tl
 from torch import Tensor
 
 from engine.config import ModelConfig
+from engine.kernels.fp8_gemv import fp8_gemv, gemv_applies
 from engine.quant import BLOCK, act_quant
 
 _INV_FP8_MAX = tl.constexpr(1.0 / 448.0)  # rounded to fp32 where used, as engine.quant._fp32(1/448)
@@ -274,6 +275,8 @@ def fp8_linear(x: Tensor, weight: Tensor, scale: Tensor, config: Fp8LinearConfig
     assert x.device == weight.device == scale.device, f"devices differ: {x.device} {weight.device} {scale.device}"
     x2 = x.view(-1, k)
     m = x2.size(0)
+    if config is None and gemv_applies(x, weight):
+        return fp8_gemv(x, weight, scale)  # decode shapes: the CUDA GEMV (cuda/fp8_gemv.cu)
     assert max(n, m) * max(k, n) < 2**31, f"int32 offsets: M={m} N={n} K={k} too large"
     y = torch.empty(m, n, dtype=torch.bfloat16, device=x.device)
     if m == 0:

@@ -44,9 +44,10 @@ from engine.kernels.sparse_attention import SINK_FREE_MAX, _e4m3_to_fp32, _logit
 
 # Queries per call up to which `sparse_attn` runs the decode kernel: its row splits (10 programs per
 # query and head block at KW = 128, KM = 512) keep the 132 SMs busy when M·H/64 programs would not.
-# Not yet measured on the H200: benchmarks/kernel_benches/sparse_prefill.py times both kernels at
-# M = 8..256 to place the crossover.
-DECODE_MAX_M = 32
+# Measured on the H200 (benchmarks/kernel_benches/sparse_prefill.py, 2026-11-30, full shapes): decode
+# 103 / 146 / 240 us at M = 8 / 16 / 32, prefill 206 / 206 / 209 us: the crossover lies between 16 and 32.
+# Default launch (64 heads, 32 rows, 8 warps, 3 stages, no prefetch) from the same run's sweep.
+DECODE_MAX_M = 16
 
 
 @triton.jit
@@ -202,7 +203,7 @@ def _words(pool: Tensor) -> Tensor:
 
 def sparse_attn_prefill(q: Tensor, swa_pool: Tensor, swa_idx: Tensor, main_pool: Tensor, main_idx: Tensor,
                         sink: Tensor, scale: float, block_h: int | None = None, block_n: int = 32,
-                        num_warps: int = 8, num_stages: int = 1, prefetch: bool = True) -> Tensor:
+                        num_warps: int = 8, num_stages: int = 3, prefetch: bool = False) -> Tensor:
     """q bf16 [M, H, D]; swa_pool uint8 [..., D + D/32]; swa_idx int32 [M, KW] flat slots (-1 = none);
     main_pool uint8 [..., D/2 + D/16]; main_idx int32 [M, KM] (-1 = none); sink fp32 [H] -> bf16 [M, H, D].
 
