@@ -6,6 +6,9 @@ once through the golden modules, so a request's numbers do not depend on what sh
 per-request parts (window and global KV writes, compressor groups, indexer, sparse attention) loop over
 chunks and call `engine.kernels` by name. Decoder bounded replay drops a chunk's rows below its
 request's `decoder_from` at the CED cut layer, which still writes KV for all of them.
+
+On CUDA (or with kernels=True) the step runs instead through engine/core/kernel_layers.py: the same
+plan and logits, with Triton kernels and fp32 torch ops reading the paged pools in place.
 """
 
 from __future__ import annotations
@@ -45,14 +48,26 @@ class StepLogits:
 
 
 class ModelRunner:
-    def __init__(self, model: Transformer, kv: PagedKVCache):
+    """kernels: True runs the kernel path (engine/core/kernel_layers.py: Triton kernels and fp32 torch
+    on the device), False the golden modules (float64, exact); None (default) picks the kernels when
+    the model is on CUDA. Both take the same plan and return the same logits, up to fp32 rounding."""
+
+    def __init__(self, model: Transformer, kv: PagedKVCache, kernels: bool | None = None):
         self.model, self.kv, self.cfg = model, kv, model.cfg
         self.device = model.embed.weight.device
+        self.kernels = self.device.type == "cuda" if kernels is None else kernels
+        self._kernel_path = None
+        if self.kernels:
+            from engine.core.kernel_layers import KernelRunner  # imports Triton; it imports this module
+
+            self._kernel_path = KernelRunner(model, kv)
 
     @torch.inference_mode()
     def execute(self, out: StepPlan) -> "StepLogits":
         """Runs one step: logits of the sampled chunks' last positions, and of every decoder row of
         chunks whose request keeps its logits."""
+        if self._kernel_path is not None:
+            return self._kernel_path.execute(out)
         self.kv.apply(out.copies)
         model, cfg, chunks = self.model, self.cfg, out.chunks
         if not chunks:

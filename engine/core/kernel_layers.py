@@ -1,0 +1,649 @@
+"""The runner's kernel path: the same step (StepPlan -> StepLogits) as engine/core/runner.py's golden
+path, with every op either an `engine.kernels` kernel or plain torch fp32/bf16 math on the device.
+
+The golden path computes each fp32 step of the reference in float64 (exact, slow) and gathers each
+request's whole window and global KV before attention. This path runs the reference's own precision
+(fp32 reductions and accumulators, bf16 activations, FP8/FP4 weights streamed by the kernels) and
+reads the paged pools in place: sparse attention gets per-query flat slot lists (window rows, then
+the top-k entries), the indexer scores the request's index-key records where they lie.
+
+Ops live in one table (`OPS`, below), each called from one place; `op_backends()` says which are
+kernels. Every op is a kernel now; torch glue remains for the MXFP4 QDQ of the indexer queries, the
+grouped wo_a product (bf16 einsum on a dequantised copy of the FP8 weight: no kernel takes bf16
+activations with FP8 weights unquantised), bf16 linears (cuBLAS bf16 on CUDA; fp32 copies of the
+weight where the reference computes in fp32: the ratio-2 compressor and the head) and the Engram gate.
+
+Step structure (graph-safe by construction): `prepare(plan)` does all host work of a step (slot
+arithmetic, Engram hashes, index tensors moved to the device once); `layer_forward` then runs a
+decoder layer on device tensors only: no .item(), .tolist(), nonzero or boolean-mask indexing, so a
+layer can be captured in a CUDA graph (benchmarks/layer_decode.py). Engram rows are gathered by the
+GPU from the host tables (pinned in place) on a side stream at the start of the step (EngramPrefetch)
+and joined just before each Engram layer. (The torch MoE fallback `moe_torch`, used only for routers
+moe_forward does not take, picks experts with unique() eagerly and runs all of them under capture.)
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from engine.core.kv_cache import PagedKVCache
+from engine.core.plan import ChunkPlan, StepPlan
+from engine.kernels import cache_store, paged
+from engine.kernels.compressor import Ratio2Chunk, Ratio2Plan, compress_ratio2, plan_ratio2
+from engine.kernels.engram_gather import EngramPrefetch, HostEngramTable, engram_gather
+from engine.kernels.fp8_linear import fp8_linear
+from engine.kernels.indexer import index_scores
+from engine.kernels.mhc import hc_mixes, hc_post, hc_pre_norm
+from engine.kernels.moe import ExpertWeights, moe_forward, stack_experts
+from engine.kernels.norm import rms_norm
+from engine.kernels.rope import RopeTable, apply_rope, rope_table
+from engine.kernels.sparse_prefill import sparse_attn
+from engine.kernels.topk import candidate_blocks, index_topk
+from engine.model.attention import Attention, Compressor
+from engine.model.block import Block
+from engine.model.engram import Engram, EngramEmbedding
+from engine.model.layers import Linear
+from engine.model.moe import MoE
+from engine.model.rope import RotaryTable
+from engine.quant import act_quant_qdq, dequant_fp4_weight, fp4_qdq
+
+INDEXER_MAX_M = 16  # index_scores keeps all M*H query rows in registers: queries go in groups of 16
+
+
+# ---- torch ops (the reference's fp32 / bf16 math on the device) ----------------------------------------------
+
+_FP32_WEIGHTS: dict[int, tuple[Tensor, Tensor]] = {}  # id(bf16 weight) -> (weight, fp32 copy)
+
+
+def _fp32_weight(w: Tensor) -> Tensor:
+    """A cached fp32 copy of a bf16 weight (re-made when the tensor object changes)."""
+    hit = _FP32_WEIGHTS.get(id(w))
+    if hit is None or hit[0] is not w:
+        hit = (w, w.float())
+        _FP32_WEIGHTS[id(w)] = hit
+    return hit[1]
+
+
+def mm_fp32(x: Tensor, w: Tensor) -> Tensor:
+    """x [..., K] (bf16) @ w^T (bf16 [N, K]) in fp32 -> fp32 [..., N] (the reference's fp32 linears)."""
+    return F.linear(x.float(), _fp32_weight(w))
+
+
+def rms_norm_torch(x: Tensor, w: Tensor, eps: float) -> Tensor:
+    """w * x * rsqrt(mean(x^2) + eps) in fp32, rounded to x's dtype."""
+    xf = x.float()
+    return (w.float() * (xf * torch.rsqrt(xf.square().mean(-1, keepdim=True) + eps))).to(x.dtype)
+
+
+def fp4_linear_torch(x: Tensor, weight: Tensor, scale: Tensor) -> Tensor:
+    """act_quant(x) @ dequant(FP4 weight)^T with fp32 accumulation -> bf16 (a routed expert's linear)."""
+    return F.linear(act_quant_qdq(x).float(), dequant_fp4_weight(weight, scale)).to(torch.bfloat16)
+
+
+def _expert_torch(e, x: Tensor, weight: Tensor | None) -> Tensor:
+    """One clamped SwiGLU expert (engine.model.moe.Expert math in fp32), routing weight fp32 [T, 1] or None."""
+    gate, up = linear(e.w1, x).float(), linear(e.w3, x).float()
+    if e.limit > 0:
+        up = up.clamp(-e.limit, e.limit)
+        gate = gate.clamp(max=e.limit)
+    h = F.silu(gate) * up
+    return linear(e.w2, (h if weight is None else weight * h).to(x.dtype))
+
+
+def moe_torch(x: Tensor, moe: MoE) -> Tensor:
+    """x bf16 [T, D] -> bf16 [T, D]: the router (any score_func), routed experts + shared, fp32 sum; the
+    fallback for routers moe_forward does not take. Eager: the picked experts only (one host sync);
+    under CUDA-graph capture every expert on every token, weighted 0 where not picked (sync-free)."""
+    g = moe.gate
+    scores = mm_fp32(x, g.weight) / g.temp  # [T, E]
+    if g.score_func == "sqrtsoftplus":
+        scores = F.softplus(scores).sqrt()
+    elif g.score_func == "sigmoid":
+        scores = scores.sigmoid()
+    else:
+        scores = scores.softmax(dim=-1)
+    ids = (scores + g.bias).topk(g.topk, dim=-1).indices  # [T, k]
+    weights = scores.gather(1, ids)
+    if g.norm_topk and g.topk > 1:
+        weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+    weights = weights * g.route_scale
+    y = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
+    capturing = x.is_cuda and torch.cuda.is_current_stream_capturing()
+    for e in range(len(moe.experts)) if capturing else torch.unique(ids).tolist():
+        w = torch.where(ids == e, weights, 0.0).sum(-1, keepdim=True)  # [T, 1]
+        if capturing:
+            y += _expert_torch(moe.experts[e], x, w).float()
+        else:
+            rows = (ids == e).any(-1).nonzero().squeeze(-1)
+            y.index_add_(0, rows, _expert_torch(moe.experts[e], x[rows], w[rows]).float())
+    y += _expert_torch(moe.shared_experts, x, None).float()
+    return y.to(x.dtype)
+
+
+_EXPERTS: dict[int, tuple[MoE, ExpertWeights]] = {}  # id(MoE) -> its stacked experts
+
+
+def moe_kernels(x: Tensor, moe: MoE) -> Tensor:
+    """moe_forward on the module's experts, stacked once (stack_experts turns the modules' buffers into
+    views of the stacks); moe_torch for routers moe_forward does not take."""
+    g = moe.gate
+    if g.score_func != "sqrtsoftplus" or g.temp != 1.0 or moe.experts[0].w1.fmt != "fp4":
+        return moe_torch(x, moe)
+    hit = _EXPERTS.get(id(moe))
+    if hit is None or hit[0] is not moe:
+        hit = _EXPERTS[id(moe)] = (moe, stack_experts(moe))
+    return moe_forward(x.contiguous(), moe, hit[1])
+
+
+_ENGRAM: dict[int, tuple[EngramEmbedding, HostEngramTable]] = {}  # id(table module) -> where the gather reads it
+
+
+def engram_table(embed: EngramEmbedding) -> HostEngramTable:
+    """The module's table for engram_gather (on CUDA machines pinned in place: never copied)."""
+    hit = _ENGRAM.get(id(embed))
+    if hit is None or hit[0] is not embed:
+        hit = _ENGRAM[id(embed)] = (embed, HostEngramTable.from_embedding(embed))
+    return hit[1]
+
+
+def engram_rows(eng: Engram, hash_ids: Tensor, device: torch.device) -> Tensor:
+    """hash_ids int64 [N, cols] -> the dequantised table rows bf16 [N, cols, ehd] on `device` (engram_gather)."""
+    return engram_gather(engram_table(eng.embed), hash_ids.to(device).contiguous())
+
+
+def engram_mix(eng: Engram, h: Tensor, rows: Tensor) -> Tensor:
+    """h bf16 [N, hc, D], rows bf16 [N, cols, ehd] -> h + gate * value: wkv by fp8_linear, the gate (signed
+    sqrt of the normed key . stream product) in fp32 torch (engine.model.engram math)."""
+    kv = linear(eng.wkv, rows.flatten(-2))  # [N, (hc+1)*D]
+    key, value = kv.split([eng.hc * eng.dim, eng.dim], dim=-1)
+    key, hf = key.float().unflatten(-1, (eng.hc, eng.dim)), h.float()
+    w = eng.q_weight.float() * eng.k_weight.float()
+    rstd = torch.rsqrt(hf.square().mean(-1) + eng.eps) * torch.rsqrt(key.square().mean(-1) + eng.eps)
+    dot = (hf * w * key).sum(-1) * rstd * eng.dim ** -0.5  # [N, hc]
+    gate = torch.sigmoid(torch.copysign(dot.abs().clamp_min(1e-6).sqrt(), dot))
+    return (hf + gate.unsqueeze(-1) * value.float().unsqueeze(1)).to(h.dtype)
+
+
+def rms_norm_rows(x: Tensor, w: Tensor, eps: float) -> Tensor:
+    return rms_norm(x.contiguous(), w, eps)
+
+
+def index_topk_rows(score: Tensor, k: int) -> Tensor:
+    return index_topk(score, k).long()
+
+
+def index_scores_rows(q: Tensor, w: Tensor, key_pool: Tensor, slots: Tensor, visible: Tensor) -> Tensor:
+    """index_scores over any number of queries (the kernel takes up to 16 at a time)."""
+    return torch.cat([index_scores(q[i:i + INDEXER_MAX_M], w[i:i + INDEXER_MAX_M], key_pool, slots,
+                                   visible[i:i + INDEXER_MAX_M]) for i in range(0, q.size(0), INDEXER_MAX_M)])
+
+
+# ---- the op table ----------------------------------------------------------------------------------------------
+
+@dataclass(frozen=True, slots=True)
+class OpTable:
+    fp8_linear: Callable  # (x bf16 [..., K], weight fp8 [N, K], scale e8m0) -> bf16 [..., N]
+    rms_norm: Callable  # (x [N, D], w bf16 [D], eps) -> bf16
+    hc_pre_norm: Callable  # (x [N, hc, D], pre fp32 [N, hc], w, eps) -> rms_norm(hc_pre(x, pre)) bf16 [N, D]
+    hc_mixes: Callable  # (x [N, hc, D], fn, scale, base, hc, iters, hc_eps, norm_eps) -> (pre, post, comb) fp32
+    hc_post: Callable  # (y [N, D], residual [N, hc, D], post, comb) -> [N, hc, D]
+    rope: Callable  # (x [N, (H,) d] contiguous, positions [N], RopeTable, inverse) -> rotated copy
+    store_window: Callable  # (kv [N, hd] pre-norm, norm_w, eps, positions, RopeTable, pool, slots): norm, RoPE, FP8
+    store_main_kv: Callable  # (pool, slots [G], latent [G, hd] pre-RoPE, positions [G], RopeTable): RoPE, NVFP4
+    store_index_keys: Callable  # (keys [G, ihd] pre-norm, norm_w, eps, positions, RopeTable, pool, slots): MXFP4
+    compress_ratio2: Callable  # engine.kernels.compressor.compress_ratio2's signature
+    index_scores: Callable  # (q bf16 [M, H, D], w bf16 [M, H], key_pool, slots [T], visible [M]) -> bf16 [M, T]
+    candidate_blocks: Callable  # (score [M, T], visible [M], topk_blocks, block) -> bool [M, T]
+    index_topk: Callable  # (score bf16 [M, T], k) -> int64 [M, min(k, T)] entry ids, -1 = none
+    sparse_attn: Callable  # sparse_attn_paged's signature
+    moe: Callable  # (x bf16 [T, D], moe: MoE) -> bf16 [T, D]
+    engram: Callable  # (eng, h [N, hc, D], rows bf16 [N, cols, ehd] from engram_gather) -> [N, hc, D]
+
+
+OPS = OpTable(
+    fp8_linear=fp8_linear,
+    rms_norm=rms_norm_rows,
+    hc_pre_norm=hc_pre_norm,
+    hc_mixes=hc_mixes,
+    hc_post=hc_post,
+    rope=apply_rope,
+    store_window=cache_store.store_swa_fused,
+    store_main_kv=cache_store.store_main_kv,
+    store_index_keys=cache_store.store_index_k_fused,
+    compress_ratio2=compress_ratio2,
+    index_scores=index_scores_rows,
+    candidate_blocks=candidate_blocks,
+    index_topk=index_topk_rows,
+    sparse_attn=sparse_attn,
+    moe=moe_kernels,
+    engram=engram_mix,
+)
+
+
+def op_backends() -> dict[str, str]:
+    """op name -> "kernel" (Triton kernels of engine.kernels, with torch glue at most) or "torch"."""
+    kernels = {index_scores_rows, rms_norm_rows, index_topk_rows, moe_kernels, engram_mix}
+
+    def kind(fn) -> str:
+        mod = fn.__module__
+        return "kernel" if fn in kernels or (mod.startswith("engine.kernels") and mod != paged.__name__) else "torch"
+    return {name: kind(getattr(OPS, name)) for name in OpTable.__slots__}
+
+
+def linear(lin: Linear, x: Tensor) -> Tensor:
+    """A dense Linear on the kernel path: FP8 through fp8_linear; bf16 as the reference computes it (a
+    bf16 GEMM with fp32 accumulation on CUDA, fp32 math on the CPU; fp32 out where the module computes
+    in fp32, from a cached fp32 copy of the weight); FP4 dequantised (torch)."""
+    if lin.fmt == "fp8":
+        return OPS.fp8_linear(x.contiguous(), lin.weight, lin.scale)
+    if lin.fmt == "fp4":
+        return fp4_linear_torch(x, lin.weight, lin.scale)
+    if x.is_cuda and lin.compute != "fp32" and x.dtype == lin.weight.dtype:
+        return F.linear(x, lin.weight)
+    y = mm_fp32(x, lin.weight)
+    return y if lin.compute == "fp32" else y.to(lin.weight.dtype)
+
+
+# ---- step metadata (host work, done once per step) -------------------------------------------------------------
+
+@dataclass(slots=True)
+class Segment:
+    """One chunk's rows in the current stream: positions start..end-1 at stream rows offset.."""
+
+    index: int
+    start: int
+    end: int
+    offset: int
+
+    @property
+    def rows(self) -> int:
+        return self.end - self.start
+
+
+@dataclass(slots=True)
+class Phase:
+    """The rows one layer reads (segs_in) and keeps (segs_out); `keep` selects segs_out's rows of the
+    stream at the CED cut (None elsewhere)."""
+
+    segs_in: list[Segment]
+    segs_out: list[Segment]
+    keep: Tensor | None
+    decoder: bool
+
+
+@dataclass(slots=True)
+class RequestRows:
+    """One request's queries in a layer with ratio > 0."""
+
+    chunk: int
+    rows: slice  # its rows among the layer's query rows
+    num_entries: int  # global entries visible at its last position (end // ratio)
+    entries: Tensor  # int32 [num_entries]: their flat slots in the source's pools
+    visible: Tensor  # int32 [m]: entries visible per query, (pos + 1) // ratio
+    max_k: int
+
+
+@dataclass(slots=True)
+class GroupWrite:
+    """One chunk's compressor work (ratio > 2, the torch path): its rows >= global_from, its pending
+    slot and the global entries its completed groups fill."""
+
+    rows: slice  # input rows of the layer
+    pending: int  # tokens already waiting in the pending slot (start % ratio)
+    slot: int | None
+    complete: int  # (pending + rows) // ratio * ratio
+    entries: Tensor  # long [groups] flat entry slots
+    gpos: Tensor  # long [groups] first-token positions of the groups (RoPE)
+
+
+@dataclass(slots=True)
+class GlobalWrite:
+    """A KV source's compressor work for all chunks of the step at once (ratio 1 and 2)."""
+
+    rows: Tensor  # long [n]: input rows at positions >= their chunk's global_from
+    entries: Tensor  # long [G]: flat entry slots of the groups completed now, in chunk order
+    gpos: Tensor  # long [G]: their RoPE positions (first token of the group)
+    plan: Ratio2Plan | None  # ratio 2: the pooling plan over `rows`
+
+
+@dataclass(slots=True)
+class AttnMeta:
+    pos: Tensor  # long [R] positions of the input rows
+    swa_write: Tensor  # long [R] their window slots
+    q_rows: Tensor  # long [R'] input rows that query
+    qpos: Tensor  # long [R']
+    swa_idx: Tensor  # int32 [R', W] window slots each query attends (-1 = none)
+    requests: list[RequestRows]
+    writes: GlobalWrite | None  # ratio 1 / 2
+    groups: list[GroupWrite]  # ratio > 2
+
+
+@dataclass(slots=True)
+class Shared:
+    """Per chunk, within one step: published by index sources (topk) and the candidate source."""
+
+    topk: dict[int, Tensor] = field(default_factory=dict)  # layer -> long [m, K] entry ids, -1 = none
+    candidates: Tensor | None = None  # bool [m, T]
+
+
+@dataclass(slots=True)
+class Step:
+    chunks: list[ChunkPlan]
+    segs: list[Segment]
+    dec_segs: list[Segment]
+    keep: Tensor  # long: stream rows the decoder keeps
+    hashes: Tensor | None  # long [T, engram layers, cols] (host-computed)
+    shared: list[Shared]
+    meta: dict[tuple, AttnMeta] = field(default_factory=dict)
+
+    def phase(self, layer: int, ced_cut: int) -> Phase:
+        if layer < ced_cut:
+            return Phase(self.segs, self.segs, None, False)
+        if layer == ced_cut:
+            return Phase(self.segs, self.dec_segs, self.keep, True)
+        return Phase(self.dec_segs, self.dec_segs, None, True)
+
+
+def _window_slots(blocks: dict[int, int], pos: Tensor, block_size: int) -> Tensor:
+    """Flat window slots of positions pos (any shape, < 0 = none -> -1); every other block must be held."""
+    valid = pos >= 0
+    top = int(pos.max()) // block_size + 1 if pos.numel() else 1
+    table = torch.full((top,), -1, dtype=torch.long)
+    for b, blk in blocks.items():
+        if b < top:
+            table[b] = blk
+    p = pos.clamp_min(0)
+    blk = table[p // block_size]
+    assert bool((blk[valid] >= 0).all()), "a window block the queries read is not held"
+    return torch.where(valid, blk * block_size + p % block_size, -1)
+
+
+# ---- the runner ------------------------------------------------------------------------------------------------
+
+class KernelRunner:
+    """ModelRunner's kernel path (same inputs and outputs). `model` needs cfg, and for `execute` also
+    embed, layers, norm, head and engram_tables; `layer_forward` needs only cfg and the layer."""
+
+    def __init__(self, model, kv: PagedKVCache):
+        self.model, self.kv, self.cfg = model, kv, model.cfg
+        self.device = kv.swa[0].device
+        self._max_pos = 1
+        self._tables: dict[tuple, RopeTable] = {}
+        self._wo_a: dict[int, tuple[Tensor, Tensor]] = {}
+        self._prefetch: EngramPrefetch | None = None
+        self._no_main = torch.empty(0, self.cfg.main_kv_entry_bytes, dtype=torch.uint8, device=self.device)
+
+    # ---- one step ---------------------------------------------------------------------------------------------
+    @torch.inference_mode()
+    def execute(self, out: StepPlan):
+        from engine.core.runner import StepLogits
+
+        self.kv.apply(out.copies)
+        model, cfg, chunks = self.model, self.cfg, out.chunks
+        if not chunks:
+            return StepLogits(torch.empty(0, cfg.vocab_size, device=self.device), {})
+        step = self.prepare(out)
+        ids = torch.tensor([t for c in chunks for t in c.token_ids], dtype=torch.long, device=self.device)
+        h = F.embedding(ids, model.embed.weight).unsqueeze(1).repeat(1, cfg.hc_mult, 1)  # [T, hc, D]
+        pre_mix = torch.zeros(ids.numel(), cfg.hc_mult, dtype=torch.float32, device=self.device)
+        pre_mix[:, 0] = 1.0  # the first collapse takes copy 0
+        prefetch, kept_rows = None, None  # Engram rows of every layer, gathered while layers run
+        if step.hashes is not None:
+            prefetch = self._engram_prefetch()
+            prefetch.launch(step.hashes.to(self.device).contiguous())
+        for i, layer in enumerate(model.layers):
+            if layer.engram is not None:
+                rows = prefetch.wait(layer.role.engram_index)
+                h = OPS.engram(layer.engram, h, rows if kept_rows is None else rows[kept_rows])
+            phase = step.phase(i, cfg.ced_cut)
+            h, pre_mix = self.layer_forward(layer, h, pre_mix, step, phase)
+            if phase.keep is not None:
+                kept_rows = phase.keep
+        segs = step.dec_segs if cfg.ced_cut < cfg.n_layers else step.segs
+        picks, kept = [], []
+        for c, s in zip(chunks, segs):
+            if c.keep_logits and s.rows:
+                kept.append((s.index, s.start, len(picks), s.rows))
+                picks += range(s.offset, s.offset + s.rows)
+            if c.sample:
+                assert s.rows > 0 and s.end == c.end, f"chunk {s.index} samples but has no decoder rows"
+                picks.append(s.offset + s.rows - 1)
+        if not picks:
+            return StepLogits(torch.empty(0, cfg.vocab_size, device=self.device), {})
+        sel = torch.tensor(picks, device=self.device)
+        logits = mm_fp32(OPS.hc_pre_norm(h[sel], pre_mix[sel], model.norm.weight, model.norm.eps),
+                         model.head.weight)  # fp32 [picks, V]
+        is_sample = torch.ones(len(picks), dtype=torch.bool)
+        rows = {}
+        for index, first_pos, at, n in kept:
+            is_sample[at:at + n] = False
+            rows[index] = (first_pos, logits[at:at + n])
+        return StepLogits(logits[is_sample.to(self.device)], rows)
+
+    def _engram_prefetch(self) -> EngramPrefetch:
+        if self._prefetch is None:
+            layers = [self.model.layers[i].engram.embed for i in self.cfg.engram_layer_ids]
+            self._prefetch = EngramPrefetch([engram_table(e) for e in layers], self.device)
+        return self._prefetch
+
+    def prepare(self, out: StepPlan) -> Step:
+        """Host work of a step: segments, decoder rows, Engram hashes."""
+        from engine.core.runner import ModelRunner
+
+        chunks = out.chunks
+        segs, off = [], 0
+        for i, c in enumerate(chunks):
+            segs.append(Segment(i, c.start, c.end, off))
+            off += c.end - c.start
+        dec, keep = ModelRunner._decoder_rows(chunks, segs)
+        dec_segs = [Segment(s.index, s.start, s.end, s.offset) for s in dec]
+        hashes = None
+        if getattr(self.model, "engram_tables", None) is not None:
+            ids = torch.tensor([t for c in chunks for t in c.token_ids], dtype=torch.long, device=self.device)
+            hashes = ModelRunner._engram_hashes(self, chunks, segs, ids)[0]  # [T, layers, cols]
+        self._max_pos = max(self._max_pos, max(c.end for c in chunks))
+        return Step(chunks, segs, dec_segs, keep.to(self.device), hashes, [Shared() for _ in chunks])
+
+    # ---- one layer --------------------------------------------------------------------------------------------
+    def layer_forward(self, layer: Block, h: Tensor, pre_mix: Tensor, step: Step, phase: Phase
+                      ) -> tuple[Tensor, Tensor]:
+        """h [N, hc, D], pre_mix fp32 [N, hc] -> (h [N', hc, D], the FFN sublayer's pre), as Block.forward."""
+        c = self.cfg
+        y = self._attention(layer.attn, OPS.hc_pre_norm(h, pre_mix, layer.attn_norm.weight, layer.attn_norm.eps),
+                            step, phase)
+        resid = h if phase.keep is None else h[phase.keep]
+        a_pre, a_post, a_comb = OPS.hc_mixes(resid, layer.hc_attn_fn, layer.hc_attn_scale, layer.hc_attn_base,
+                                             c.hc_mult, c.hc_sinkhorn_iters, c.hc_eps, c.norm_eps)
+        # hc_post then hc_mixes: the fused hc_post_mixes was slower on the H200 (benchmarks/RESULTS.md)
+        h = OPS.hc_post(y, resid, a_post, a_comb)
+        f_pre, f_post, f_comb = OPS.hc_mixes(h, layer.hc_ffn_fn, layer.hc_ffn_scale, layer.hc_ffn_base, c.hc_mult,
+                                             c.hc_sinkhorn_iters, c.hc_eps, c.norm_eps)
+        # the FFN collapses with the attention sublayer's pre (Block.forward)
+        y = OPS.moe(OPS.hc_pre_norm(h, a_pre, layer.ffn_norm.weight, layer.ffn_norm.eps), layer.ffn)
+        return OPS.hc_post(y, h, f_post, f_comb), f_pre
+
+    def _table(self, rope: RotaryTable) -> RopeTable:
+        """The layer kind's rotation table (the golden's values), grown to the step's positions (a host sync
+        only when it grows: outside graph capture)."""
+        table = self._tables.get(rope.args)
+        if table is None or table.length < self._max_pos + 1:
+            table = rope_table(rope, self.device, 1 << max(self._max_pos, 1).bit_length())
+            self._tables[rope.args] = table
+        return table
+
+    def _attention(self, attn: Attention, x: Tensor, step: Step, phase: Phase) -> Tensor:
+        """x bf16 [R, D] normed rows of phase.segs_in -> attention output [R', D] for phase.segs_out."""
+        kv, role = self.kv, attn.role
+        layer = role.layer_id
+        meta = self._meta(step, phase, role.ratio)
+        table = self._table(attn.rope)
+        OPS.store_window(linear(attn.wkv, x), attn.kv_norm.weight, attn.kv_norm.eps, meta.pos, table, kv.swa[layer],
+                         meta.swa_write)
+        if attn.compressor is not None:
+            self._store_global(attn, x, meta, table)
+        if meta.qpos.numel() == 0:
+            return x.new_zeros(0, x.size(-1))
+        xq = x[meta.q_rows]
+        qr = OPS.rms_norm(linear(attn.wq_a, xq), attn.q_norm.weight, attn.q_norm.eps)  # [M, q_lora]
+        q = OPS.rope(linear(attn.wq_b, qr).unflatten(-1, (attn.n_heads, attn.head_dim)), meta.qpos, table)
+        main_pool, main_idx = self._no_main, meta.swa_idx.new_empty(meta.qpos.numel(), 0)
+        if role.ratio > 0:
+            main_pool = kv.main_kv[role.kv_source]
+            main_idx = torch.full((meta.qpos.numel(), max((r.max_k for r in meta.requests), default=0)), -1,
+                                  dtype=torch.int32, device=x.device)
+            for r in meta.requests:
+                topk = self._topk(attn, xq[r.rows], qr[r.rows], meta.qpos[r.rows], r, step.shared[r.chunk], table)
+                if topk.size(1):
+                    main_idx[r.rows, :topk.size(1)] = torch.where(topk >= 0, r.entries[topk.clamp_min(0)], -1)
+        o = OPS.sparse_attn(q, kv.swa[layer], meta.swa_idx, main_pool, main_idx, attn.attn_sink,
+                            attn.head_dim ** -0.5)
+        return self._output(attn, o, meta.qpos, table)
+
+    def _topk(self, attn: Attention, xq: Tensor, qr: Tensor, qpos: Tensor, r: RequestRows, shared: Shared,
+              table: RopeTable) -> Tensor:
+        """Top-k entry ids long [m, K] (-1 = none): from this layer's indexer, or its index source's."""
+        role, ix = attn.role, attn.indexer
+        if ix is None:
+            topk = shared.topk[role.index_source]
+            assert topk.size(0) == qpos.numel(), f"layer {role.layer_id}: index source rows differ from its queries"
+            return topk
+        if r.num_entries == 0:
+            topk = torch.empty(qpos.numel(), 0, dtype=torch.long, device=xq.device)
+        else:
+            q = OPS.rope(linear(ix.wq_b, qr).unflatten(-1, (ix.n_heads, ix.head_dim)), qpos, table)
+            q = fp4_qdq(q, 32, "ue8m0")  # [m, H, ihd] MXFP4 QDQ (torch)
+            w = linear(ix.weights_proj, xq) * (ix.head_dim ** -0.5 * ix.n_heads ** -0.5)  # bf16 [m, H]
+            score = OPS.index_scores(q, w.contiguous(), self.kv.index_k[role.kv_source], r.entries, r.visible)
+            if role.is_candidate_source:
+                shared.candidates = OPS.candidate_blocks(score, r.visible, ix.cand_blocks, ix.cand_block)
+            elif role.uses_candidates:
+                score = score.masked_fill(~shared.candidates, float("-inf"))
+            topk = OPS.index_topk(score, min(ix.topk, r.num_entries))
+        shared.topk[role.layer_id] = topk
+        return topk
+
+    def _store_global(self, attn: Attention, x: Tensor, meta: AttnMeta, table: RopeTable) -> None:
+        """A KV source: compress the rows >= global_from of every chunk; store the completed groups' main
+        KV and index keys (incomplete groups wait in their request's pending slot)."""
+        kv, role, comp = self.kv, attn.role, attn.compressor
+        source = role.kv_source
+        if meta.writes is None:  # ratio > 2: per chunk, torch
+            for g in meta.groups:
+                latent = self._compress(comp, x[g.rows], g, source)
+                if latent is not None:
+                    self._store_latent(attn, latent, g.entries, g.gpos, table, main=True)
+            return
+        w = meta.writes
+        if w.rows.numel() == 0:
+            return
+        xr = x[w.rows]
+        if comp.ratio == 1:
+            latent = OPS.rms_norm(linear(comp.wkv, xr), comp.norm.weight, comp.norm.eps)
+            self._store_latent(attn, latent, w.entries, w.gpos, table, main=True)
+            return
+        latent = OPS.compress_ratio2(mm_fp32(xr, comp.wkv.weight), mm_fp32(xr, comp.wgate.weight),
+                                     kv.pending_kv[source], kv.pending_score[source], w.plan, comp.norm.weight,
+                                     comp.norm.eps, kv.main_kv[source], w.entries, table)
+        self._store_latent(attn, latent, w.entries, w.gpos, table, main=False)
+
+    def _store_latent(self, attn: Attention, latent: Tensor, entries: Tensor, gpos: Tensor, table: RopeTable,
+                      main: bool) -> None:
+        """Pre-RoPE latents [G, hd] -> index keys (an index source) and, if `main`, main-KV records."""
+        kv, source, ix = self.kv, attn.role.kv_source, attn.indexer
+        if ix is not None and latent.size(0):
+            OPS.store_index_keys(linear(ix.wk, latent), ix.k_norm.weight, ix.k_norm.eps, gpos, table,
+                                 kv.index_k[source], entries)
+        if main:
+            OPS.store_main_kv(kv.main_kv[source], entries, latent, gpos, table)
+
+    def _compress(self, comp: Compressor, x: Tensor, g: GroupWrite, source: int) -> Tensor | None:
+        """bf16 rows -> pre-RoPE latents bf16 [groups, hd] of the groups completed now (Compressor math in
+        fp32 torch, any ratio > 1)."""
+        r = comp.ratio
+        kv, score = mm_fp32(x, comp.wkv.weight), mm_fp32(x, comp.wgate.weight)  # fp32 [n, hd]
+        pend_kv, pend_score = self.kv.pending_kv[source][g.slot], self.kv.pending_score[source][g.slot]
+        if g.pending:
+            kv, score = torch.cat([pend_kv[:g.pending], kv]), torch.cat([pend_score[:g.pending], score])
+        rest = kv.size(0) - g.complete
+        if rest:
+            pend_kv[:rest] = kv[g.complete:]
+            pend_score[:rest] = score[g.complete:]
+        if g.complete == 0:
+            return None
+        kv, score = kv[:g.complete].unflatten(0, (-1, r)), score[:g.complete].unflatten(0, (-1, r))
+        pooled = (kv * score.softmax(dim=1)).sum(dim=1)  # [G, hd]
+        return rms_norm_torch(pooled.to(x.dtype), comp.norm.weight, comp.norm.eps)
+
+    def _output(self, attn: Attention, o: Tensor, qpos: Tensor, table: RopeTable) -> Tensor:
+        """Undo the K=V rotation, the grouped wo_a (bf16 weights, fp32 accumulation), then wo_b."""
+        o = OPS.rope(o, qpos, table, inverse=True).view(o.size(0), attn.groups, -1)
+        w = self._wo_a.get(id(attn.wo_a))
+        if w is None or w[0] is not attn.wo_a.weight:
+            w = (attn.wo_a.weight, attn.wo_a.dequantized(torch.bfloat16).view(attn.groups, attn.o_lora, -1))
+            self._wo_a[id(attn.wo_a)] = w
+        if o.is_cuda:
+            o = torch.einsum("mgd,grd->mgr", o, w[1])  # bf16 operands, fp32 accumulation (the reference)
+        else:
+            o = torch.einsum("mgd,grd->mgr", o.float(), w[1].float()).to(o.dtype)
+        return linear(attn.wo_b, o.flatten(1))
+
+    # ---- metadata -------------------------------------------------------------------------------------------
+    def _meta(self, step: Step, phase: Phase, ratio: int) -> AttnMeta:
+        key = (id(phase.segs_in), id(phase.segs_out), phase.decoder, ratio)
+        meta = step.meta.get(key)
+        if meta is None:
+            meta = step.meta[key] = self._build_meta(step.chunks, phase, ratio)
+        return meta
+
+    def _build_meta(self, chunks: list[ChunkPlan], phase: Phase, ratio: int) -> AttnMeta:
+        cfg, layout, dev = self.cfg, self.kv.layout, self.device
+        W, S = cfg.window_size, layout.swa_block_size
+        per_block = layout.global_block_size // max(ratio, 1)
+        empty = torch.empty(0, dtype=torch.long)
+        cat = lambda ts: torch.cat(ts or [empty])  # noqa: E731
+        pos = cat([torch.arange(s.start, s.end) for s in phase.segs_in])
+        write = cat([paged.swa_slots(chunks[s.index].swa_blocks, s.start, s.end, S) for s in phase.segs_in])
+        q_rows, qpos, swa_idx, requests, groups = [], [], [], [], []
+        g_rows, g_entries, g_pos, r2_chunks = [], [], [], []
+        for si, so in zip(phase.segs_in, phase.segs_out):
+            q_rows.append(torch.arange(si.offset + so.start - si.start, si.offset + si.rows))
+            p = torch.arange(so.start, so.end)
+            qpos.append(p)
+            req = chunks[so.index]
+            floor = max(req.decoder_floor if phase.decoder else req.swa_floor, 0)
+            wpos = p.unsqueeze(-1) - W + 1 + torch.arange(W)  # [m, W] (golden window_indices)
+            swa_idx.append(_window_slots(req.swa_blocks, torch.where(wpos >= floor, wpos, -1), S))
+            if ratio > 0 and so.rows:
+                n = so.end // ratio
+                entries = paged.entry_slots(req.global_blocks, 0, n, per_block)
+                requests.append(RequestRows(so.index, slice(so.offset, so.offset + so.rows), n,
+                                            entries.to(dev, torch.int32), ((p + 1) // ratio).to(dev, torch.int32),
+                                            min(cfg.index_topk, n)))
+            start = max(si.start, req.global_from)
+            if ratio == 0 or start >= si.end:
+                continue
+            first, count = start // ratio, (si.end // ratio) - start // ratio  # groups completed now
+            entries = paged.entry_slots(req.global_blocks, first, first + count, per_block)
+            gpos = (first + torch.arange(count)) * ratio
+            if ratio <= 2:
+                if ratio == 2:
+                    r2_chunks.append(Ratio2Chunk(sum(r.numel() for r in g_rows), si.end - start, start,
+                                                 req.pending_slot))
+                g_rows.append(torch.arange(si.offset + start - si.start, si.offset + si.rows))
+                g_entries.append(entries)
+                g_pos.append(gpos)
+            else:
+                pending = start % ratio
+                groups.append(GroupWrite(slice(si.offset + start - si.start, si.offset + si.rows), pending,
+                                         req.pending_slot, count * ratio, entries.to(dev), gpos.to(dev)))
+        writes = None
+        if 0 < ratio <= 2:
+            writes = GlobalWrite(cat(g_rows).to(dev), cat(g_entries).to(dev), cat(g_pos).to(dev),
+                                 plan_ratio2(r2_chunks, dev) if ratio == 2 else None)
+        return AttnMeta(pos.to(dev), write.to(dev), cat(q_rows).to(dev), cat(qpos).to(dev),
+                        torch.cat(swa_idx or [empty.view(0, W)]).to(dev, torch.int32), requests, writes, groups)
