@@ -129,10 +129,11 @@ def _pv_pass(q, pool_ptr, idx_ptr, lo, hi, m_i, acc, scale,
 
 
 @triton.jit
-def _global_stats(stats_ptr, base, S, l_off, BLOCK_S: tl.constexpr):
-    """Per-split (max, Σp) at stats_ptr + {0 | l_off} + base[h] + s -> (global max, Σp rescaled to it) [BH]."""
+def _global_stats(stats_ptr, base, h_ok, S, l_off, BLOCK_S: tl.constexpr):
+    """Per-split (max, Σp) at stats_ptr + {0 | l_off} + base[h] + s -> (global max, Σp rescaled to it) [BH].
+    Heads past H (h_ok false) read nothing: their base lies past the stats of the last query."""
     sp = tl.arange(0, BLOCK_S)
-    ok = sp[None, :] < S
+    ok = h_ok[:, None] & (sp[None, :] < S)
     m_s = tl.load(stats_ptr + base[:, None] + sp[None, :], mask=ok, other=SINK_FREE_MAX)
     l_s = tl.load(stats_ptr + base[:, None] + sp[None, :] + l_off, mask=ok, other=0.0)
     m_g = tl.max(m_s, axis=1)
@@ -156,7 +157,7 @@ def _split_kernel(q_ptr, swa_ptr, swa_idx_ptr, main_ptr, main_idx_ptr, stats_ptr
         q = q.to(tl.float32)
     row = (m * H + heads).to(tl.int64) * S  # [BH] into stats [2, M*H*S]
     if PV:
-        m_i, _ = _global_stats(stats_ptr, row, S, stats_stride, BLOCK_S)
+        m_i, _ = _global_stats(stats_ptr, row, h_ok, S, stats_stride, BLOCK_S)
         acc = tl.zeros((BLOCK_H, D), tl.float32)
         if s < n_sw:
             acc = _pv_pass(q, swa_ptr, swa_idx_ptr + m.to(tl.int64) * KW, s * R, tl.minimum(s * R + R, KW), m_i,
@@ -188,7 +189,7 @@ def _combine_kernel(stats_ptr, part_ptr, sink_ptr, o_ptr, H, S, stats_stride,
     d = tl.arange(0, D)
     h_ok = heads < H
     row = (m * H + heads).to(tl.int64) * S
-    m_i, l_i = _global_stats(stats_ptr, row, S, stats_stride, BLOCK_S)
+    m_i, l_i = _global_stats(stats_ptr, row, h_ok, S, stats_stride, BLOCK_S)
     acc = tl.zeros((BLOCK_H, D), tl.float32)
     for s in range(0, S):  # split order: deterministic
         acc += tl.load(part_ptr + (row + s)[:, None] * D + d[None, :], mask=h_ok[:, None], other=0.0)
