@@ -40,7 +40,8 @@ from engine.core.cache_manager import CacheLayout  # noqa: E402
 from engine.core.kernel_layers import OPS, KernelRunner, engram_rows, op_backends  # noqa: E402
 from engine.core.kv_cache import PagedKVCache  # noqa: E402
 from engine.core.plan import ChunkPlan, StepPlan  # noqa: E402
-from engine.core.runner import ModelRunner, Segment  # noqa: E402
+from engine.core.runner import ModelRunner  # noqa: E402
+from engine.core.step_rows import Segment  # noqa: E402
 from engine.model.block import Block  # noqa: E402
 from engine.model.engram import EngramEmbedding  # noqa: E402
 from engine.model.cache import StepShared  # noqa: E402

@@ -20,7 +20,8 @@ from engine.core import kv_blocks
 from engine.core.cache_manager import CacheLayout
 from engine.core.kv_cache import PagedKVCache
 from engine.core.plan import StepPlan
-from engine.core.runner import ModelRunner, StepLogits
+from engine.core.runner import ModelRunner
+from engine.core.step_rows import StepLogits
 from engine.load import load_model
 from serve_app.settings import ServeSettings
 

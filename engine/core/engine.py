@@ -25,7 +25,8 @@ from engine.core.kv_cache import PagedKVCache, size_layout
 from engine.core.plan import StepPlan, plan_step
 from engine.core.prefix_hash import fingerprint
 from engine.core.request import FinishReason, Request, RequestStats, TokenLogprob
-from engine.core.runner import ModelRunner, StepLogits
+from engine.core.runner import ModelRunner
+from engine.core.step_rows import StepLogits
 from engine.core.sampler import SampleRow, sample
 from engine.core.sampling_params import SamplingError, SamplingParams
 from engine.core.scheduler import Scheduler, SchedulerConfig

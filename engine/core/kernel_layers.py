@@ -33,6 +33,8 @@ from torch import Tensor
 
 from engine.core.kv_cache import PagedKVCache
 from engine.core.plan import ChunkPlan, StepPlan
+from engine.core.step_rows import (Segment, StepLogits, decoder_rows, engram_hashes, head_rows, no_logits, segments,
+                                   split_logits)
 from engine.kernels import cache_store, paged
 from engine.kernels.compressor import Ratio2Chunk, Ratio2Plan, compress_ratio2, plan_ratio2
 from engine.kernels.engram_gather import EngramPrefetch, HostEngramTable, engram_gather
@@ -252,20 +254,6 @@ def linear(lin: Linear, x: Tensor) -> Tensor:
 # ---- step metadata (host work, done once per step) -------------------------------------------------------------
 
 @dataclass(slots=True)
-class Segment:
-    """One chunk's rows in the current stream: positions start..end-1 at stream rows offset.."""
-
-    index: int
-    start: int
-    end: int
-    offset: int
-
-    @property
-    def rows(self) -> int:
-        return self.end - self.start
-
-
-@dataclass(slots=True)
 class Phase:
     """The rows one layer reads (segs_in) and keeps (segs_out); `keep` selects segs_out's rows of the
     stream at the CED cut (None elsewhere)."""
@@ -380,13 +368,11 @@ class KernelRunner:
 
     # ---- one step ---------------------------------------------------------------------------------------------
     @torch.inference_mode()
-    def execute(self, out: StepPlan):
-        from engine.core.runner import StepLogits
-
+    def execute(self, out: StepPlan) -> StepLogits:
         self.kv.apply(out.copies)
         model, cfg, chunks = self.model, self.cfg, out.chunks
         if not chunks:
-            return StepLogits(torch.empty(0, cfg.vocab_size, device=self.device), {})
+            return no_logits(cfg.vocab_size, self.device)
         step = self.prepare(out)
         ids = torch.tensor([t for c in chunks for t in c.token_ids], dtype=torch.long, device=self.device)
         h = F.embedding(ids, model.embed.weight).unsqueeze(1).repeat(1, cfg.hc_mult, 1)  # [T, hc, D]
@@ -404,26 +390,13 @@ class KernelRunner:
             h, pre_mix = self.layer_forward(layer, h, pre_mix, step, phase)
             if phase.keep is not None:
                 kept_rows = phase.keep
-        segs = step.dec_segs if cfg.ced_cut < cfg.n_layers else step.segs
-        picks, kept = [], []
-        for c, s in zip(chunks, segs):
-            if c.keep_logits and s.rows:
-                kept.append((s.index, s.start, len(picks), s.rows))
-                picks += range(s.offset, s.offset + s.rows)
-            if c.sample:
-                assert s.rows > 0 and s.end == c.end, f"chunk {s.index} samples but has no decoder rows"
-                picks.append(s.offset + s.rows - 1)
-        if not picks:
-            return StepLogits(torch.empty(0, cfg.vocab_size, device=self.device), {})
-        sel = torch.tensor(picks, device=self.device)
+        head = head_rows(chunks, step.dec_segs if cfg.ced_cut < cfg.n_layers else step.segs)
+        if not head.picks:
+            return no_logits(cfg.vocab_size, self.device)
+        sel = torch.tensor(head.picks, device=self.device)
         logits = mm_fp32(OPS.hc_pre_norm(h[sel], pre_mix[sel], model.norm.weight, model.norm.eps),
                          model.head.weight)  # fp32 [picks, V]
-        is_sample = torch.ones(len(picks), dtype=torch.bool)
-        rows = {}
-        for index, first_pos, at, n in kept:
-            is_sample[at:at + n] = False
-            rows[index] = (first_pos, logits[at:at + n])
-        return StepLogits(logits[is_sample.to(self.device)], rows)
+        return split_logits(logits, head)
 
     def _engram_prefetch(self) -> EngramPrefetch:
         if self._prefetch is None:
@@ -433,19 +406,14 @@ class KernelRunner:
 
     def prepare(self, out: StepPlan) -> Step:
         """Host work of a step: segments, decoder rows, Engram hashes."""
-        from engine.core.runner import ModelRunner
-
         chunks = out.chunks
-        segs, off = [], 0
-        for i, c in enumerate(chunks):
-            segs.append(Segment(i, c.start, c.end, off))
-            off += c.end - c.start
-        dec, keep = ModelRunner._decoder_rows(chunks, segs)
-        dec_segs = [Segment(s.index, s.start, s.end, s.offset) for s in dec]
+        segs = segments(chunks)
+        dec_segs, keep = decoder_rows(chunks, segs)
         hashes = None
-        if getattr(self.model, "engram_tables", None) is not None:
+        tables = getattr(self.model, "engram_tables", None)
+        if tables is not None:
             ids = torch.tensor([t for c in chunks for t in c.token_ids], dtype=torch.long, device=self.device)
-            hashes = ModelRunner._engram_hashes(self, chunks, segs, ids)[0]  # [T, layers, cols]
+            hashes = engram_hashes(tables, chunks, segs, ids)[0]  # [T, layers, cols]
         self._max_pos = max(self._max_pos, max(c.end for c in chunks))
         return Step(chunks, segs, dec_segs, keep.to(self.device), hashes, [Shared() for _ in chunks])
 

@@ -13,38 +13,17 @@ plan and logits, with Triton kernels and fp32 torch ops reading the paged pools 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 
 from engine.core.kv_cache import PagedKVCache
-from engine.core.plan import ENGRAM_LOOKBACK, ChunkPlan, StepPlan
-from engine.engram_tables import hash_ngrams, initial_history, next_history
+from engine.core.plan import ChunkPlan, StepPlan
+from engine.core.step_rows import (Segment, StepLogits, decoder_rows, engram_hashes, head_rows, no_logits, segments,
+                                   split_logits)
 from engine.kernels import paged
 from engine.model.attention import Attention, sparse_attn, window_indices
 from engine.model.cache import SourceCache, StepShared
 from engine.model.mhc import hc_pre, identity_pre_mix
 from engine.model.transformer import Transformer
-
-
-@dataclass(slots=True)
-class Segment:
-    """One chunk's rows in the current stream: positions start..end-1 at stream rows offset.."""
-
-    index: int  # chunk index in the step
-    start: int
-    end: int
-    offset: int
-
-    @property
-    def rows(self) -> int:
-        return self.end - self.start
-
-
-@dataclass(slots=True)
-class StepLogits:
-    sample: torch.Tensor  # fp32 [num sampled chunks, vocab], chunk order: position end-1 of each
-    rows: dict[int, tuple[int, torch.Tensor]]  # chunk index -> (first position, fp32 [rows, vocab])
 
 
 class ModelRunner:
@@ -58,7 +37,7 @@ class ModelRunner:
         self.kernels = self.device.type == "cuda" if kernels is None else kernels
         self._kernel_path = None
         if self.kernels:
-            from engine.core.kernel_layers import KernelRunner  # imports Triton; it imports this module
+            from engine.core.kernel_layers import KernelRunner  # imports Triton: only on the kernel path
 
             self._kernel_path = KernelRunner(model, kv)
 
@@ -71,13 +50,10 @@ class ModelRunner:
         self.kv.apply(out.copies)
         model, cfg, chunks = self.model, self.cfg, out.chunks
         if not chunks:
-            return StepLogits(torch.empty(0, cfg.vocab_size, device=self.device), {})
+            return no_logits(cfg.vocab_size, self.device)
         ids = torch.tensor([t for c in chunks for t in c.token_ids], dtype=torch.long, device=self.device)
-        segs, off = [], 0
-        for i, c in enumerate(chunks):
-            segs.append(Segment(i, c.start, c.end, off))
-            off += c.end - c.start
-        hashes = self._engram_hashes(chunks, segs, ids)
+        segs = segments(chunks)
+        hashes = engram_hashes(model.engram_tables, chunks, segs, ids)
         rows = torch.arange(ids.numel(), device=self.device)  # stream row -> original row
         h = model.embed(ids).view(1, -1, cfg.dim).unsqueeze(2).repeat(1, 1, cfg.hc_mult, 1)  # [1,T,hc,D]
         pre_mix = identity_pre_mix(1, ids.numel(), cfg.hc_mult, self.device)
@@ -87,7 +63,7 @@ class ModelRunner:
                 h = layer.engram(h, hashes[:, rows, layer.role.engram_index])
             keep, out_segs = None, segs
             if i == cfg.ced_cut:
-                out_segs, keep = self._decoder_rows(chunks, segs)
+                out_segs, keep = decoder_rows(chunks, segs)
                 keep = keep.to(self.device)
             decoder = i >= cfg.ced_cut
             attend = (lambda x, a=layer.attn, si=segs, so=out_segs, d=decoder:
@@ -95,51 +71,14 @@ class ModelRunner:
             h, pre_mix = layer(h, pre_mix, attend, 0 if keep is None else keep)
             if keep is not None:
                 rows, segs = rows[keep], out_segs
-        picks, kept = [], []  # stream rows for the head; (chunk, first_pos, first pick) of kept logits
-        for c, s in zip(chunks, segs):
-            if c.keep_logits and s.rows:
-                kept.append((s.index, s.start, len(picks), s.rows))
-                picks += range(s.offset, s.offset + s.rows)
-            if c.sample:
-                assert s.rows > 0 and s.end == c.end, f"chunk {s.index} samples but has no decoder rows"
-                picks.append(s.offset + s.rows - 1)
-        if not picks:
-            return StepLogits(torch.empty(0, cfg.vocab_size, device=self.device), {})
-        sel = torch.tensor(picks, device=self.device)
+        head = head_rows(chunks, segs)
+        if not head.picks:
+            return no_logits(cfg.vocab_size, self.device)
+        sel = torch.tensor(head.picks, device=self.device)
         logits = model.head(model.norm(hc_pre(h[:, sel], pre_mix[:, sel])))[0]  # fp32 [len(picks), V]
-        is_sample = torch.ones(len(picks), dtype=torch.bool)
-        rows = {}
-        for index, first_pos, at, n in kept:
-            is_sample[at:at + n] = False
-            rows[index] = (first_pos, logits[at:at + n])
-        return StepLogits(logits[is_sample.to(self.device)], rows)
+        return split_logits(logits, head)
 
     # ---- pieces -------------------------------------------------------------------------------------
-    def _engram_hashes(self, chunks: list[ChunkPlan], segs, ids) -> torch.Tensor | None:
-        tables = self.model.engram_tables
-        if tables is None:
-            return None
-        out = []
-        K = tables.max_ngram_size - 1
-        assert K <= ENGRAM_LOOKBACK, f"Engram n-grams of {K + 1} need more look-back than plans carry"
-        for c, s in zip(chunks, segs):
-            before = torch.tensor([c.prev_ids[len(c.prev_ids) - min(K, len(c.prev_ids)):]], dtype=torch.long,
-                                  device=self.device)
-            history = next_history(tables, initial_history(tables, 1, self.device), before)
-            out.append(hash_ngrams(tables, ids[s.offset:s.offset + s.rows].view(1, -1), history, c.start))
-        return torch.cat(out, dim=1)
-
-    @staticmethod
-    def _decoder_rows(chunks, segs: list[Segment]) -> tuple[list[Segment], torch.Tensor]:
-        """The rows the decoder layers run: each chunk's positions >= its request's decoder_from."""
-        out, keep, off = [], [], 0
-        for c, s in zip(chunks, segs):
-            first = min(max(s.start, c.decoder_from), s.end)
-            keep.append(torch.arange(s.offset + first - s.start, s.offset + s.rows))
-            out.append(Segment(s.index, first, s.end, off))
-            off += s.end - first
-        return out, torch.cat(keep)
-
     def _attention(self, attn: Attention, x: torch.Tensor, chunks, segs_in: list[Segment], segs_out: list[Segment],
                    shared: list[StepShared], decoder: bool) -> torch.Tensor:
         """x [1,R,D] normed rows of segs_in -> attention output [1,R',D] for the rows of segs_out."""

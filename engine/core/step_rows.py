@@ -1,0 +1,104 @@
+"""A step's rows, shared by both runner paths (engine/core/runner.py golden, engine/core/kernel_layers.py
+kernels): where each chunk sits in the flat stream, which rows the decoder layers keep, the Engram hashes
+of the stream, which rows reach the head and how their logits are returned."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from engine.core.plan import ENGRAM_LOOKBACK, ChunkPlan
+from engine.engram_tables import EngramTables, hash_ngrams, initial_history, next_history
+
+
+@dataclass(slots=True)
+class Segment:
+    """One chunk's rows in the current stream: positions start..end-1 at stream rows offset.."""
+
+    index: int  # chunk index in the step
+    start: int
+    end: int
+    offset: int
+
+    @property
+    def rows(self) -> int:
+        return self.end - self.start
+
+
+@dataclass(slots=True)
+class StepLogits:
+    sample: torch.Tensor  # fp32 [num sampled chunks, vocab], chunk order: position end-1 of each
+    rows: dict[int, tuple[int, torch.Tensor]]  # chunk index -> (first position, fp32 [rows, vocab])
+
+
+@dataclass(slots=True)
+class HeadRows:
+    """The stream rows the head reads (`picks`) and, per chunk that keeps its logits, (chunk, first
+    position, first pick, rows)."""
+
+    picks: list[int]
+    kept: list[tuple[int, int, int, int]]
+
+
+def segments(chunks: list[ChunkPlan]) -> list[Segment]:
+    out, off = [], 0
+    for i, c in enumerate(chunks):
+        out.append(Segment(i, c.start, c.end, off))
+        off += c.end - c.start
+    return out
+
+
+def decoder_rows(chunks: list[ChunkPlan], segs: list[Segment]) -> tuple[list[Segment], torch.Tensor]:
+    """The rows the decoder layers run: each chunk's positions >= its request's decoder_from (CPU long)."""
+    out, keep, off = [], [], 0
+    for c, s in zip(chunks, segs):
+        first = min(max(s.start, c.decoder_from), s.end)
+        keep.append(torch.arange(s.offset + first - s.start, s.offset + s.rows))
+        out.append(Segment(s.index, first, s.end, off))
+        off += s.end - first
+    return out, torch.cat(keep)
+
+
+def engram_hashes(tables: EngramTables | None, chunks: list[ChunkPlan], segs: list[Segment],
+                  ids: torch.Tensor) -> torch.Tensor | None:
+    """Hash ids of every stream row [1, T, engram layers, cols], each chunk continuing its request's
+    look-back (plan.prev_ids); None without Engram."""
+    if tables is None:
+        return None
+    out = []
+    K = tables.max_ngram_size - 1
+    assert K <= ENGRAM_LOOKBACK, f"Engram n-grams of {K + 1} need more look-back than plans carry"
+    for c, s in zip(chunks, segs):
+        before = torch.tensor([c.prev_ids[len(c.prev_ids) - min(K, len(c.prev_ids)):]], dtype=torch.long,
+                              device=ids.device)
+        history = next_history(tables, initial_history(tables, 1, ids.device), before)
+        out.append(hash_ngrams(tables, ids[s.offset:s.offset + s.rows].view(1, -1), history, c.start))
+    return torch.cat(out, dim=1)
+
+
+def head_rows(chunks: list[ChunkPlan], segs: list[Segment]) -> HeadRows:
+    """Each sampled chunk's last decoder row, and every decoder row of chunks that keep their logits."""
+    picks, kept = [], []
+    for c, s in zip(chunks, segs):
+        if c.keep_logits and s.rows:
+            kept.append((s.index, s.start, len(picks), s.rows))
+            picks += range(s.offset, s.offset + s.rows)
+        if c.sample:
+            assert s.rows > 0 and s.end == c.end, f"chunk {s.index} samples but has no decoder rows"
+            picks.append(s.offset + s.rows - 1)
+    return HeadRows(picks, kept)
+
+
+def split_logits(logits: torch.Tensor, head: HeadRows) -> StepLogits:
+    """fp32 [len(picks), V] in pick order -> the sampled rows and the kept rows per chunk."""
+    is_sample = torch.ones(len(head.picks), dtype=torch.bool)
+    rows = {}
+    for index, first_pos, at, n in head.kept:
+        is_sample[at:at + n] = False
+        rows[index] = (first_pos, logits[at:at + n])
+    return StepLogits(logits[is_sample.to(logits.device)], rows)
+
+
+def no_logits(vocab_size: int, device: torch.device) -> StepLogits:
+    return StepLogits(torch.empty(0, vocab_size, device=device), {})
