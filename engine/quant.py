@@ -277,6 +277,22 @@ def exact_matmul(a: Tensor, b: Tensor) -> Tensor:
     return (a.double() @ b.double()).float()
 
 
+def check_fp8_linear_args(x: Tensor, weight: Tensor, scale: Tensor) -> None:
+    """The FP8 linear kernels' contract: x bf16 [..., K]; weight float8_e4m3fn [N, K] with K a positive
+    multiple of 32; scale float8_e8m0fnu [ceil(N/32), K/32]; all contiguous and on one device."""
+    assert x.dtype == torch.bfloat16, f"x must be bf16, got {x.dtype}"
+    assert weight.dtype == torch.float8_e4m3fn and weight.dim() == 2, (
+        f"weight must be 2-D float8_e4m3fn, got {weight.dtype} {tuple(weight.shape)}")
+    assert scale.dtype == torch.float8_e8m0fnu, f"scale must be float8_e8m0fnu, got {scale.dtype}"
+    n, k = weight.shape
+    assert x.size(-1) == k, f"x {tuple(x.shape)} does not match weight {tuple(weight.shape)}"
+    assert k % BLOCK == 0 and k > 0, f"K = {k} is not a positive multiple of {BLOCK}"
+    blocks = (-(-n // BLOCK), k // BLOCK)
+    assert tuple(scale.shape) == blocks, f"weight {tuple(weight.shape)} needs scale {blocks}, got {tuple(scale.shape)}"
+    assert x.is_contiguous() and weight.is_contiguous() and scale.is_contiguous(), "x, weight, scale must be contiguous"
+    assert x.device == weight.device == scale.device, f"devices differ: {x.device} {weight.device} {scale.device}"
+
+
 def linear(x: Tensor, weight: Tensor, scale: Tensor | None = None) -> Tensor:
     """y = x @ weight^T, dispatched on the weight's storage like the reference `linear()`.
 

@@ -30,7 +30,7 @@ import torch
 from torch import Tensor
 
 from engine.kernels.cuda_build import load, nvcc_path
-from engine.quant import BLOCK
+from engine.quant import BLOCK, check_fp8_linear_args
 
 MAX_M = 8  # the MMA's N: tokens per launch
 MAX_K = 65536  # 8 cluster splits of <= 8192 columns: every K up to this has a launch shape
@@ -157,20 +157,11 @@ def fp8_gemv(x: Tensor, weight: Tensor, scale: Tensor, params: GemvParams | None
     scale float8_e8m0fnu [ceil(N/32), K/32]; all contiguous, 16-byte aligned and on one CUDA device.
     Matches fp8_linear_ref within the tolerance of tests/kernels/test_fp8_linear.py (GPU_EPS).
     """
-    assert x.dtype == torch.bfloat16, f"x must be bf16, got {x.dtype}"
-    assert weight.dtype == torch.float8_e4m3fn and weight.dim() == 2, (
-        f"weight must be 2-D float8_e4m3fn, got {weight.dtype} {tuple(weight.shape)}")
-    assert scale.dtype == torch.float8_e8m0fnu, f"scale must be float8_e8m0fnu, got {scale.dtype}"
+    check_fp8_linear_args(x, weight, scale)
     n, k = weight.shape
-    assert x.size(-1) == k, f"x {tuple(x.shape)} does not match weight {tuple(weight.shape)}"
-    assert k % BLOCK == 0 and k > 0, f"K = {k} is not a positive multiple of {BLOCK}"
-    assert tuple(scale.shape) == (_cdiv(n, BLOCK), k // BLOCK), (
-        f"weight {tuple(weight.shape)} needs scale {(_cdiv(n, BLOCK), k // BLOCK)}, got {tuple(scale.shape)}")
-    assert x.is_contiguous() and weight.is_contiguous() and scale.is_contiguous(), "x, weight, scale must be contiguous"
     m = x.numel() // k
     assert m <= MAX_M, f"fp8_gemv takes at most {MAX_M} rows, got {m} (use fp8_linear)"
-    assert x.is_cuda and x.device == weight.device == scale.device, (
-        f"x, weight, scale must be on one CUDA device: {x.device} {weight.device} {scale.device}")
+    assert x.is_cuda, f"fp8_gemv needs a CUDA device, got {x.device}"
     assert x.data_ptr() % 16 == 0 and weight.data_ptr() % 16 == 0, "x and weight must be 16-byte aligned"
     assert n < 2**31 and k < 2**31, f"N = {n}, K = {k} exceed int32"
     y = torch.empty(*x.shape[:-1], n, dtype=torch.bfloat16, device=x.device)

@@ -39,7 +39,7 @@ from torch import Tensor
 
 from engine.config import ModelConfig
 from engine.kernels.fp8_gemv import fp8_gemv, gemv_applies
-from engine.quant import BLOCK, act_quant
+from engine.quant import BLOCK, act_quant, check_fp8_linear_args
 
 _INV_FP8_MAX = tl.constexpr(1.0 / 448.0)  # rounded to fp32 where used, as engine.quant._fp32(1/448)
 _MAX_TICKETS = 1 << 16
@@ -262,17 +262,8 @@ def fp8_linear(x: Tensor, weight: Tensor, scale: Tensor, config: Fp8LinearConfig
     and on one device. Matches fp8_linear_ref to fp32 summation order (the tolerance is stated in
     tests/kernels/test_fp8_linear.py). Not safe to run concurrently on two streams (split-K tickets).
     """
-    assert x.dtype == torch.bfloat16, f"x must be bf16, got {x.dtype}"
-    assert weight.dtype == torch.float8_e4m3fn and weight.dim() == 2, (
-        f"weight must be 2-D float8_e4m3fn, got {weight.dtype} {tuple(weight.shape)}")
-    assert scale.dtype == torch.float8_e8m0fnu, f"scale must be float8_e8m0fnu, got {scale.dtype}"
+    check_fp8_linear_args(x, weight, scale)
     n, k = weight.shape
-    assert x.size(-1) == k, f"x {tuple(x.shape)} does not match weight {tuple(weight.shape)}"
-    assert k % BLOCK == 0, f"K = {k} is not a multiple of {BLOCK}"
-    assert tuple(scale.shape) == (_cdiv(n, BLOCK), k // BLOCK), (
-        f"weight {tuple(weight.shape)} needs scale {(_cdiv(n, BLOCK), k // BLOCK)}, got {tuple(scale.shape)}")
-    assert x.is_contiguous() and weight.is_contiguous() and scale.is_contiguous(), "x, weight, scale must be contiguous"
-    assert x.device == weight.device == scale.device, f"devices differ: {x.device} {weight.device} {scale.device}"
     x2 = x.view(-1, k)
     m = x2.size(0)
     if config is None and gemv_applies(x, weight):

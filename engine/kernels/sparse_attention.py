@@ -200,17 +200,9 @@ def _combine_kernel(stats_ptr, part_ptr, sink_ptr, o_ptr, H, S, stats_stride,
              ((u + 0x7FFF + ((u >> 16) & 1)) >> 16).to(tl.int16), mask=h_ok[:, None])
 
 
-def sparse_attn_paged(q: Tensor, swa_pool: Tensor, swa_idx: Tensor, main_pool: Tensor, main_idx: Tensor,
-                      sink: Tensor, scale: float, block_h: int | None = None, block_n: int = 32, rows_per_split: int = 64,
-                      num_warps: int = 8, num_stages: int = 1) -> Tensor:
-    """q bf16 [M, H, D]; swa_pool uint8 [..., D + D/32]; swa_idx int32 [M, KW] flat slots (-1 = none);
-    main_pool uint8 [..., D/2 + D/16]; main_idx int32 [M, KM] (-1 = none); sink fp32 [H] -> bf16 [M, H, D].
-
-    Pools are the paged pools as stored ([num_blocks, slots_per_block, record] or already flat); a flat
-    slot is block_id * slots_per_block + offset. Slots must be < the pool's slot count (not checked).
-    block_h (heads per program) defaults to 16 for M <= 2 and 32 above: on an H200 (benchmarks/kernels.py,
-    2026-11-30) 32 was faster at M = 6 (69 vs 92 us) and M = 32 (242 vs 384 us), 16 at M = 1 (58 vs 63 us).
-    """
+def check_attn_args(q: Tensor, swa_pool: Tensor, swa_idx: Tensor, main_pool: Tensor, main_idx: Tensor,
+                sink: Tensor) -> None:
+    """The input contract of the sparse attention kernels (decode and prefill)."""
     M, H, D = q.shape
     assert q.dtype == torch.bfloat16 and q.is_contiguous(), f"q must be contiguous bf16, got {q.dtype}"
     assert D >= 32 and D & (D - 1) == 0, f"head_dim {D} must be a power of two >= 32"
@@ -223,11 +215,26 @@ def sparse_attn_paged(q: Tensor, swa_pool: Tensor, swa_idx: Tensor, main_pool: T
         assert idx.dtype == torch.int32 and idx.is_contiguous(), f"{name} must be contiguous int32"
         assert idx.dim() == 2 and idx.size(0) == M, f"{name} {tuple(idx.shape)} must be [M={M}, K]"
     assert sink.dtype == torch.float32 and sink.shape == (H,), f"sink must be fp32 [{H}]"
+    devs = {t.device for t in (q, swa_pool, swa_idx, main_pool, main_idx, sink)}
+    assert len(devs) == 1, f"all inputs on one device, got {devs}"
+
+
+def sparse_attn_paged(q: Tensor, swa_pool: Tensor, swa_idx: Tensor, main_pool: Tensor, main_idx: Tensor,
+                      sink: Tensor, scale: float, block_h: int | None = None, block_n: int = 32, rows_per_split: int = 64,
+                      num_warps: int = 8, num_stages: int = 1) -> Tensor:
+    """q bf16 [M, H, D]; swa_pool uint8 [..., D + D/32]; swa_idx int32 [M, KW] flat slots (-1 = none);
+    main_pool uint8 [..., D/2 + D/16]; main_idx int32 [M, KM] (-1 = none); sink fp32 [H] -> bf16 [M, H, D].
+
+    Pools are the paged pools as stored ([num_blocks, slots_per_block, record] or already flat); a flat
+    slot is block_id * slots_per_block + offset. Slots must be < the pool's slot count (not checked).
+    block_h (heads per program) defaults to 16 for M <= 2 and 32 above: on an H200 (benchmarks/kernels.py,
+    2026-11-30) 32 was faster at M = 6 (69 vs 92 us) and M = 32 (242 vs 384 us), 16 at M = 1 (58 vs 63 us).
+    """
+    check_attn_args(q, swa_pool, swa_idx, main_pool, main_idx, sink)
+    M, H, D = q.shape
     block_h = block_h or (16 if M <= 2 else 32)
     assert block_h >= 16 and block_n >= 16, "tl.dot needs tiles of at least 16"
     assert rows_per_split % block_n == 0, f"rows_per_split {rows_per_split} must be a multiple of {block_n}"
-    devs = {t.device for t in (q, swa_pool, swa_idx, main_pool, main_idx, sink)}
-    assert len(devs) == 1, f"all inputs on one device, got {devs}"
     KW, KM, R = swa_idx.size(1), main_idx.size(1), rows_per_split
     n_sw = triton.cdiv(KW, R)
     S = n_sw + triton.cdiv(KM, R)

@@ -39,8 +39,8 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from engine.kernels.cache_records import MAIN_KV_BLOCK, SWA_BLOCK, fp4_record_bytes, swa_record_bytes
-from engine.kernels.sparse_attention import SINK_FREE_MAX, _e4m3_to_fp32, _logits, _round_bf16, sparse_attn_paged
+from engine.kernels.sparse_attention import (SINK_FREE_MAX, _e4m3_to_fp32, _logits, _round_bf16, check_attn_args,
+                                              sparse_attn_paged)
 
 # Queries per call up to which `sparse_attn` runs the decode kernel: its row splits (10 programs per
 # query and head block at KW = 128, KM = 512) keep the 132 SMs busy when M·H/64 programs would not.
@@ -176,25 +176,6 @@ def _prefill_kernel(q_ptr, swa_ptr, swa_idx_ptr, main_ptr, main_idx_ptr, sink_pt
              mask=h_ok[:, None])
 
 
-def _check_args(q: Tensor, swa_pool: Tensor, swa_idx: Tensor, main_pool: Tensor, main_idx: Tensor,
-                sink: Tensor) -> None:
-    """The decode kernel's input contract (sparse_attn_paged asserts the same)."""
-    M, H, D = q.shape
-    assert q.dtype == torch.bfloat16 and q.is_contiguous(), f"q must be contiguous bf16, got {q.dtype}"
-    assert D >= 32 and D & (D - 1) == 0, f"head_dim {D} must be a power of two >= 32"
-    assert D % SWA_BLOCK == 0 and D % MAIN_KV_BLOCK == 0
-    for pool, nbytes, name in ((swa_pool, swa_record_bytes(D), "swa_pool"),
-                               (main_pool, fp4_record_bytes(D, MAIN_KV_BLOCK), "main_pool")):
-        assert pool.dtype == torch.uint8 and pool.is_contiguous(), f"{name} must be contiguous uint8"
-        assert pool.size(-1) == nbytes, f"{name} records of {pool.size(-1)} bytes, expected {nbytes}"
-    for idx, name in ((swa_idx, "swa_idx"), (main_idx, "main_idx")):
-        assert idx.dtype == torch.int32 and idx.is_contiguous(), f"{name} must be contiguous int32"
-        assert idx.dim() == 2 and idx.size(0) == M, f"{name} {tuple(idx.shape)} must be [M={M}, K]"
-    assert sink.dtype == torch.float32 and sink.shape == (H,), f"sink must be fp32 [{H}]"
-    devs = {t.device for t in (q, swa_pool, swa_idx, main_pool, main_idx, sink)}
-    assert len(devs) == 1, f"all inputs on one device, got {devs}"
-
-
 def _words(pool: Tensor) -> Tensor:
     """A pool of whole-word records as flat int32 words (records start on 4-byte boundaries)."""
     assert pool.data_ptr() % 16 == 0, "pool storage must be 16-byte aligned"
@@ -212,7 +193,7 @@ def sparse_attn_prefill(q: Tensor, swa_pool: Tensor, swa_idx: Tensor, main_pool:
     min(64, H) rounded up to a power of two >= 16: at H = 64 one program holds all heads, so each record
     is dequantised once per pass. prefetch: load tile i+1's records while tile i is computed.
     """
-    _check_args(q, swa_pool, swa_idx, main_pool, main_idx, sink)
+    check_attn_args(q, swa_pool, swa_idx, main_pool, main_idx, sink)
     M, H, D = q.shape
     assert D % 128 == 0, f"head_dim {D}: records are read as int32 words, so D + D/32 must be a multiple of 4"
     block_h = block_h or min(64, max(16, triton.next_power_of_2(H)))
