@@ -37,7 +37,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.gpu_timing import copy_bandwidth  # noqa: E402
 from engine.core.cache_manager import CacheLayout  # noqa: E402
-from engine.core.kernel_layers import OPS, KernelRunner, engram_rows, op_backends  # noqa: E402
+from engine.core.kernel_layers import KernelRunner  # noqa: E402
+from engine.core.kernel_ops import OPS, engram_rows, op_backends  # noqa: E402
 from engine.core.kv_cache import PagedKVCache  # noqa: E402
 from engine.core.plan import ChunkPlan, StepPlan  # noqa: E402
 from engine.core.runner import ModelRunner  # noqa: E402

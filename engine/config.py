@@ -9,7 +9,7 @@ the config by `layer_role`, never hard-coded to layer numbers.
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, fields
 from functools import cached_property
 from pathlib import Path
 from typing import Any, Literal

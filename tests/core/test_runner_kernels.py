@@ -30,7 +30,8 @@ import torch
 import torch.nn.functional as F
 
 from engine.core.engine import EngineConfig, LLMEngine, LocalExecutor
-from engine.core.kernel_layers import KernelRunner, op_backends
+from engine.core.kernel_layers import KernelRunner
+from engine.core.kernel_ops import op_backends
 from engine.core.kv_cache import PagedKVCache
 from engine.core.runner import ModelRunner
 from engine.core.sampling_params import SamplingParams
@@ -164,7 +165,7 @@ def check_layers_teacher_forced(model, plans, layout, device) -> None:
 
 
 def kernels_engram(layer, h: torch.Tensor, step) -> torch.Tensor:
-    from engine.core.kernel_layers import OPS, engram_rows
+    from engine.core.kernel_ops import OPS, engram_rows
 
     return OPS.engram(layer.engram, h, engram_rows(layer.engram, step.hashes[:, layer.role.engram_index], h.device))
 
