@@ -7,10 +7,10 @@ request's whole window and global KV before attention. This path runs the refere
 reads the paged pools in place: sparse attention gets per-query flat slot lists (window rows, then
 the top-k entries), the indexer scores the request's index-key records where they lie.
 
-Ops live in one table (`OPS`, below), each called from one place; `op_backends()` says which are
-kernels. Every op is a kernel now; torch glue remains for the MXFP4 QDQ of the indexer queries, the
-grouped wo_a product (bf16 einsum on a dequantised copy of the FP8 weight: no kernel takes bf16
-activations with FP8 weights unquantised), bf16 linears (cuBLAS bf16 on CUDA; fp32 copies of the
+Ops live in one table (`OPS`, engine/core/kernel_ops.py), each called from one place; `op_backends()`
+says which are kernels. Every op is a kernel now; torch glue remains for the MXFP4 QDQ of the indexer
+queries, the grouped wo_a product (bf16 einsum on a dequantised copy of the FP8 weight: no kernel takes
+bf16 activations with FP8 weights unquantised), bf16 linears (cuBLAS bf16 on CUDA; fp32 copies of the
 weight where the reference computes in fp32: the ratio-2 compressor and the head) and the Engram gate.
 
 Step structure (graph-safe by construction): `prepare(plan)` does all host work of a step (slot
