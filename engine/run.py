@@ -22,7 +22,7 @@ import torch
 from engine.chat import ChatFormatError, is_thinking, parse_completion, render_chat
 from engine.checkpoint.loader import CheckpointError
 from engine.config import ConfigError
-from engine.core.engine import EngineConfig, LLMEngine, RequestError, RequestOutput
+from engine.core.engine import RUNNER_KINDS, EngineConfig, LLMEngine, RequestError, RequestOutput
 from engine.core.request import FinishReason, RequestStats
 from engine.core.sampling_params import SamplingParams
 
@@ -206,6 +206,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="0 = greedy; else the engine's seeded Gumbel-max sampling (at most 2)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
+    p.add_argument("--runner", choices=RUNNER_KINDS, default=DEFAULTS.runner,
+                   help="auto: the kernels on CUDA, the golden float64 modules on CPU; kernels / golden force one")
     p.add_argument("--no-bounded-replay", action="store_true",
                    help="run every layer on every prompt token (reproduces DeepSeek's reference exactly)")
     p.add_argument("--force-ids", help="teacher forcing: decode these ids one step at a time instead of sampling")
@@ -255,7 +257,7 @@ def check_args(args: argparse.Namespace) -> None:
 def engine_config(args: argparse.Namespace) -> EngineConfig:
     return EngineConfig(max_num_seqs=args.max_seqs, max_num_batched_tokens=args.max_batch_tokens,
                         max_chunk_tokens=args.chunk_size, bounded_replay=not args.no_bounded_replay,
-                        enable_prefix_caching=args.prefix_cache)
+                        enable_prefix_caching=args.prefix_cache, runner=args.runner)
 
 
 def run(args: argparse.Namespace) -> int:

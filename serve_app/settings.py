@@ -14,7 +14,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, fields
 from typing import Literal
 
-from engine.core.engine import EngineConfig
+from engine.core.engine import RUNNER_KINDS, EngineConfig, RunnerKind
 
 DEFAULT_MODEL_NAME = "deepseek-v4.1-flash"
 _DEFAULT_ENGINE = EngineConfig()
@@ -52,6 +52,7 @@ class ServeSettings:
     max_model_len: int | None = _DEFAULT_ENGINE.max_model_len  # None: the model's context window
     bounded_replay: bool = _DEFAULT_ENGINE.bounded_replay
     enable_prefix_caching: bool = _DEFAULT_ENGINE.enable_prefix_caching
+    runner: RunnerKind = _DEFAULT_ENGINE.runner  # auto: the kernels on CUDA, the golden modules on CPU
     # API
     api_key: str | None = field(default=None, repr=False)  # None: no authentication
     max_n: int = 8  # most choices one request may ask for
@@ -85,6 +86,7 @@ class ServeSettings:
                                 "supported today (the model has no tensor or expert parallelism yet); use "
                                 "--num-replicas to serve from more devices")
         need(self.device in ("cpu", "cuda"), "device", "'cpu' or 'cuda'")
+        need(self.runner in RUNNER_KINDS, "runner", " or ".join(RUNNER_KINDS))
         for name in ("bounded_replay", "enable_prefix_caching", "kv_sharing"):
             need(isinstance(getattr(self, name), bool), name, "true or false")
         need(self.max_chunk_tokens is None or (_is_int(self.max_chunk_tokens) and self.max_chunk_tokens >= 1),
@@ -107,7 +109,8 @@ class ServeSettings:
         return EngineConfig(max_num_seqs=self.max_num_seqs, max_num_batched_tokens=self.max_num_batched_tokens,
                             max_chunk_tokens=self.max_chunk_tokens, bounded_replay=self.bounded_replay,
                             enable_prefix_caching=self.enable_prefix_caching,
-                            cache_memory_bytes=self.cache_memory_bytes, max_model_len=self.max_model_len)
+                            cache_memory_bytes=self.cache_memory_bytes, max_model_len=self.max_model_len,
+                            runner=self.runner)
 
     @classmethod
     def from_cli(cls, argv: Sequence[str] | None = None, environ: Mapping[str, str] | None = None) -> "ServeSettings":
@@ -163,6 +166,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-model-len", help="context window cap (default: the model's)")
     p.add_argument("--bounded-replay", help="true or false (default true)")
     p.add_argument("--prefix-caching", dest="enable_prefix_caching", help="true or false (default true)")
+    p.add_argument("--runner", help="auto, kernels or golden (default auto: the kernels on CUDA, the golden "
+                   "float64 modules on CPU)")
     p.add_argument("--api-key", help="require this bearer token" + env["api_key"])
     p.add_argument("--max-n", help="most choices per request (default 8)")
     p.add_argument("--max-body-bytes", help="largest request body, bytes or e.g. 8MiB")
@@ -231,6 +236,13 @@ def parse_device(raw: str, where: str) -> str:
     return value
 
 
+def parse_runner(raw: str, where: str) -> str:
+    value = raw.strip().lower()
+    if value not in RUNNER_KINDS:
+        raise SettingsError(f"{where}: expected {', '.join(RUNNER_KINDS)}, got {raw!r}")
+    return value
+
+
 def parse_optional_path(raw: str, where: str) -> str | None:
     return raw or None
 
@@ -248,6 +260,7 @@ _PARSERS: dict[str, Callable[[str, str], object]] = {
     "replica_num_cpus": parse_float, "health_check_period_s": parse_float,
     "graceful_shutdown_timeout_s": parse_float, "request_log_file": parse_optional_path,
     "kv_sharing": parse_bool, "redis_url": parse_optional_path, "host_kv_bytes": parse_bytes,
+    "runner": parse_runner,
 }
 
 

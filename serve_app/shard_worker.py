@@ -18,6 +18,7 @@ import torch
 
 from engine.core import kv_blocks
 from engine.core.cache_manager import CacheLayout
+from engine.core.engine import RunnerKind, kernels_for
 from engine.core.kv_cache import PagedKVCache
 from engine.core.plan import StepPlan
 from engine.core.runner import ModelRunner
@@ -30,13 +31,14 @@ class ShardWorker:
     """One model shard: weights (engine.load.load_model, no MTP), its PagedKVCache for `layout`, a ModelRunner.
     Decorate at the use site with `ray.remote(**shard_actor_options(settings))`."""
 
-    def __init__(self, checkpoint: str, device: str, layout: CacheLayout, rank: int = 0, num_shards: int = 1):
+    def __init__(self, checkpoint: str, device: str, layout: CacheLayout, rank: int = 0, num_shards: int = 1,
+                 runner: RunnerKind = "auto"):
         if num_shards != 1:
             raise NotImplementedError("the model has no tensor or expert parallelism yet: one shard per replica")
         self.rank, self.device = rank, torch.device(device)
         loaded = load_model(checkpoint, self.device, with_mtp=False, progress=False)
         self.kv = PagedKVCache(loaded.cfg, layout, self.device)
-        self.runner = ModelRunner(loaded.model, self.kv)
+        self.runner = ModelRunner(loaded.model, self.kv, kernels_for(runner))
 
     def ready(self) -> dict[str, object]:
         """Answers once the weights and pools are in place (and while a step runs: max_concurrency=2).
@@ -117,7 +119,7 @@ def make_shard_executor(settings: ServeSettings) -> Callable[[CacheLayout], Shar
 
     def make(layout: CacheLayout) -> ShardExecutor:
         worker = ray.remote(**shard_actor_options(settings))(ShardWorker)
-        actors = [worker.remote(settings.checkpoint, settings.device, layout, rank, settings.num_shards)
+        actors = [worker.remote(settings.checkpoint, settings.device, layout, rank, settings.num_shards, settings.runner)
                   for rank in range(settings.num_shards)]
         ray.get([a.ready.remote() for a in actors])
         return ShardExecutor(actors)

@@ -12,7 +12,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Protocol
+from typing import Literal, Protocol
 
 import numpy as np
 import torch
@@ -39,6 +39,16 @@ class RequestError(ValueError):
     """A request the engine cannot take (the message names what is wrong); nothing was queued."""
 
 
+RunnerKind = Literal["auto", "kernels", "golden"]
+RUNNER_KINDS: tuple[str, ...] = ("auto", "kernels", "golden")
+
+
+def kernels_for(runner: RunnerKind) -> bool | None:
+    """EngineConfig.runner -> ModelRunner's `kernels` argument (None: chosen by the model's device)."""
+    assert runner in RUNNER_KINDS, f"runner must be one of {RUNNER_KINDS}, got {runner!r}"
+    return None if runner == "auto" else runner == "kernels"
+
+
 @dataclass(frozen=True, slots=True)
 class EngineConfig:
     max_num_seqs: int = 16
@@ -51,6 +61,7 @@ class EngineConfig:
     global_block_size: int = 64
     swa_block_size: int = 16
     max_model_len: int | None = None  # None: the model's max_position_embeddings
+    runner: RunnerKind = "auto"  # auto: the kernels on CUDA, the golden modules on CPU (engine/core/runner.py)
 
 
 @dataclass(slots=True)
@@ -95,9 +106,9 @@ class Executor(Protocol):
 class LocalExecutor:
     """The model and its paged pools in this process."""
 
-    def __init__(self, model: Transformer, layout: CacheLayout):
+    def __init__(self, model: Transformer, layout: CacheLayout, kernels: bool | None = None):
         self.kv = PagedKVCache(model.cfg, layout, model.embed.weight.device)
-        self.runner = ModelRunner(model, self.kv)
+        self.runner = ModelRunner(model, self.kv, kernels)
 
     def execute(self, plan: StepPlan) -> StepLogits:
         return self.runner.execute(plan)
@@ -144,7 +155,8 @@ class LLMEngine:
     @classmethod
     def local(cls, model: Transformer, config: EngineConfig = EngineConfig(), **kw) -> "LLMEngine":
         """The engine and the model in this process."""
-        return cls(model.cfg, config, lambda layout: LocalExecutor(model, layout), **kw)
+        kernels = kernels_for(config.runner)
+        return cls(model.cfg, config, lambda layout: LocalExecutor(model, layout, kernels), **kw)
 
     @classmethod
     def from_checkpoint(cls, ckpt_dir: str | Path, config: EngineConfig = EngineConfig(), device: str = "cpu",

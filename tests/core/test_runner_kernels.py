@@ -181,6 +181,10 @@ def test_choice_is_automatic(tiny_model):
     kv = PagedKVCache(model.cfg, cache_layout(model.cfg, EngineConfig()), "cpu")
     assert ModelRunner(model, kv).kernels is False
     assert ModelRunner(model, kv, kernels=True).kernels is True
+    for runner, expect in (("auto", False), ("kernels", True), ("golden", False)):  # EngineConfig.runner
+        assert LLMEngine.local(model, EngineConfig(runner=runner)).executor.runner.kernels is expect, runner
+    with pytest.raises(AssertionError, match="runner must be one of"):
+        LLMEngine.local(model, EngineConfig(runner="fast"))
     backends = op_backends()
     assert backends["fp8_linear"] == "kernel" and backends["sparse_attn"] == "kernel", backends
     print("op backends:", backends)

@@ -92,7 +92,10 @@ def test_settings_parse_strictly():
     assert (s.cache_memory_bytes, s.port, s.api_key, s.enable_prefix_caching) == (40 << 30, 9000, "sk-secret-7", False)
     assert "sk-secret-7" not in repr(s), "the API key stays out of logs"
     assert s.to_engine_config().max_chunk_tokens == 128 and not s.to_engine_config().enable_prefix_caching
-    bad = {("--num-shards", "2"): "only 1 model-parallel shard", ("--port", "80a"): "--port: expected an integer",
+    assert s.runner == s.to_engine_config().runner == "auto"
+    forced = ServeSettings.from_cli(["--checkpoint", "/ckpt", "--runner", "Golden"], environ={})
+    assert forced.to_engine_config().runner == "golden"
+    bad = {("--runner", "fast"): "--runner: expected auto, kernels, golden", ("--num-shards", "2"): "only 1 model-parallel shard", ("--port", "80a"): "--port: expected an integer",
            ("--bounded-replay", "maybe"): "true or false", ("--device", "tpu"): "cpu, cuda or auto",
            ("--max-n", "0"): "--max-n must be an integer >= 1", ("--cache-memory", "12 potatoes"): "byte count"}
     for (flag, value), message in bad.items():
