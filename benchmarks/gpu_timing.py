@@ -14,8 +14,10 @@ from collections.abc import Callable
 import torch
 
 
-def graph_time_us(calls: list[Callable[[], object]], replays: int = 10) -> float:
-    """Median per-call time of `calls` captured back to back in one CUDA graph (microseconds)."""
+def graph_time_us(calls: list[Callable[[], object]], replays: int = 10,
+                  before_replay: Callable[[], object] | None = None) -> float:
+    """Median per-call time of `calls` captured back to back in one CUDA graph (microseconds).
+    before_replay runs (untimed) before each timed replay, e.g. to overwrite the L2."""
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):  # compile, allocate, pick algorithms outside the capture
@@ -31,6 +33,8 @@ def graph_time_us(calls: list[Callable[[], object]], replays: int = 10) -> float
     torch.cuda.synchronize()
     times = []
     for _ in range(replays):
+        if before_replay is not None:
+            before_replay()
         t0, t1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         t0.record()
         g.replay()

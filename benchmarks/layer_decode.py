@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import argparse
 import math
-import statistics
 import sys
 import time
 from pathlib import Path
@@ -35,7 +34,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.gpu_timing import copy_bandwidth  # noqa: E402
+from benchmarks.gpu_timing import copy_bandwidth, graph_time_us  # noqa: E402
 from engine.core.cache_manager import CacheLayout  # noqa: E402
 from engine.core.kernel_layers import KernelRunner  # noqa: E402
 from engine.core.kernel_ops import OPS, engram_rows, op_backends  # noqa: E402
@@ -145,28 +144,8 @@ def layer_bytes(blk: Block, x: torch.Tensor, cfg, context: int, tokens: int) -> 
 
 
 def time_graph(fn, replays: int = 20) -> float:
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for _ in range(3):
-            fn()
-    torch.cuda.current_stream().wait_stream(side)
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn()
-    graph.replay()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(replays):
-        t0, t1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        t0.record()
-        graph.replay()
-        t1.record()
-        t1.synchronize()
-        times.append(t0.elapsed_time(t1) * 1e3)
-    del graph
-    return statistics.median(times)
+    """One layer call captured in a CUDA graph: median replay time (us)."""
+    return graph_time_us([fn], replays)
 
 
 def time_eager(fn, reps: int = 10) -> float:

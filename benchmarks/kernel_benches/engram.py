@@ -27,7 +27,7 @@ from collections.abc import Callable
 
 import torch
 
-from benchmarks.gpu_timing import sweep
+from benchmarks.gpu_timing import graph_time_us, sweep
 from engine.kernels.engram_gather import EngramPrefetch, HostEngramTable, engram_gather
 
 TOKENS = (1, 6, 64, 512, 4096)
@@ -40,30 +40,9 @@ def _flush_buffer() -> torch.Tensor:
     return torch.empty(4 * torch.cuda.get_device_properties(0).L2_cache_size, dtype=torch.uint8, device="cuda")
 
 
-def _graph_us(calls: list[Callable[[], object]], flush: torch.Tensor, replays: int = 10) -> float:
-    """Median per-call time of `calls` captured back to back in one graph, L2 overwritten before each replay."""
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for f in calls[:3]:
-            f()
-    torch.cuda.current_stream().wait_stream(side)
-    torch.cuda.synchronize()
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        for f in calls:
-            f()
-    times = []
-    for _ in range(replays + 1):
-        flush.zero_()
-        t0, t1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        t0.record()
-        g.replay()
-        t1.record()
-        t1.synchronize()
-        times.append(t0.elapsed_time(t1) * 1e3 / len(calls))
-    del g
-    return statistics.median(times[1:])
+def _graph_us(calls: list[Callable[[], object]], flush: torch.Tensor) -> float:
+    """Median per-call time of `calls` in one graph, L2 overwritten before each replay."""
+    return graph_time_us(calls, before_replay=flush.zero_)
 
 
 def _wall_us(fn: Callable[[], object], flush: torch.Tensor, reps: int = 20) -> float:
