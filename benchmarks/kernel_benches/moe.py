@@ -23,10 +23,9 @@ import torch.nn.functional as F
 
 from benchmarks.gpu_timing import graph_time_us, sweep
 from engine.kernels.moe import (ExpertWeights, MoeGemmConfig, moe_down, moe_forward, moe_plan, moe_route, moe_up,
-                                pick_block_m, stack_experts)
-from engine.model.layers import Linear
-from engine.model.moe import MoE
+                                pick_block_m)
 from engine.presets import full_config
+from engine.tools.random_moe import random_moe
 from engine.quant import dequant_fp4_weight
 
 T_VALUES = (1, 2, 4, 8, 64, 512)
@@ -37,24 +36,6 @@ SWEEP_CONFIGS = tuple(MoeGemmConfig(bn, bk, split, warps, stages, ds)
                           (128, 128, 1, 8, 3, False), (128, 128, 2, 8, 3, False), (128, 128, 4, 8, 3, False),
                           (64, 128, 1, 4, 3, False), (64, 128, 2, 4, 4, False), (128, 256, 1, 8, 2, False),
                           (128, 128, 1, 4, 3, False), (128, 128, 1, 8, 3, True), (128, 128, 2, 8, 3, True)))
-
-
-def _build() -> tuple[MoE, ExpertWeights]:
-    cfg = full_config()
-    g = torch.Generator(device="cuda").manual_seed(0)
-    with torch.device("cuda"):
-        moe = MoE(cfg, 0)
-    for m in moe.modules():
-        if isinstance(m, Linear):
-            m.weight.view(torch.uint8).copy_(torch.randint(0, 256, m.weight.shape, generator=g, device="cuda",
-                                                           dtype=torch.uint8))
-            if m.fmt == "fp8":
-                m.weight.view(torch.uint8).bitwise_and_(0xF7)  # no E4M3 NaN codes
-            m.scale.view(torch.uint8).copy_(torch.randint(115, 122, m.scale.shape, generator=g, device="cuda",
-                                                          dtype=torch.uint8))
-    moe.gate.weight.copy_((torch.randn(moe.gate.weight.shape, generator=g, device="cuda") * 0.02).bfloat16())
-    moe.gate.bias.copy_(torch.randn(moe.gate.bias.shape, generator=g, device="cuda") * 0.02)
-    return moe, stack_experts(moe)
 
 
 def _routes(t: int, k: int, e: int, copies: int, seed: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -114,7 +95,7 @@ def _rate(nbytes: int, us: float, copy_bw: float) -> str:
 def bench(copy_bw: float) -> None:
     cfg = full_config()
     d, inter, k, e = cfg.dim, cfg.moe_inter_dim, cfg.n_activated_experts, cfg.n_routed_experts
-    moe, ex = _build()
+    moe, ex = random_moe(full_config())
     limit = moe.experts[0].limit
     expert_bytes = 3 * inter * d // 2 + 3 * inter * d // 32
     shared_bytes = 3 * inter * d + 3 * (inter // 32) * (d // 32)

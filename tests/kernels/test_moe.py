@@ -35,6 +35,7 @@ from engine.kernels.moe import (ExpertWeights, MoeGemmConfig, moe_down, moe_down
 from engine.model.layers import Linear
 from engine.model.moe import MoE
 from engine.presets import full_config, tiny_config
+from engine.tools.random_moe import random_moe
 from engine.quant import (_act_dequant, act_quant, act_quant_qdq, dequant_fp4_weight, dequant_fp8_weight,
                           quant_fp4_weight, quant_fp8_weight)
 
@@ -403,21 +404,7 @@ def test_contract_is_asserted():
 def full_moe():
     """The released layer shape (384 experts x 3 FP4 [2304 x 5120] matrices, 7.2 GB) with random codes and
     scales, built on the GPU."""
-    cfg = full_config()
-    g = torch.Generator(device="cuda").manual_seed(0)
-    with torch.device("cuda"):
-        moe = MoE(cfg, 0)
-    for m in moe.modules():
-        if isinstance(m, Linear):
-            m.weight.view(torch.uint8).copy_(torch.randint(0, 256, m.weight.shape, generator=g, device="cuda",
-                                                           dtype=torch.uint8))
-            if m.fmt == "fp8":
-                m.weight.view(torch.uint8).bitwise_and_(0xF7)  # no E4M3 NaN codes (0x7F / 0xFF)
-            m.scale.view(torch.uint8).copy_(torch.randint(115, 122, m.scale.shape, generator=g, device="cuda",
-                                                          dtype=torch.uint8))
-    moe.gate.weight.copy_((torch.randn(moe.gate.weight.shape, generator=g, device="cuda") * 0.02).bfloat16())
-    moe.gate.bias.copy_(torch.randn(moe.gate.bias.shape, generator=g, device="cuda") * 0.02)
-    return moe, stack_experts(moe)
+    return random_moe(full_config())
 
 
 def _gpu_tokens(t: int, seed: int) -> torch.Tensor:
