@@ -18,8 +18,7 @@ arithmetic, Engram hashes, index tensors moved to the device once); `layer_forwa
 decoder layer on device tensors only: no .item(), .tolist(), nonzero or boolean-mask indexing, so a
 layer can be captured in a CUDA graph (benchmarks/layer_decode.py). Engram rows are gathered by the
 GPU from the host tables (pinned in place) on a side stream at the start of the step (EngramPrefetch)
-and joined just before each Engram layer. (The torch MoE fallback `moe_torch`, used only for routers
-moe_forward does not take, picks experts with unique() eagerly and runs all of them under capture.)
+and joined just before each Engram layer.
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """The ops of the runner's kernel path (engine/core/kernel_layers.py), in one table: each an
 `engine.kernels` kernel, with the torch glue a module's weights need (stacked experts, pinned Engram tables,
-fp32 weight copies) and the plain-torch fp32 implementations used where no kernel applies (FP4 dense
-linears, routers other than V4.1's). `op_backends()` says which is which.
+fp32 weight copies), plain-torch fp32 math where no kernel applies (FP4 dense linears), and the golden
+module for MoE routers other than V4.1's. `op_backends()` says which is which.
 """
 
 from __future__ import annotations
@@ -62,55 +62,16 @@ def fp4_linear_torch(x: Tensor, weight: Tensor, scale: Tensor) -> Tensor:
     return F.linear(act_quant_qdq(x).float(), dequant_fp4_weight(weight, scale)).to(torch.bfloat16)
 
 
-def _expert_torch(e, x: Tensor, weight: Tensor | None) -> Tensor:
-    """One clamped SwiGLU expert (engine.model.moe.Expert math in fp32), routing weight fp32 [T, 1] or None."""
-    gate, up = linear(e.w1, x).float(), linear(e.w3, x).float()
-    if e.limit > 0:
-        up = up.clamp(-e.limit, e.limit)
-        gate = gate.clamp(max=e.limit)
-    h = F.silu(gate) * up
-    return linear(e.w2, (h if weight is None else weight * h).to(x.dtype))
-
-
-def moe_torch(x: Tensor, moe: MoE) -> Tensor:
-    """x bf16 [T, D] -> bf16 [T, D]: the router (any score_func), routed experts + shared, fp32 sum; the
-    fallback for routers moe_forward does not take. Eager: the picked experts only (one host sync);
-    under CUDA-graph capture every expert on every token, weighted 0 where not picked (sync-free)."""
-    g = moe.gate
-    scores = mm_fp32(x, g.weight) / g.temp  # [T, E]
-    if g.score_func == "sqrtsoftplus":
-        scores = F.softplus(scores).sqrt()
-    elif g.score_func == "sigmoid":
-        scores = scores.sigmoid()
-    else:
-        scores = scores.softmax(dim=-1)
-    ids = (scores + g.bias).topk(g.topk, dim=-1).indices  # [T, k]
-    weights = scores.gather(1, ids)
-    if g.norm_topk and g.topk > 1:
-        weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
-    weights = weights * g.route_scale
-    y = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
-    capturing = x.is_cuda and torch.cuda.is_current_stream_capturing()
-    for e in range(len(moe.experts)) if capturing else torch.unique(ids).tolist():
-        w = torch.where(ids == e, weights, 0.0).sum(-1, keepdim=True)  # [T, 1]
-        if capturing:
-            y += _expert_torch(moe.experts[e], x, w).float()
-        else:
-            rows = (ids == e).any(-1).nonzero().squeeze(-1)
-            y.index_add_(0, rows, _expert_torch(moe.experts[e], x[rows], w[rows]).float())
-    y += _expert_torch(moe.shared_experts, x, None).float()
-    return y.to(x.dtype)
-
-
 _EXPERTS: dict[int, tuple[MoE, ExpertWeights]] = {}  # id(MoE) -> its stacked experts
 
 
 def moe_kernels(x: Tensor, moe: MoE) -> Tensor:
     """moe_forward on the module's experts, stacked once (stack_experts turns the modules' buffers into
-    views of the stacks); moe_torch for routers moe_forward does not take."""
+    views of the stacks). A router or expert format the kernels do not take (not V4.1's sqrt-softplus with
+    FP4 experts) runs the golden module: float64, eager only (it picks experts on the host)."""
     g = moe.gate
     if g.score_func != "sqrtsoftplus" or g.temp != 1.0 or moe.experts[0].w1.fmt != "fp4":
-        return moe_torch(x, moe)
+        return moe(x)
     hit = _EXPERTS.get(id(moe))
     if hit is None or hit[0] is not moe:
         hit = _EXPERTS[id(moe)] = (moe, stack_experts(moe))
