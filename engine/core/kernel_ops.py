@@ -1,6 +1,6 @@
 """The ops of the runner's kernel path (engine/core/kernel_layers.py), in one table: each an
 `engine.kernels` kernel, with the torch glue a module's weights need (stacked experts, pinned Engram tables,
-fp32 weight copies), plain-torch fp32 math where no kernel applies (FP4 dense linears), and the golden
+fp32 weight copies on the CPU), plain-torch fp32 math where no kernel applies (FP4 dense linears), and the golden
 module for MoE routers other than V4.1's. `op_backends()` says which is which.
 """
 
@@ -14,6 +14,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from engine.kernels import cache_store, paged
+from engine.kernels.bf16_gemv import linear_fp32
 from engine.kernels.compressor import compress_ratio2
 from engine.kernels.engram_gather import HostEngramTable, engram_gather
 from engine.kernels.fp8_linear import fp8_linear
@@ -47,7 +48,11 @@ def _fp32_weight(w: Tensor) -> Tensor:
 
 
 def mm_fp32(x: Tensor, w: Tensor) -> Tensor:
-    """x [..., K] (bf16) @ w^T (bf16 [N, K]) in fp32 -> fp32 [..., N] (the reference's fp32 linears)."""
+    """x [..., K] (bf16) @ w^T (bf16 [N, K]) in fp32 -> fp32 [..., N] (the reference's fp32 linears; every
+    bf16 product is exact in fp32): on CUDA bf16_gemv (<= 8 rows) or cuBLAS bf16 -> fp32, streaming the bf16
+    weight with no fp32 copy (the head: 1.3 GB instead of 2.6); fp32 math from a cached copy on the CPU."""
+    if x.is_cuda:
+        return linear_fp32(x, w)
     return F.linear(x.float(), _fp32_weight(w))
 
 
@@ -176,7 +181,7 @@ def op_backends() -> dict[str, str]:
 def linear(lin: Linear, x: Tensor) -> Tensor:
     """A dense Linear on the kernel path: FP8 through fp8_linear; bf16 as the reference computes it (a
     bf16 GEMM with fp32 accumulation on CUDA, fp32 math on the CPU; fp32 out where the module computes
-    in fp32, from a cached fp32 copy of the weight); FP4 dequantised (torch)."""
+    in fp32: bf16_gemv / cuBLAS bf16 -> fp32 on CUDA, a cached fp32 copy of the weight on the CPU); FP4 dequantised (torch)."""
     if lin.fmt == "fp8":
         return OPS.fp8_linear(x.contiguous(), lin.weight, lin.scale)
     if lin.fmt == "fp4":
