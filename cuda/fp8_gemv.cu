@@ -1,10 +1,28 @@
-// FP8 block-scaled GEMV for decode shapes (M = 1..8): DeepSeek's fp8_gemm semantics,
+// FP8 block-scaled GEMV for decode shapes (M = 1..8), grouped, in two activation modes:
 //
-//   y[m, n] = bf16( Σ_kb (Σ_{k in kb} qa[m, k] · qw[n, k]) · (sa[m, kb] · sw[n / 32, kb]) )
+//   y[m, g, n] = bf16( Σ_kb (Σ_{k in kb} qa[m, g, k] · qw[g·N + n, k]) · (sa[m, g, kb] · sw[(g·N + n)/32, kb]) )
 //
-// (qa, sa) = act_quant(x) per 32 along K (E4M3 codes, UE8M0 power-of-two scales; computed here, bit for bit
-// engine.quant.act_quant), qw FP8 E4M3 [N, K], sw E8M0 [ceil(N/32), K/32]. The block sums are exact products
-// summed in fp32 and scaled per block in fp32, accumulated in K order: the order of fp8_linear_ref.
+// for G groups (x [M, G, K] bf16, w FP8 E4M3 [G·N, K], sw E8M0 [ceil(G·N/32), K/32], y [M, G, N] bf16; G = 1 is
+// the plain GEMV, G > 1 needs N % 32 == 0 so that no scale block straddles two groups). (qa, sa) per 32 along K:
+// - act_quant mode (QUANT): DeepSeek's fp8_gemm semantics: E4M3 codes and UE8M0 power-of-two scales, computed
+//   here bit for bit engine.quant.act_quant;
+// - bf16-exact mode: no activation quantisation, y = bf16(Σ x·w) with x the bf16 activations and w = qw·sw the
+//   exact FP8 weights. Each 32-block is staged in f16 as qa = x / sa with sa = 2^max(e - 15, -126), e =
+//   floor(log2 amax) (amax = the block's max |x|; an all-zero block has sa = 1). Why this is exact:
+//   * range: amax/sa < 2^16 and, amax being bf16 (8 significant bits), amax/sa <= (2 - 2^-7)·2^15 = 65280
+//     <= 65504 = the f16 maximum (with the -126 floor, amax < 2^-111 and amax/sa < 2^15);
+//   * precision: a bf16 value has 8 significant bits, so v = x/sa is exact in f16 when f16's quantum at |v|
+//     is at most v's: always for f16 normals (|v| >= 2^-14: 11 bits), and for subnormals (quantum 2^-24) iff
+//     |v| >= 2^-17. So every x with |x| >= 2^(e - 32), in particular every |x| >= amax·2^-32, is exact; a
+//     smaller one is rounded to nearest on the 2^-24·sa grid: error <= 2^-25·sa = 2^(e - 40) <= amax·2^-40.
+//     (The -126 floor keeps sa a normal fp32 for blocks of tiny or subnormal bf16 values; there every
+//     nonzero bf16 (>= 2^-133) gives |v| >= 2^-7, exact.) x·(1/sa) is exact in fp32 (a power-of-two scaling
+//     whose result, where it matters, is normal), so the f16 value is x/sa rounded once (RN, like torch).
+//   Products of an f16 qa (<= 11 bits) and an E4M3 code (4 bits, exact in f16) are exact in fp32 (magnitudes
+//   2^-33 .. 2^25): the inner loop is the act_quant mode's, unchanged.
+// In both modes the block sums are exact products summed in fp32 and scaled per block in fp32 (sa·sw is an
+// exact power of two for sw >= 2^-22, which quant_fp8_weight guarantees), accumulated in K order: the order
+// of fp8_linear_ref.
 //
 // Why tensor cores here: at M = 8 a CUDA-core GEMV needs 8 fp32 FMAs per weight byte, ~32 T FMA/s at the HBM
 // rate: the whole fp32 throughput of the H200. So each warp streams 16..32 weight rows with 8-byte loads and
@@ -16,11 +34,12 @@
 //
 // Launch: programmatic dependent launch (optional): the first weight loads are issued before waiting for the
 // previous kernel (griddepcontrol.wait), so they overlap its tail; x is read and y written only after it.
-// Work: CTA (split s, row tile) owns rows_cta = warps_n · row_tiles · 16 rows and a K range of kc = K/splits.
-// Its warps_k warp columns split that range further. Reduction is deterministic: warps in warp-column order
-// through shared memory, then the `splits` CTAs of a thread-block cluster (DSMEM) in rank order.
-// Memory traffic: N·K weight bytes + N·K/1024 scale bytes + 2·M·K·(N / rows_cta) (x re-read per CTA, from
-// L2) + 2·M·N output bytes. No global workspace, no atomics: CUDA-graph capturable, any stream.
+// Work: CTA (split s, row tile, group g) owns rows_cta = warps_n · row_tiles · 16 rows of group g and a K range
+// of kc = K/splits. Its warps_k warp columns split that range further. Reduction is deterministic: warps in
+// warp-column order through shared memory, then the `splits` CTAs of a thread-block cluster (DSMEM) in rank
+// order. Groups are the grid's z dimension: x row stride G·K, y row stride G·N, weight rows offset by g·N.
+// Memory traffic: G·N·K weight bytes + G·N·K/1024 scale bytes + 2·M·G·K·(N / rows_cta) (x re-read per CTA,
+// from L2) + 2·M·G·N output bytes. No global workspace, no atomics: CUDA-graph capturable, any stream.
 
 #include <cooperative_groups.h>
 #include <cuda_bf16.h>
@@ -100,10 +119,48 @@ __device__ __forceinline__ float quant_block(const __nv_bfloat16* src, __half* d
   return __uint_as_float(e << 23);
 }
 
-template <int RT, int U>
+// bf16-exact staging of one 32-block (bf16 in global memory) -> x / sa as f16 in shared memory; returns sa =
+// 2^max(floor(log2 amax) - 15, -126) (1 for an all-zero block). See the header for why this is exact.
+__device__ __forceinline__ float stage_block_exact(const __nv_bfloat16* src, __half* dst) {
+  uint4 raw[4];
+  const uint4* s4 = reinterpret_cast<const uint4*>(src);
+#pragma unroll
+  for (int i = 0; i < 4; ++i) raw[i] = s4[i];
+  float v[32];
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    const uint32_t w[4] = {raw[i].x, raw[i].y, raw[i].z, raw[i].w};
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+      v[8 * i + 2 * j] = __uint_as_float(w[j] << 16);
+      v[8 * i + 2 * j + 1] = __uint_as_float(w[j] & 0xFFFF0000u);
+    }
+  }
+  float amax = 0.f;
+#pragma unroll
+  for (int i = 0; i < 32; ++i) amax = fmaxf(amax, fabsf(v[i]));
+  const uint32_t ab = __float_as_uint(amax);
+  // biased exponent of sa: (E - 127) - 15 + 127 = E - 15 for amax = 2^(E - 127)·1.f, floored at 1 (2^-126)
+  const int eb = int(ab >> 23);  // amax >= 0: no sign bit
+  const uint32_t sb = ab == 0 ? 127u : uint32_t(max(eb - 15, 1));
+  const float inv_s = __uint_as_float((254u - sb) << 23);  // 1/sa exactly (biased 14..253: normal)
+  uint32_t out[16];
+#pragma unroll
+  for (int i = 0; i < 16; ++i) {
+    const __half2 h = __floats2half2_rn(__fmul_rn(v[2 * i], inv_s), __fmul_rn(v[2 * i + 1], inv_s));
+    out[i] = *reinterpret_cast<const uint32_t*>(&h);  // low half = element 2i
+  }
+  uint4* d4 = reinterpret_cast<uint4*>(dst);
+#pragma unroll
+  for (int i = 0; i < 4; ++i) d4[i] = make_uint4(out[4 * i], out[4 * i + 1], out[4 * i + 2], out[4 * i + 3]);
+  return __uint_as_float(sb << 23);
+}
+
+template <int RT, int U, bool QUANT>
 __global__ void __launch_bounds__(32 * kMaxWarps) fp8_gemv_kernel(
     const __nv_bfloat16* x, const uint8_t* __restrict__ w, const uint8_t* __restrict__ ws,
-    __nv_bfloat16* __restrict__ y, int M, int N, int K, int kc, int warps_n, int warps_k, int splits) {
+    __nv_bfloat16* __restrict__ y, int M, int N, int K, int groups, int kc, int warps_n, int warps_k,
+    int splits) {
   extern __shared__ __align__(16) unsigned char smem[];
   const int stride = x_stride(kc);
   const int kbc = kc / 32;
@@ -112,6 +169,14 @@ __global__ void __launch_bounds__(32 * kMaxWarps) fp8_gemv_kernel(
   float* sa_s = reinterpret_cast<float*>(smem + kMaxM * stride * 2);              // [kbc][8]
   float* red = sa_s + kbc * kMaxM;                                                // [warps_k][8][rows_cta]
 
+  // group blockIdx.z: its weight rows [g·N, g·N + N) (scale rows from g·N/32: N % 32 == 0 when G > 1),
+  // x[m, g, :] at m·G·K + g·K, y[m, g, :] at m·G·N + g·N (G = 1: the plain GEMV, offsets 0)
+  const int grp = blockIdx.z;
+  const size_t x_row = size_t(groups) * K, y_row = size_t(groups) * N;
+  x += size_t(grp) * K;
+  y += size_t(grp) * N;
+  w += size_t(grp) * N * K;
+  ws += size_t(grp) * (N / 32) * (K / 32);
   const int split = blockIdx.x;
   const int k0 = split * kc;
   const int kb_valid = min(kc, K - k0) / 32;
@@ -154,7 +219,12 @@ __global__ void __launch_bounds__(32 * kMaxWarps) fp8_gemv_kernel(
     __half* dst = x_s + m * stride + blk * 32;
     float s = 0.f;
     if (m < M && blk < kb_valid) {
-      s = quant_block(x + size_t(m) * K + k0 + blk * 32, dst);
+      const __nv_bfloat16* src = x + size_t(m) * x_row + k0 + blk * 32;
+      if constexpr (QUANT) {
+        s = quant_block(src, dst);
+      } else {
+        s = stage_block_exact(src, dst);
+      }
     } else {
       uint4* d4 = reinterpret_cast<uint4*>(dst);
 #pragma unroll
@@ -218,7 +288,7 @@ __global__ void __launch_bounds__(32 * kMaxWarps) fp8_gemv_kernel(
     for (int j = 1; j < warps_k; ++j) s = __fadd_rn(s, red[j * kMaxM * rows_cta + e]);
     if (splits == 1) {
       const int m = e / rows_cta, r = row0 + e % rows_cta;
-      if (r < N) y[size_t(m) * N + r] = __float2bfloat16_rn(s);
+      if (r < N) y[size_t(m) * y_row + r] = __float2bfloat16_rn(s);
     } else {
       red[e] = s;
     }
@@ -231,16 +301,16 @@ __global__ void __launch_bounds__(32 * kMaxWarps) fp8_gemv_kernel(
       float s = cluster.map_shared_rank(red, 0)[e];
       for (int j = 1; j < splits; ++j) s = __fadd_rn(s, cluster.map_shared_rank(red, j)[e]);
       const int m = e / rows_cta, r = row0 + e % rows_cta;
-      if (r < N) y[size_t(m) * N + r] = __float2bfloat16_rn(s);
+      if (r < N) y[size_t(m) * y_row + r] = __float2bfloat16_rn(s);
     }
     cluster.sync();  // no CTA leaves while another still reads its shared memory
   }
 }
 
-template <int RT, int U>
-cudaError_t launch(const void* x, const void* w, const void* ws, void* y, int M, int N, int K, int kc,
-                   int warps_n, int warps_k, int splits, bool pdl, size_t smem, cudaStream_t stream) {
-  auto kernel = fp8_gemv_kernel<RT, U>;
+template <int RT, int U, bool QUANT>
+cudaError_t launch(const void* x, const void* w, const void* ws, void* y, int M, int N, int K, int groups,
+                   int kc, int warps_n, int warps_k, int splits, bool pdl, size_t smem, cudaStream_t stream) {
+  auto kernel = fp8_gemv_kernel<RT, U, QUANT>;
   // the shared-memory opt-in, once per device (the first call, a warm-up, is outside any graph capture)
   static uint64_t smem_set = 0;
   int device = 0;
@@ -254,7 +324,7 @@ cudaError_t launch(const void* x, const void* w, const void* ws, void* y, int M,
   }
   const int rows_cta = warps_n * RT * 16;
   cudaLaunchConfig_t cfg = {};
-  cfg.gridDim = dim3(splits, (N + rows_cta - 1) / rows_cta, 1);
+  cfg.gridDim = dim3(splits, (N + rows_cta - 1) / rows_cta, groups);
   cfg.blockDim = dim3(32 * warps_n * warps_k, 1, 1);
   cfg.dynamicSmemBytes = smem;
   cfg.stream = stream;
@@ -275,8 +345,8 @@ cudaError_t launch(const void* x, const void* w, const void* ws, void* y, int M,
   cfg.attrs = attr;
   cfg.numAttrs = num_attrs;
   return cudaLaunchKernelEx(&cfg, kernel, static_cast<const __nv_bfloat16*>(x), static_cast<const uint8_t*>(w),
-                            static_cast<const uint8_t*>(ws), static_cast<__nv_bfloat16*>(y), M, N, K, kc, warps_n,
-                            warps_k, splits);
+                            static_cast<const uint8_t*>(ws), static_cast<__nv_bfloat16*>(y), M, N, K, groups, kc,
+                            warps_n, warps_k, splits);
 }
 
 }  // namespace
@@ -293,25 +363,41 @@ size_t dsv41_fp8_gemv_smem(int K, int row_tiles, int warps_n, int warps_k, int s
          size_t(warps_k) * kMaxM * warps_n * row_tiles * 16 * 4;
 }
 
-// y [M, N] bf16 = act_quant(x [M, K] bf16) @ dequant(w [N, K] e4m3, ws [ceil(N/32), K/32] e8m0)^T.
+// y [M, G, N] bf16 = stage(x [M, G, K] bf16) @ dequant(w [G·N, K] e4m3, ws [ceil(G·N/32), K/32] e8m0)^T per
+// group (see the header): quant_x != 0: act_quant(x) (E4M3, UE8M0 per 32); quant_x == 0: bf16-exact.
+// groups = G >= 1 (the grid's z dimension, <= 65535); G > 1 needs N % 32 == 0.
 // splits must not exceed ceil(K/32 / ceil(K/32 / splits)) (every CTA of a cluster owns K columns).
 // Returns a cudaError_t (cudaErrorInvalidValue for parameters outside the contract, before any CUDA call).
 // pdl: launch with programmatic stream serialization (weight loads overlap the previous kernel's tail).
-int dsv41_fp8_gemv(const void* x, const void* w, const void* ws, void* y, int M, int N, int K, int row_tiles,
-                   int unroll, int warps_n, int warps_k, int splits, int pdl, void* stream) {
+int dsv41_fp8_gemv_grouped(const void* x, const void* w, const void* ws, void* y, int M, int N, int K, int groups,
+                           int quant_x, int row_tiles, int unroll, int warps_n, int warps_k, int splits, int pdl,
+                           void* stream) {
   const size_t smem = dsv41_fp8_gemv_smem(K, row_tiles, warps_n, warps_k, splits);
   if (M < 1 || M > kMaxM || N < 1 || smem == 0 || smem > kMaxSmem) return int(cudaErrorInvalidValue);
+  if (groups < 1 || groups > 65535 || (groups > 1 && N % 32 != 0) || (quant_x != 0 && quant_x != 1))
+    return int(cudaErrorInvalidValue);
   const int kb = K / 32, kbc = (kb + splits - 1) / splits;
   if ((kb + kbc - 1) / kbc != splits) return int(cudaErrorInvalidValue);
   const int kc = kbc * 32;
   const cudaStream_t s = static_cast<cudaStream_t>(stream);
 #define DSV41_GEMV_CASE(RT, U)                                                                                \
   if (row_tiles == RT && unroll == U)                                                                         \
-    return int(launch<RT, U>(x, w, ws, y, M, N, K, kc, warps_n, warps_k, splits, pdl != 0, smem, s));
+    return int(quant_x ? launch<RT, U, true>(x, w, ws, y, M, N, K, groups, kc, warps_n, warps_k, splits,      \
+                                             pdl != 0, smem, s)                                               \
+                       : launch<RT, U, false>(x, w, ws, y, M, N, K, groups, kc, warps_n, warps_k, splits,     \
+                                              pdl != 0, smem, s));
   DSV41_GEMV_CASE(1, 2) DSV41_GEMV_CASE(1, 4) DSV41_GEMV_CASE(1, 8)
   DSV41_GEMV_CASE(2, 2) DSV41_GEMV_CASE(2, 4) DSV41_GEMV_CASE(2, 8)
 #undef DSV41_GEMV_CASE
   return int(cudaErrorInvalidValue);
+}
+
+// y [M, N] bf16 = act_quant(x [M, K] bf16) @ dequant(w [N, K] e4m3, ws [ceil(N/32), K/32] e8m0)^T: the grouped
+// entry with G = 1 in act_quant mode (the same kernel instance and launch as before groups existed).
+int dsv41_fp8_gemv(const void* x, const void* w, const void* ws, void* y, int M, int N, int K, int row_tiles,
+                   int unroll, int warps_n, int warps_k, int splits, int pdl, void* stream) {
+  return dsv41_fp8_gemv_grouped(x, w, ws, y, M, N, K, 1, 1, row_tiles, unroll, warps_n, warps_k, splits, pdl,
+                                stream);
 }
 
 const char* dsv41_cuda_error_string(int err) { return cudaGetErrorString(static_cast<cudaError_t>(err)); }

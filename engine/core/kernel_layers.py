@@ -9,9 +9,9 @@ the top-k entries), the indexer scores the request's index-key records where the
 
 Ops live in one table (`OPS`, engine/core/kernel_ops.py), each called from one place; `op_backends()`
 says which are kernels. Every op is a kernel now; torch glue remains for the MXFP4 QDQ of the indexer
-queries, the grouped wo_a product (bf16 einsum on a dequantised copy of the FP8 weight: no kernel takes
-bf16 activations with FP8 weights unquantised), bf16 linears (cuBLAS bf16 on CUDA; fp32 copies of the
-weight where the reference computes in fp32: the ratio-2 compressor and the head) and the Engram gate.
+queries, the grouped wo_a product above 8 tokens (bf16 einsum on a dequantised copy of the FP8 weight;
+decode uses fp8_gemv_grouped on the FP8 weight), bf16 linears (cuBLAS bf16 on CUDA; where the reference
+computes in fp32, the head and the compressors, bf16_gemv / cuBLAS bf16 -> fp32) and the Engram gate.
 
 Step structure (graph-safe by construction): `prepare(plan)` does all host work of a step (slot
 arithmetic, Engram hashes, index tensors moved to the device once); `layer_forward` then runs a
@@ -37,6 +37,7 @@ from engine.core.step_rows import (Segment, StepLogits, decoder_rows, engram_has
 from engine.kernels import paged
 from engine.kernels.compressor import Ratio2Chunk, Ratio2Plan, plan_ratio2
 from engine.kernels.engram_gather import EngramPrefetch
+from engine.kernels.fp8_gemv import fp8_gemv_grouped, grouped_gemv_applies
 from engine.kernels.rope import RopeTable, rope_table
 from engine.model.attention import Attention, Compressor
 from engine.model.block import Block
@@ -341,16 +342,21 @@ class KernelRunner:
         return rms_norm_torch(pooled.to(x.dtype), comp.norm.weight, comp.norm.eps)
 
     def _output(self, attn: Attention, o: Tensor, qpos: Tensor, table: RopeTable) -> Tensor:
-        """Undo the K=V rotation, the grouped wo_a (bf16 weights, fp32 accumulation), then wo_b."""
+        """Undo the K=V rotation, the grouped wo_a (decode on CUDA: the FP8 weight read directly by
+        fp8_gemv_grouped, bf16-exact products summed in fp32; else bf16 weights, fp32 accumulation), then wo_b."""
         o = OPS.rope(o, qpos, table, inverse=True).view(o.size(0), attn.groups, -1)
-        w = self._wo_a.get(id(attn.wo_a))
-        if w is None or w[0] is not attn.wo_a.weight:
-            w = (attn.wo_a.weight, attn.wo_a.dequantized(torch.bfloat16).view(attn.groups, attn.o_lora, -1))
-            self._wo_a[id(attn.wo_a)] = w
-        if o.is_cuda:
-            o = torch.einsum("mgd,grd->mgr", o, w[1])  # bf16 operands, fp32 accumulation (the reference)
+        wo_a = attn.wo_a
+        if wo_a.fmt == "fp8" and o.is_contiguous() and grouped_gemv_applies(o, wo_a.weight, attn.groups):
+            o = fp8_gemv_grouped(o, wo_a.weight, wo_a.scale, attn.groups, quant_x=False)
         else:
-            o = torch.einsum("mgd,grd->mgr", o.float(), w[1].float()).to(o.dtype)
+            w = self._wo_a.get(id(wo_a))
+            if w is None or w[0] is not wo_a.weight:
+                w = (wo_a.weight, wo_a.dequantized(torch.bfloat16).view(attn.groups, attn.o_lora, -1))
+                self._wo_a[id(wo_a)] = w
+            if o.is_cuda:
+                o = torch.einsum("mgd,grd->mgr", o, w[1])  # bf16 operands, fp32 accumulation (the reference)
+            else:
+                o = torch.einsum("mgd,grd->mgr", o.float(), w[1].float()).to(o.dtype)
         return linear(attn.wo_b, o.flatten(1))
 
     # ---- metadata -------------------------------------------------------------------------------------------

@@ -1,5 +1,12 @@
 """FP8 block-scaled GEMV for decode shapes (M = 1..8): the CUDA C++ kernel of `cuda/fp8_gemv.cu`.
 
+Two entry points: `fp8_gemv` (one matrix, activation quantisation fused: fp8_linear's math) and
+`fp8_gemv_grouped` (G matrices stacked in one FP8 weight, each applied to its own slice of x; activations
+either act_quant-ed or used exactly as bf16: the attention output projection wo_a). fp8_gemv is
+fp8_gemv_grouped(x, weight, scale, 1, quant_x=True): the same kernel instance and launch.
+
+fp8_gemv (quant_x=True):
+
 Same math and contract as engine.kernels.fp8_linear.fp8_linear (whose docstring states it), with the
 activation quantisation fused (act_quant bit for bit, per CTA, into shared memory):
 
@@ -11,6 +18,16 @@ scaled per 32-block in fp32 and accumulated in K order, as fp8_linear_ref does; 
 result is deterministic. No workspace and no atomics: any stream, CUDA-graph capturable. With
 programmatic dependent launch (GemvParams.pdl, default on) the first weight loads are issued before the
 kernel waits for its predecessor on the stream; x is read and y written only after that wait.
+
+fp8_gemv_grouped(x, weight, scale, G, quant_x=False): the bf16-exact mode (see fp8_gemv_bf16_ref):
+
+    y[m, g, r] = bf16( Σ_d x[m, g, d] · w[g·R + r, d] ),   w = qw · sw (the exact FP8 weight)
+
+with no activation quantisation. The kernel stages each 32-block of x in f16 as x / sa, sa =
+2^max(floor(log2 amax) - 15, -126) (all-zero block: sa = 1): every element with |x| >= amax·2^-32 is exact
+(see `bf16_exact_stage` and the header of cuda/fp8_gemv.cu for the derivation); a smaller one is rounded
+to the f16 quantum, an absolute error <= 2^-40·amax of its block. The f16 x E4M3 products are exact, so the
+only other error is the fp32 accumulation (the same as fp8_gemv's).
 
 Memory traffic (the floor): N·K weight bytes + N·K/1024 scale bytes + 2·M·K (x) + 2·M·N (y); each CTA
 also re-reads its K range of x from L2 (2·M·K·N / rows per CTA bytes of L2 traffic).
@@ -30,10 +47,11 @@ import torch
 from torch import Tensor
 
 from engine.kernels.cuda_build import load, nvcc_path
-from engine.quant import BLOCK, check_fp8_linear_args
+from engine.quant import BLOCK, check_fp8_linear_args, dequant_fp8_weight
 
 MAX_M = 8  # the MMA's N: tokens per launch
 MAX_K = 65536  # 8 cluster splits of <= 8192 columns: every K up to this has a launch shape
+MAX_GROUPS = 65535  # the grid's z dimension
 _MAX_WARPS = 8
 _MAX_SPLITS = 8
 _MAX_SMEM = 200 * 1024  # the launcher's opt-in limit (kMaxSmem in cuda/fp8_gemv.cu)
@@ -88,15 +106,26 @@ _TUNED: dict[tuple[int, int], tuple[GemvParams, GemvParams]] = {
 }
 
 
+# Grouped shapes, (groups, N per group, K) -> (shape for M <= 4, shape for M > 4), from the H200 sweep
+# (`benchmarks/kernel_benches/fp8_gemv.py --sweep --shapes wo_a --m 1,8`, 2026-11-30): wo_a 14.6 / 15.7 us
+# at M = 1 / 8 (the model's rt2 u4 8x1w s8: 20.4 / 21.2 us).
+_TUNED_GROUPED: dict[tuple[int, int, int], tuple[GemvParams, GemvParams]] = {
+    (8, 1024, 4096): (GemvParams(2, 2, 8, 1, 6), GemvParams(2, 2, 8, 1, 6)),
+}
+
+
 @lru_cache(maxsize=1024)
-def pick_params(m: int, n: int, k: int, num_sms: int = 132) -> GemvParams:
-    """The swept shape for the V4.1 matrices (_TUNED), else a bytes-per-wave model: 8 warps of 32 rows, K
-    split over warps and a cluster so that
+def pick_params(m: int, n: int, k: int, num_sms: int = 132, groups: int = 1) -> GemvParams:
+    """The swept shape for the V4.1 matrices (_TUNED, _TUNED_GROUPED), else a bytes-per-wave model: 8 warps
+    of 32 rows, K split over warps and a cluster so that
     one wave of CTAs (2 per SM when shared memory allows) covers the matrix with the fewest weight bytes
     per CTA (weight bytes, plus each CTA's re-read of x from L2 at half weight and a fixed start-up cost
-    in bytes); ties go to fewer cluster splits, then fewer warp splits."""
-    if (n, k) in _TUNED:
+    in bytes); ties go to fewer cluster splits, then fewer warp splits. n is the rows of one group; the
+    groups multiply the CTAs (the grid's z dimension)."""
+    if groups == 1 and (n, k) in _TUNED:
         return _TUNED[(n, k)][m > 4]
+    if (groups, n, k) in _TUNED_GROUPED:
+        return _TUNED_GROUPED[(groups, n, k)][m > 4]
     kb = k // BLOCK
     best: tuple[float, int, int, GemvParams] | None = None
     for warps_k in (1, 2, 4, 8):
@@ -108,7 +137,7 @@ def pick_params(m: int, n: int, k: int, num_sms: int = 132) -> GemvParams:
             if smem > _MAX_SMEM:
                 continue
             resident = max(1, min(2, _SMEM_PER_SM // (smem + 1024)))
-            ctas = _cdiv(n, p.rows_per_cta) * splits
+            ctas = _cdiv(n, p.rows_per_cta) * splits * groups
             waves = _cdiv(ctas, resident * num_sms)
             kc = _cdiv(kb, splits) * BLOCK
             cost = waves * (p.rows_per_cta * kc + m * kc + _CTA_OVERHEAD_BYTES)  # x: 2 B per token, from L2
@@ -124,6 +153,8 @@ def _lib() -> ctypes.CDLL:
     lib = load("fp8_gemv")
     lib.dsv41_fp8_gemv.restype = ctypes.c_int
     lib.dsv41_fp8_gemv.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int] * 9 + [ctypes.c_void_p]
+    lib.dsv41_fp8_gemv_grouped.restype = ctypes.c_int
+    lib.dsv41_fp8_gemv_grouped.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int] * 11 + [ctypes.c_void_p]
     lib.dsv41_fp8_gemv_smem.restype = ctypes.c_size_t
     lib.dsv41_fp8_gemv_smem.argtypes = [ctypes.c_int] * 5
     lib.dsv41_cuda_error_string.restype = ctypes.c_char_p
@@ -150,6 +181,33 @@ def gemv_applies(x: Tensor, weight: Tensor) -> bool:
             and weight.data_ptr() % 16 == 0 and gemv_available(x.device.index or 0))
 
 
+def grouped_gemv_applies(x: Tensor, weight: Tensor, groups: int) -> bool:
+    """Whether fp8_gemv_grouped can take this call: CUDA, 1..MAX_M rows of G·K, 16-byte aligned, R % 32 == 0
+    for G > 1, buildable (the caller still owns the dtype/shape contract that fp8_gemv_grouped asserts)."""
+    k = x.size(-1)
+    m = x.numel() // max(1, groups * k)
+    return (x.is_cuda and 0 < m <= MAX_M and k <= MAX_K and 1 <= groups <= MAX_GROUPS
+            and weight.size(0) % groups == 0 and (groups == 1 or (weight.size(0) // groups) % BLOCK == 0)
+            and x.data_ptr() % 16 == 0 and weight.data_ptr() % 16 == 0 and gemv_available(x.device.index or 0))
+
+
+def _launch(x: Tensor, weight: Tensor, scale: Tensor, y: Tensor, m: int, n: int, k: int, groups: int,
+            quant_x: bool, params: GemvParams | None) -> None:
+    """Launch the kernel on contract-checked tensors (n = rows per group); raises RuntimeError on failure."""
+    p = (params or pick_params(m, n, k, _num_sms(x.device.index or 0), groups)).normalised(k)
+    assert p.row_tiles in (1, 2) and p.unroll in (2, 4, 8), f"no kernel instance for {p}"
+    assert p.warps_n * p.warps_k <= _MAX_WARPS and 1 <= p.splits <= _MAX_SPLITS, f"bad launch shape {p}"
+    assert smem_bytes(k, p) <= _MAX_SMEM, f"{p} needs {smem_bytes(k, p)} B of shared memory for K = {k}"
+    lib = _lib()
+    with torch.cuda.device(x.device):
+        err = lib.dsv41_fp8_gemv_grouped(x.data_ptr(), weight.data_ptr(), scale.data_ptr(), y.data_ptr(), m, n,
+                                         k, groups, int(quant_x), p.row_tiles, p.unroll, p.warps_n, p.warps_k,
+                                         p.splits, int(p.pdl), torch.cuda.current_stream(x.device).cuda_stream)
+    if err:
+        raise RuntimeError(f"fp8_gemv launch {p} for M={m} N={n} K={k} G={groups} quant_x={quant_x} failed: "
+                           f"{lib.dsv41_cuda_error_string(err).decode()}")
+
+
 def fp8_gemv(x: Tensor, weight: Tensor, scale: Tensor, params: GemvParams | None = None) -> Tensor:
     """y = act_quant(x) @ weight^T with per-block scales: bf16 [..., K] x FP8 [N, K] -> bf16 [..., N].
 
@@ -167,16 +225,61 @@ def fp8_gemv(x: Tensor, weight: Tensor, scale: Tensor, params: GemvParams | None
     y = torch.empty(*x.shape[:-1], n, dtype=torch.bfloat16, device=x.device)
     if m == 0:
         return y
-    p = (params or pick_params(m, n, k, _num_sms(x.device.index or 0))).normalised(k)
-    assert p.row_tiles in (1, 2) and p.unroll in (2, 4, 8), f"no kernel instance for {p}"
-    assert p.warps_n * p.warps_k <= _MAX_WARPS and 1 <= p.splits <= _MAX_SPLITS, f"bad launch shape {p}"
-    assert smem_bytes(k, p) <= _MAX_SMEM, f"{p} needs {smem_bytes(k, p)} B of shared memory for K = {k}"
-    lib = _lib()
-    with torch.cuda.device(x.device):
-        err = lib.dsv41_fp8_gemv(x.data_ptr(), weight.data_ptr(), scale.data_ptr(), y.data_ptr(), m, n, k,
-                                 p.row_tiles, p.unroll, p.warps_n, p.warps_k, p.splits, int(p.pdl),
-                                 torch.cuda.current_stream(x.device).cuda_stream)
-    if err:
-        raise RuntimeError(f"fp8_gemv launch {p} for M={m} N={n} K={k} failed: "
-                           f"{lib.dsv41_cuda_error_string(err).decode()}")
+    _launch(x, weight, scale, y, m, n, k, 1, True, params)
     return y
+
+
+def fp8_gemv_grouped(x: Tensor, weight: Tensor, scale: Tensor, groups: int, quant_x: bool,
+                     params: GemvParams | None = None) -> Tensor:
+    """Grouped GEMV: y[..., g, r] = Σ_d stage(x)[..., g, d] · w[g·R + r, d] -> bf16 [..., G, R].
+
+    x bf16 [..., G, K] (for G = 1 also [..., K]: y is then [..., R]); weight float8_e4m3fn [G·R, K]
+    (K % 32 == 0; R % 32 == 0 when G > 1) with scale float8_e8m0fnu [ceil(G·R/32), K/32] (the checkpoint's
+    layout of the stacked groups); at most MAX_M tokens (x's leading dims flattened); all contiguous,
+    16-byte aligned, on one CUDA device. quant_x=True: act_quant(x) per 32 (fp8_gemv's math, per group:
+    fp8_linear_ref on each group's rows); quant_x=False: bf16-exact (fp8_gemv_bf16_ref within 1 bf16 ULP +
+    the fp32 accumulation + the tiny-element rounding of the module docstring).
+    """
+    check_fp8_linear_args(x, weight, scale)
+    rows, k = weight.shape
+    assert isinstance(groups, int) and 1 <= groups <= MAX_GROUPS, f"groups must be 1..{MAX_GROUPS}, got {groups}"
+    assert rows % groups == 0, f"weight rows {rows} are not {groups} equal groups"
+    n = rows // groups
+    assert groups == 1 or n % BLOCK == 0, f"rows per group {n} must be a multiple of {BLOCK} when groups > 1"
+    assert groups == 1 or (x.dim() >= 2 and x.size(-2) == groups), (
+        f"x {tuple(x.shape)} must be [..., {groups}, {k}] for {groups} groups")
+    m = x.numel() // (groups * k)
+    assert m <= MAX_M, f"fp8_gemv_grouped takes at most {MAX_M} tokens, got {m}"
+    assert x.is_cuda, f"fp8_gemv_grouped needs a CUDA device, got {x.device}"
+    assert x.data_ptr() % 16 == 0 and weight.data_ptr() % 16 == 0, "x and weight must be 16-byte aligned"
+    assert rows < 2**31 and k < 2**31, f"N = {rows}, K = {k} exceed int32"
+    y = torch.empty(*x.shape[:-1], n, dtype=torch.bfloat16, device=x.device)
+    if m == 0:
+        return y
+    _launch(x, weight, scale, y, m, n, k, groups, bool(quant_x), params)
+    return y
+
+
+def bf16_exact_stage(x: Tensor) -> tuple[Tensor, Tensor]:
+    """The bf16-exact mode's staging of x, in torch (the kernel's, bit for bit): bf16 [..., K] ->
+    (xs float16 [..., K], sa float32 [..., K/32]) with xs = f16_rn(x / sa) per 32-block and
+    sa = 2^max(floor(log2 amax) - 15, -126) (1 for an all-zero block). s·xs == x for every |x| >= amax·2^-32."""
+    assert x.dtype == torch.bfloat16 and x.size(-1) % BLOCK == 0, f"bf16 [..., K % 32 == 0], got {x.dtype} {x.shape}"
+    xg = x.float().unflatten(-1, (-1, BLOCK))
+    amax_bits = xg.abs().amax(dim=-1).view(torch.int32)
+    biased = torch.where(amax_bits == 0, 127, ((amax_bits >> 23) - 15).clamp_min(1))
+    sa = (biased << 23).view(torch.float32)
+    inv = ((254 - biased) << 23).view(torch.float32)
+    xs = (xg * inv.unsqueeze(-1)).to(torch.float16)
+    return xs.flatten(-2), sa
+
+
+def fp8_gemv_bf16_ref(x: Tensor, weight: Tensor, scale: Tensor, groups: int = 1) -> Tensor:
+    """The bf16-exact mode's oracle, the golden model's wo_a math (engine/model/attention.py `output`):
+    y[..., g, r] = bf16( Σ_d x[..., g, d] · w[g·R + r, d] ) with w = dequant(weight, scale) exact, the sum in
+    float64 and rounded once. x bf16 [..., G, K] (or [..., K] for G = 1) -> bf16 [..., G, R] ([..., R])."""
+    rows, k = weight.shape
+    n = rows // groups
+    w = dequant_fp8_weight(weight, scale).double().view(groups, n, k)
+    y = torch.einsum("mgd,grd->mgr", x.double().reshape(-1, groups, k), w)
+    return y.to(torch.bfloat16).view(*x.shape[:-1], n)
