@@ -4,7 +4,10 @@
 
 One MoE layer of DeepSeek-V4.1-Flash: 384 FP4 experts (W1, W3 [2304 x 5120], W2 [5120 x 2304], E8M0 per 32:
 18.8 MB each), top-6, FP8 shared expert. Per token count T:
-- routed up+down: moe_plan + moe_up (x act-quantised inside at decode) + moe_down for given (ids, weights). Decode rows
+- routed up+down: what moe_forward runs for given (ids, weights): at T <= 64 on CUDA the FP4 GEMVs of
+  engine/kernels/moe_fp4.py (moe_plan with 8-pair tiles + quant_rows + moe_up_fp4 + moe_down_fp4), else the
+  Triton GEMMs (moe_plan + moe_up, x act-quantised inside at decode, + moe_down); the Triton time is also
+  printed at every T for comparison. Decode rows
   (T <= 8) route every token to 6 distinct experts, distinct across the batch; consecutive calls take the
   next experts, so the 7.2 GB expert stack streams from HBM. T = 64, 512: random top-6 per token.
 - moe_forward: router + the above + shared expert + combine (router picks from a fresh x per call).
@@ -24,6 +27,7 @@ import torch.nn.functional as F
 from benchmarks.gpu_timing import graph_time_us, sweep
 from engine.kernels.moe import (ExpertWeights, MoeGemmConfig, moe_down, moe_forward, moe_plan, moe_route, moe_up,
                                 pick_block_m)
+from engine.kernels.moe_fp4 import Fp4Params, fp4_applies, moe_down_fp4, moe_up_fp4, quant_rows
 from engine.presets import full_config
 from engine.tools.random_moe import random_moe
 from engine.quant import dequant_fp4_weight
@@ -52,10 +56,27 @@ def _routes(t: int, k: int, e: int, copies: int, seed: int) -> list[tuple[torch.
     return out
 
 
+# launch shapes around the default (8, 1, 2, 2); the first sweep (2026-11-30, 45 shapes of 1-8 warps,
+# 1-4 splits, 2-8 stages) is in benchmarks/RESULTS.md
+FP4_SWEEP = tuple(Fp4Params(wn, wk, sp, st) for wn, wk, sp, st in (
+    (8, 1, 1, 2), (8, 1, 3, 2), (8, 1, 4, 2), (4, 1, 2, 2), (6, 1, 2, 2), (8, 1, 2, 3), (4, 2, 2, 2), (2, 2, 2, 2)))
+FP4_SWEEP_DOWN = FP4_SWEEP
+
+
 def _routed(x, ids, w, ex: ExpertWeights, limit: float, config: MoeGemmConfig | None = None) -> torch.Tensor:
+    """The Triton grouped GEMMs."""
     e = ex.w13.size(0)
     plan = moe_plan(ids, e, pick_block_m(ids.numel(), e))
     return moe_down(moe_up(x, ex, plan, w, limit, config=config), ex, plan, config=config)
+
+
+def _routed_fp4(x, ids, w, ex: ExpertWeights, limit: float, up: Fp4Params | None = None,
+                down: Fp4Params | None = None, skip_down: bool = False):
+    """The CUDA FP4 GEMVs, as moe_forward runs them (router ids: one expert per token once)."""
+    plan = moe_plan(ids, ex.w13.size(0), 8)
+    rows = min(8, x.size(0))
+    hq, hs, _ = moe_up_fp4(*quant_rows(x), ex, plan, w, limit, max_tile_rows=rows, params=up)
+    return hq if skip_down else moe_down_fp4(hq, hs, ex, plan, max_tile_rows=rows, params=down)
 
 
 class _Baseline:
@@ -102,8 +123,8 @@ def bench(copy_bw: float) -> None:
     print(f"\n## moe: routed FP4 experts (E={e}, top-{k}, D={d}, I={inter}; {expert_bytes / 1e6:.1f} MB per expert; "
           "CUDA graph replay, weights from HBM)")
     print(f"copy bandwidth measured in this run: {copy_bw / 1e12:.2f} TB/s (read + write)\n")
-    head = ("| T | experts read | routed up+down us | bytes | TB/s | % copy BW | torch per-expert bf16 us | speedup |"
-            " moe_forward us | fwd bytes | fwd TB/s | fwd % copy BW |")
+    head = ("| T | experts read | routed up+down us | bytes | TB/s | % copy BW | Triton GEMMs us | torch per-expert bf16 us |"
+            " speedup | moe_forward us | fwd bytes | fwd TB/s | fwd % copy BW |")
     print(head)
     print("|" + "---|" * (head.count("|") - 1))
     base = _Baseline(ex, limit)
@@ -113,7 +134,10 @@ def bench(copy_bw: float) -> None:
         xs = [torch.randn(t, d, device="cuda").bfloat16() for _ in range(copies)]
         used = sum(int(torch.unique(ids).numel()) for ids, _ in routes) / copies
         nbytes = int(used * expert_bytes) + 2 * t * d + 4 * t * k * d
-        us = graph_time_us([lambda i=i: _routed(xs[i], *routes[i], ex, limit) for i in range(copies)])
+        triton_us = graph_time_us([lambda i=i: _routed(xs[i], *routes[i], ex, limit) for i in range(copies)])
+        us = triton_us
+        if fp4_applies(xs[0], ex):
+            us = graph_time_us([lambda i=i: _routed_fp4(xs[i], *routes[i], ex, limit) for i in range(copies)])
         groups = [base.prepare(*routes[i]) for i in range(copies)]
         n_base = copies if t <= 8 else 4
         base_us = graph_time_us([lambda i=i: base(xs[i], groups[i]) for i in range(n_base)], replays=5)
@@ -122,21 +146,29 @@ def bench(copy_bw: float) -> None:
         fwd_used = sum(int(torch.unique(moe_route(x, g.weight, g.bias, k, g.route_scale, g.norm_topk)[1]).numel())
                        for x in xs) / copies  # the experts the router picked
         fwd_bytes = int(fwd_used * expert_bytes) + 2 * t * d + 4 * t * k * d + 2 * e * d + shared_bytes + 2 * t * d
-        print(f"| {t} | {used:.0f} | {us:.1f} | {nbytes / 1e6:.1f} MB | {_rate(nbytes, us, copy_bw)} | {base_us:.1f} | "
+        print(f"| {t} | {used:.0f} | {us:.1f} | {nbytes / 1e6:.1f} MB | {_rate(nbytes, us, copy_bw)} | {triton_us:.1f} | {base_us:.1f} | "
               f"{base_us / us:.1f}x | {fwd_us:.1f} | {fwd_bytes / 1e6:.1f} MB | {_rate(fwd_bytes, fwd_us, copy_bw)} |",
               flush=True)
         del routes, xs, groups
     del base
 
-    print("\n## moe: launch shapes of routed up+down (MoeGemmConfig block_n, block_k, split_k, warps, stages, "
-          "dot_scaled; one config for both GEMMs), us per call")
+    print("\n## moe: launch shapes of the CUDA FP4 GEMVs (Fp4Params warps_n, warps_k, splits, stages), us per call "
+          "of plan + quant_rows + up + down; up swept with down on auto, then down with up on auto")
     for t in SWEEP_T:
         routes = _routes(t, k, e, DECODE_COPIES, seed=t)
         xs = [torch.randn(t, d, device="cuda").bfloat16() for _ in range(DECODE_COPIES)]
         nbytes = k * t * expert_bytes + 2 * t * d + 4 * t * k * d
-        res, best = sweep(SWEEP_CONFIGS, f"T={t}", lambda c: graph_time_us(
-            [lambda i=i: _routed(xs[i], *routes[i], ex, limit, c) for i in range(DECODE_COPIES)]))
-        print(f"- T={t}: " + "; ".join(f"{astuple(c)[:5]}{' dot_scaled' if c.dot_scaled else ''}: {us:.1f}"
-                                      for c, us in res.items()))
-        if best[0] is not None:
-            print(f"  best {best[0]}: {best[1]:.1f} us, {100 * nbytes / (best[1] * 1e-6) / copy_bw:.0f}% of copy BW")
+        up_only = graph_time_us([lambda i=i: _routed_fp4(xs[i], *routes[i], ex, limit, skip_down=True)
+                                 for i in range(DECODE_COPIES)])
+        plan_us = graph_time_us([lambda i=i: moe_plan(routes[i][0], e, 8) for i in range(DECODE_COPIES)])
+        quant_us = graph_time_us([lambda i=i: quant_rows(xs[i]) for i in range(DECODE_COPIES)])
+        print(f"- T={t}: plan + quant_rows + up (auto) alone: {up_only:.1f} us; plan alone {plan_us:.1f} us, "
+              f"quant_rows alone {quant_us:.1f} us")
+        for which, space in (("up", FP4_SWEEP), ("down", FP4_SWEEP_DOWN)):
+            res, best = sweep((None, *space), f"fp4 {which} T={t}", lambda p: graph_time_us(
+                [lambda i=i: _routed_fp4(xs[i], *routes[i], ex, limit, **{which: p}) for i in range(DECODE_COPIES)]))
+            print(f"- T={t} {which}: " + "; ".join(f"{astuple(p)[:4] if p else 'auto'}: {us:.1f}"
+                                                   for p, us in res.items()))
+            if res:
+                print(f"  best {which} {best[0] or 'auto'}: {best[1]:.1f} us for the whole routed path, "
+                      f"{100 * nbytes / (best[1] * 1e-6) / copy_bw:.0f}% of copy BW")

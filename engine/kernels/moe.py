@@ -18,6 +18,7 @@ Launches of moe_forward:
   3. `_plan_kernel` (one program): a stable counting sort of the T·k (token, slot) pairs by expert and the
      tile list (expert, first sorted row, rows) with BLOCK_M rows per tile; the grid is sized by the bound
      max_tiles = min(E, T·k) + T·k // BLOCK_M, so nothing is read back to the host (graph-capturable);
+  (decode on CUDA, T <= 64: steps 4-5 are the CUDA FP4 GEMVs of engine/kernels/moe_fp4.py instead)
   4. `_expert_gemm_kernel` UP: for each tile, BLOCK_N rows of W1 and of W3 (swap-AB: weight rows on the MMA's
      M side, the tile's tokens on N; x act-quantised in registers at 16-token tiles, by one fp8_act_qdq
      launch before it for larger tiles), SwiGLU + clamps + routing weight, bf16, then
@@ -48,6 +49,7 @@ from torch import Tensor
 
 from engine.kernels.fp8_linear import (_MAX_TICKETS, _bf16_bits, _cdiv, _num_sms, _quant_blocks,
                                        _tickets, fp8_act_qdq, fp8_linear)
+from engine.kernels.moe_fp4 import MAX_PAIRS_PER_TILE, fp4_applies, moe_down_fp4, moe_up_fp4, quant_rows
 from engine.kernels.sparse_attention import _round_bf16
 from engine.model.moe import MoE
 from engine.quant import BLOCK, _act_dequant, act_quant, act_quant_qdq, dequant_fp4_weight, exact_matmul
@@ -567,12 +569,18 @@ def moe_forward(x: Tensor, moe: MoE, experts: ExpertWeights, ids: Tensor | None 
     gate = moe.gate
     assert gate.score_func == "sqrtsoftplus" and gate.temp == 1.0, f"router {gate.score_func} / {gate.temp}"
     t, d = x.shape
-    if ids is None:
+    routed = ids is None
+    if routed:
         weights, ids = moe_route(x, gate.weight, gate.bias, gate.topk, gate.route_scale, gate.norm_topk)
     limit = moe.experts[0].limit
-    plan = moe_plan(ids, experts.w13.size(0), pick_block_m(ids.numel(), experts.w13.size(0)))
-    h = moe_up(x, experts, plan, weights, limit)
-    o = moe_down(h, experts, plan)
+    if fp4_applies(x, experts):  # decode on CUDA: the FP4 GEMVs of cuda/moe_fp4.cu (tiles of <= 8 pairs)
+        plan = moe_plan(ids, experts.w13.size(0), MAX_PAIRS_PER_TILE)
+        rows = min(MAX_PAIRS_PER_TILE, t) if routed else None  # the router names an expert once per token
+        hq, hs, _ = moe_up_fp4(*quant_rows(x), experts, plan, weights, limit, max_tile_rows=rows)
+        o = moe_down_fp4(hq, hs, experts, plan, max_tile_rows=rows)
+    else:
+        plan = moe_plan(ids, experts.w13.size(0), pick_block_m(ids.numel(), experts.w13.size(0)))
+        o = moe_down(moe_up(x, experts, plan, weights, limit), experts, plan)
     shared = shared_expert(x, experts, moe.shared_experts.limit)
     y = torch.empty_like(x)
     if t:

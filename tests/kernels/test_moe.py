@@ -32,6 +32,7 @@ from engine.kernels.fp8_linear import _tickets
 from engine.kernels.moe import (ExpertWeights, MoeGemmConfig, moe_down, moe_down_ref, moe_forward,
                                 moe_forward_ref, moe_plan, moe_route, moe_route_ref, moe_up, moe_up_ref,
                                 pick_block_m, pick_gemm_config, stack_experts)
+from engine.kernels.moe_fp4 import Fp4Params, dequant_rows, moe_down_fp4, moe_up_fp4, plan_and_quant, quant_rows
 from engine.model.layers import Linear
 from engine.model.moe import MoE
 from engine.presets import full_config, tiny_config
@@ -194,7 +195,7 @@ def _gu_ref(x: torch.Tensor, ex: ExpertWeights, ids: torch.Tensor) -> tuple[torc
     a = _act_dequant(*act_quant(x), 32).double()
     out = torch.zeros(t * k, 2 * ex.inter, dtype=torch.float64, device=x.device)
     mag = torch.zeros_like(out)
-    for e in torch.unique(ids).tolist():
+    for e in torch.unique(ids[ids >= 0]).tolist():  # dropped pairs (id -1) stay zero, as moe_up_ref's
         rows, slot = torch.where(ids == e)
         w = dequant_fp4_weight(ex.w13[e], ex.s13[e]).double()
         out[rows * k + slot] = (a[rows] @ w.T).float().bfloat16().double()
@@ -467,3 +468,87 @@ def test_moe_forward_real_shapes_gpu(full_moe, t):
     clear = _router_gaps(x, moe) > TIE_GAP
     assert_forward_close(y, ref, _forward_bound(x, moe, ex, ref), f"moe_forward T={t}", rows=clear)
     assert torch.equal(y, moe_forward(x, moe, ex)), "not deterministic"
+
+
+# --- GPU: the CUDA FP4 GEMVs (engine.kernels.moe_fp4), same tolerances as the Triton GEMMs ---------------------------
+
+FP4_PARAMS = [None, Fp4Params(2, 2, 1, 4), Fp4Params(2, 1, 3, 3), Fp4Params(4, 2, 2, 8),
+              Fp4Params(2, 4, 8, 6, pdl=False)]
+
+
+def _check_fp4_experts(x, moe, ex, w, ids, params, what, max_tile_rows=None, min_bitwise=0.9):
+    plan = moe_plan(ids, ex.w13.size(0), 8)
+    xq, xs = quant_rows(x)
+    assert torch.equal(dequant_rows(xq, xs), act_quant_qdq(x).float()), "quant_rows is not act_quant"
+    hq, hs, h = moe_up_fp4(xq, xs, ex, plan, w, LIMIT, want_h=True, max_tile_rows=max_tile_rows, params=params)
+    valid = plan.sorted_pairs.numel() if bool((ids >= 0).all()) else int((ids >= 0).sum())
+    h_valid, hqd = h[:valid], dequant_rows(hq, hs)[:valid]
+    assert torch.equal(hqd, act_quant_qdq(h_valid).float()), f"{what}: h codes are not act_quant of h"
+    by_pair = torch.zeros(ids.numel(), ex.inter, dtype=torch.bfloat16, device=x.device)
+    by_pair[plan.sorted_pairs[:valid].long()] = h_valid
+    assert_up_close(by_pair, x, ex, w, ids, f"up {what}", min_bitwise=min_bitwise)
+    by_pair[plan.sorted_pairs[:valid].long()] = hqd.bfloat16()
+    o = moe_down_fp4(hq, hs, ex, plan, max_tile_rows=max_tile_rows, params=params)
+    return o, by_pair, plan, (xq, xs)
+
+
+@gpu
+@needs_cuda
+@pytest.mark.parametrize("t", [1, 6, 8, 64])
+@pytest.mark.parametrize("params", FP4_PARAMS, ids=str)
+def test_fp4_experts_real_shapes_gpu(full_moe, t, params):
+    moe, ex = full_moe
+    x = _gpu_tokens(t, 300 + t)
+    w, ids = _route(x, moe)
+    what = f"fp4 T={t} {params}"
+    o, by_pair, plan, (xq, xs) = _check_fp4_experts(x, moe, ex, w, ids, params, what, max_tile_rows=min(8, t))
+    assert_down_close(o, by_pair, ex, ids, GPU_EPS, f"down {what}")
+    hq, hs, _ = moe_up_fp4(xq, xs, ex, plan, w, LIMIT, params=params)
+    assert torch.equal(o, moe_down_fp4(hq, hs, ex, plan, params=params)), "not deterministic"
+
+
+@gpu
+@needs_cuda
+@pytest.mark.parametrize("params", FP4_PARAMS[:4], ids=str)
+def test_fp4_exact_problem_with_repeats_and_dropped_slots_gpu(params):
+    """Integer activations and one weight scale (every fp32 sum exact): g, u are the golden's; h within 1 ULP
+    (fp32 vs float64 SwiGLU); down bitwise. Ids name one expert twice for a token, drop slots, and give
+    expert 3 every token (three tiles of 8)."""
+    moe = _fill_moe(MoE(tiny_config(), 0), 5, exact=True).cuda()
+    ex = stack_experts(moe)
+    x = _tokens(19, moe, seed=7, exact=True)
+    g = torch.Generator().manual_seed(6)
+    ids = torch.stack([torch.full((19,), 3), torch.randint(5, 8, (19,), generator=g)], 1).to(torch.int32)
+    ids[2, 1] = 3  # token 2 names expert 3 twice
+    ids[4, 1] = -1
+    ids[11] = -1
+    ids, w = ids.cuda().contiguous(), (torch.rand(19, 2, generator=g) + 0.1).cuda()
+    o, by_pair, _, _ = _check_fp4_experts(x, moe, ex, w, ids, params, f"exact {params}", min_bitwise=0.95)
+    assert_down_close(o, by_pair, ex, ids, 0.0, f"exact down {params}", exact=True)
+
+
+@gpu
+@needs_cuda
+@pytest.mark.parametrize("t,k,e,block_m", [(1, 6, 384, 8), (8, 6, 384, 8), (64, 6, 384, 8), (19, 2, 8, 8),
+                                           (5, 3, 4, 2), (40, 6, 384, 16), (0, 6, 384, 8)])
+def test_plan_and_quant_is_moe_plan_and_quant_rows_gpu(t, k, e, block_m):
+    """The fused CUDA plan + activation quantisation equals the Triton moe_plan and quant_rows bit for bit
+    (router-like ids, repeated experts within a token, dropped slots, experts with more pairs than a tile)."""
+    g = torch.Generator(device="cuda").manual_seed(t * 31 + e)
+    ids = torch.rand(t, e, generator=g, device="cuda").topk(k, dim=-1).indices.to(torch.int32)
+    if t > 3:
+        ids[1, 0] = ids[1, 1]  # one expert twice for a token
+        ids[2] = -1
+        ids[3, k - 1] = -1
+    if t >= 19:
+        ids[:, 0] = 3 % e  # expert 3 gets every token: several tiles
+    ids = ids.contiguous()
+    x = torch.randn(t, 256, generator=g, device="cuda").bfloat16()
+    sorted_pairs, tiles, xq, xs = plan_and_quant(x, ids, e, block_m)
+    ref = moe_plan(ids, e, block_m)
+    assert torch.equal(sorted_pairs, ref.sorted_pairs), "sorted pairs differ from moe_plan"
+    assert torch.equal(tiles[0], ref.tile_expert) and torch.equal(tiles[1], ref.tile_start), "tiles differ"
+    assert torch.equal(tiles[2], ref.tile_rows), "tile rows differ"
+    if t:
+        xq_ref, xs_ref = quant_rows(x)
+        assert torch.equal(xq.view(torch.int16), xq_ref.view(torch.int16)) and torch.equal(xs, xs_ref)

@@ -1,0 +1,607 @@
+// Routed-expert FP4 GEMVs for decode (engine/kernels/moe_fp4.py): the grouped W1|W3 + SwiGLU ("up") and W2
+// ("down") products of a MoE layer over tiles of at most 8 (token, expert) pairs of one expert.
+//
+//   up:    g, u = bf16(A(x) · W1_e^T), bf16(A(x) · W3_e^T);  h = bf16(w · silu(min(g, L)) · clamp(u, ±L))
+//          written act-quantised (E4M3 codes as f16 + one UE8M0 scale per 32), the input of down
+//   down:  o = A(h) · W2_e^T in fp32, by pair
+//
+// A = act_quant (E4M3 codes, power-of-two scale per 32 along K). W = packed E2M1 [rows, K/2] (even element in
+// the low nibble) with one E8M0 scale per row per 32 along K. Products: an E2M1 nibble becomes the f16 whose
+// bits are the nibble moved into place (value · 2^-14, exact), an E4M3 code is exact in f16, so mma.sync
+// m16n8k16 (f16 in, f32 accumulate) sums exact products; the f32 block sum is scaled by sw · 2^14 · sa per
+// 32-block in fp32, the fp32 accumulation order of engine.kernels.moe (block partials in K order).
+//
+// Data path (why it streams): each warp owns 32 weight rows (two 16-row MMA tiles: W1 and W3 rows of the same
+// 16 outputs for up, 32 consecutive rows for down) and a K range; it streams 128-element chunks (64 bytes per
+// row) into a private multi-stage shared-memory ring with cp.async (16-byte copies, rows XOR-swizzled so that
+// ldmatrix is conflict-free) and reads them back with ldmatrix.x4, which hands thread (g, t) bytes 4t..4t+3 of
+// one 32-block of rows g and g + 8: 8 consecutive K elements, as one MMA pair needs. The activations of the
+// tile's tokens sit in shared memory with each group of 8 stored as [0, 4, 1, 5, 2, 6, 3, 7]: the order in
+// which the nibble conversion produces f16 pairs (elements j, j + 4 of a 32-bit word), so one 16-byte load
+// gives a thread both MMAs' B fragments (the MMA's k order is a permutation that is the same for A and B).
+// quant_rows writes activations in that order; up's epilogue writes h in it.
+//
+// Work: CTA (split, row block, tile); warps_n x warps_k warps; a cluster of `splits` CTAs splits K further;
+// partials are summed in a fixed order (warps through shared memory, then cluster ranks through DSMEM):
+// deterministic, no workspace, no atomics, CUDA-graph capturable. Programmatic dependent launch: the first
+// weight chunks (which depend only on the plan, complete two launches earlier) are in flight before the
+// kernel waits for its predecessor; activations are read after the wait.
+// Memory traffic (the floor): the used experts' weight bytes + scales (rows · K/2 + rows · K/32 each),
+// plus activations (2 · rows_x · K per CTA from L2) and outputs.
+
+#include <cooperative_groups.h>
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_fp8.h>
+#include <cuda_runtime.h>
+#include <stdint.h>
+
+namespace cg = cooperative_groups;
+
+namespace {
+
+constexpr int kMaxM = 8;            // pairs per tile: the MMA's N
+constexpr int kMaxWarps = 8;        // per CTA
+constexpr int kMaxSplits = 8;       // portable cluster size
+constexpr int kMaxSmem = 200 * 1024;
+constexpr int kChunk = 128;         // K elements per pipeline stage (4 blocks of 32)
+constexpr int kRowBytes = kChunk / 2;                   // 64 weight bytes per row per stage
+constexpr int kWarpRows = 32;                           // weight rows per warp
+constexpr int kStageBytes = kWarpRows * kRowBytes + kWarpRows * 4;  // weights + 4 scale bytes per row
+
+struct MoeArgs {
+  const uint8_t* w;          // [E, rows_e, K/2] packed E2M1
+  const uint8_t* ws;         // [E, rows_e, K/32] E8M0
+  const __half* xq;          // activations, E4M3 codes as f16 in the permuted order [rows, K]
+  const float* xs;           // their scales [rows, K/32]
+  const int* sorted_pairs;   // [R]
+  const int* tile_e;         // [tiles]
+  const int* tile_start;     // [tiles]
+  const int* tile_rows;      // [tiles]
+  const float* rw;           // routing weight by pair [R] (up)
+  __half* hq;                // up: h codes [R, N] by sorted row
+  float* hs;                 // up: h scales [R, N/32]
+  __nv_bfloat16* h_raw;      // up, optional: h before quantisation [R, N] (natural order)
+  float* out;                // down: fp32 [R, N] by pair
+  int n_out;                 // up: I (h columns); down: D
+  int K;
+  int topk;
+  float limit;
+  int kc;                    // K elements per CTA (multiple of kChunk)
+  int x_rows;                // activation rows held in shared memory (max pairs of a tile)
+  int warps_n, warps_k, splits;
+};
+
+__host__ __device__ __forceinline__ int x_stride(int kc) { return (kc % 64 == 0) ? kc + 32 : kc; }
+
+__host__ __device__ __forceinline__ size_t align128(size_t b) { return (b + 127) / 128 * 128; }
+
+// Shared memory: x_s f16 [x_rows][stride] | sa_s f32 [kc/32][8] | red f32 [warps_k][8][warps_n*32] | rings
+__host__ __device__ __forceinline__ size_t smem_layout(int kc, int x_rows, int warps_n, int warps_k, int stages,
+                                                       size_t* off_sa, size_t* off_red, size_t* off_ring) {
+  size_t b = align128(size_t(x_rows) * x_stride(kc) * 2);
+  *off_sa = b;
+  b = align128(b + size_t(kc / 32) * kMaxM * 4);
+  *off_red = b;
+  b = align128(b + size_t(warps_k) * kMaxM * warps_n * kWarpRows * 4);
+  *off_ring = b;
+  return b + size_t(warps_n) * warps_k * stages * kStageBytes;
+}
+
+__device__ __forceinline__ void cp_async16(void* dst, const void* src) {
+  const uint32_t d = static_cast<uint32_t>(__cvta_generic_to_shared(dst));
+  asm volatile("cp.async.cg.shared.global.L2::256B [%0], [%1], 16;" ::"r"(d), "l"(src) : "memory");
+}
+
+__device__ __forceinline__ void cp_async4(void* dst, const void* src) {
+  const uint32_t d = static_cast<uint32_t>(__cvta_generic_to_shared(dst));
+  asm volatile("cp.async.ca.shared.global [%0], [%1], 4;" ::"r"(d), "l"(src) : "memory");
+}
+
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
+
+template <int N>
+__device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_group %0;" ::"n"(N) : "memory"); }
+
+__device__ __forceinline__ void ldmatrix_x4(uint32_t (&d)[4], const void* p) {
+  const uint32_t a = static_cast<uint32_t>(__cvta_generic_to_shared(p));
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];"
+               : "=r"(d[0]), "=r"(d[1]), "=r"(d[2]), "=r"(d[3]) : "r"(a));
+}
+
+__device__ __forceinline__ void mma_16816(float (&c)[4], uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3,
+                                          uint32_t b0, uint32_t b1) {
+  asm volatile(
+      "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
+      "{%0, %1, %2, %3};"
+      : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+      : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+}
+
+// 8 E2M1 nibbles (element i at bits 4i..4i+3) -> p[j] = f16x2 (element j, element j + 4), each value * 2^-14:
+// sign bit to 15, the 3 exponent/mantissa bits to 11..9 (exponent 0 gives the f16 subnormal 2^-15 = 0.5 * 2^-14).
+template <int J>
+__device__ __forceinline__ uint32_t e2m1_pair(uint32_t w) {
+  constexpr int kSign = 12 - 4 * J, kMag = 9 - 4 * J;
+  const uint32_t s = (kSign >= 0 ? (w << kSign) : (w >> -kSign)) & 0x80008000u;
+  const uint32_t m = (kMag >= 0 ? (w << kMag) : (w >> -kMag)) & 0x0E000E00u;
+  return s | m;
+}
+
+// The position of element e (0..7) of an 8-group in the permuted activation order.
+__host__ __device__ __forceinline__ int perm8(int e) { return 2 * (e & 3) + (e >> 2); }
+
+__device__ __forceinline__ float e8m0_x16384(uint32_t code) { return __uint_as_float((code + 14u) << 23); }
+
+// act_quant's scale of a block with maximum |v| amax (engine.quant.act_quant, bit for bit): the biased exponent
+// of s = 2^ceil(log2(max(amax, 1e-4) / 448)).
+__device__ __forceinline__ uint32_t act_scale_exp(float amax) {
+  amax = fmaxf(amax, 1e-4f);
+  const uint32_t yb = __float_as_uint(__fmul_rn(amax, 1.0f / 448.0f));
+  return ((yb >> 23) & 0xFF) + ((yb & 0x7FFFFF) != 0);
+}
+
+// v / s -> the E4M3 code as an f16 value (saturating, round to nearest even): exact in f16.
+__device__ __forceinline__ __half2 e4m3_codes(float a, float b, float inv_s) {
+  float2 q;
+  q.x = fminf(fmaxf(__fmul_rn(a, inv_s), -448.f), 448.f);
+  q.y = fminf(fmaxf(__fmul_rn(b, inv_s), -448.f), 448.f);
+  const __nv_fp8x2_storage_t c = __nv_cvt_float2_to_fp8x2(q, __NV_SATFINITE, __NV_E4M3);
+  return __half2(__nv_cvt_fp8x2_to_halfraw2(c, __NV_E4M3));
+}
+
+// act_quant of the 32-block b of row r: x bf16 [rows, K] -> codes f16 [rows, K] (permuted order) + scale.
+__device__ void quant_block32(const __nv_bfloat16* __restrict__ x, __half* __restrict__ xq, float* __restrict__ xs,
+                              int r, int b, int K) {
+  const uint4* src = reinterpret_cast<const uint4*>(x + size_t(r) * K + b * 32);
+  float v[32];
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    const uint4 raw = src[i];
+    const uint32_t w[4] = {raw.x, raw.y, raw.z, raw.w};
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+      v[8 * i + 2 * j] = __uint_as_float(w[j] << 16);
+      v[8 * i + 2 * j + 1] = __uint_as_float(w[j] & 0xFFFF0000u);
+    }
+  }
+  float amax = 0.f;
+#pragma unroll
+  for (int i = 0; i < 32; ++i) amax = fmaxf(amax, fabsf(v[i]));
+  const uint32_t e = act_scale_exp(amax);
+  const float inv_s = __uint_as_float((254u - e) << 23);
+  __half2 out[16];
+#pragma unroll
+  for (int grp = 0; grp < 4; ++grp)
+#pragma unroll
+    for (int j = 0; j < 4; ++j)  // stored pair j of group grp: elements (j, j + 4)
+      out[4 * grp + j] = e4m3_codes(v[8 * grp + j], v[8 * grp + j + 4], inv_s);
+  uint4* dst = reinterpret_cast<uint4*>(xq + size_t(r) * K + b * 32);
+  const uint4* o4 = reinterpret_cast<const uint4*>(out);
+#pragma unroll
+  for (int i = 0; i < 4; ++i) dst[i] = o4[i];
+  xs[size_t(r) * (K / 32) + b] = __uint_as_float(e << 23);
+}
+
+// One thread per 32-block: quant_rows.
+__global__ void quant_rows_kernel(const __nv_bfloat16* __restrict__ x, __half* __restrict__ xq,
+                                  float* __restrict__ xs, int rows, int K) {
+  const int blocks = K / 32;
+  const int idx = blockIdx.x * blockDim.x + threadIdx.x;
+  if (idx < rows * blocks) quant_block32(x, xq, xs, idx / blocks, idx % blocks, K);
+}
+
+// The grouping plan of engine.kernels.moe.moe_plan (bit for bit: a stable counting sort of the R pairs by expert,
+// dropped pairs (id -1) left out, expert e owning ceil(count_e / bm) consecutive tiles of bm sorted rows; tiles
+// past the total get 0 rows), computed by block 0 of the launch; the other blocks run quant_rows on x. Shared
+// memory: counts, segment starts and tile ends per expert (3 E ints).
+__device__ void plan_block(const int* __restrict__ ids, int R, int E, int bm, int max_tiles, int* __restrict__ sorted,
+                           int* __restrict__ tile_e, int* __restrict__ tile_start, int* __restrict__ tile_rows,
+                           int* sm) {
+  int* count = sm;
+  int* seg = sm + E;
+  int* tend = sm + 2 * E;
+  const int tid = threadIdx.x;
+  for (int e = tid; e < E; e += blockDim.x) count[e] = 0;
+  for (int p = tid; p < R; p += blockDim.x) sorted[p] = 0;
+  __syncthreads();
+  for (int p = tid; p < R; p += blockDim.x) {
+    const int e = ids[p];
+    if (e >= 0 && e < E) atomicAdd(&count[e], 1);
+  }
+  __syncthreads();
+  if (tid < 32) {  // exclusive scan of counts and inclusive scan of tiles, one warp, lanes own runs of experts
+    const int lane = tid;
+    const int per = (E + 31) / 32;
+    const int lo = min(lane * per, E), hi = min(lo + per, E);
+    int c = 0, tl = 0;
+    for (int e = lo; e < hi; ++e) {
+      c += count[e];
+      tl += (count[e] + bm - 1) / bm;
+    }
+    int c_ex = c, t_ex = tl;
+#pragma unroll
+    for (int o = 1; o < 32; o <<= 1) {
+      const int cu = __shfl_up_sync(0xFFFFFFFFu, c_ex, o), tu = __shfl_up_sync(0xFFFFFFFFu, t_ex, o);
+      if (lane >= o) {
+        c_ex += cu;
+        t_ex += tu;
+      }
+    }
+    c_ex -= c;  // exclusive
+    t_ex -= tl;
+    for (int e = lo; e < hi; ++e) {
+      seg[e] = c_ex;
+      c_ex += count[e];
+      t_ex += (count[e] + bm - 1) / bm;
+      tend[e] = t_ex;
+    }
+  }
+  __syncthreads();
+  for (int p = tid; p < R; p += blockDim.x) {
+    const int e = ids[p];
+    if (e < 0 || e >= E) continue;
+    int rank = 0;
+    for (int q = 0; q < p; ++q) rank += (ids[q] == e);
+    sorted[seg[e] + rank] = p;
+  }
+  const int total = tend[E - 1];
+  for (int t = tid; t < max_tiles; t += blockDim.x) {
+    int e = 0, s = 0, rows = 0;
+    if (t < total) {
+      int lo = 0, hi = E - 1;  // the first expert with tend > t
+      while (lo < hi) {
+        const int mid = (lo + hi) / 2;
+        if (tend[mid] > t) hi = mid; else lo = mid + 1;
+      }
+      e = lo;
+      const int local = t - (tend[e] - (count[e] + bm - 1) / bm);
+      s = seg[e] + local * bm;
+      rows = min(count[e] - local * bm, bm);
+    }
+    tile_e[t] = e;
+    tile_start[t] = s;
+    tile_rows[t] = rows;
+  }
+}
+
+// Block 0: the plan; blocks 1..: quant_rows of x (one thread per 32-block).
+__global__ void __launch_bounds__(256) plan_quant_kernel(const int* __restrict__ ids, int R, int E, int bm,
+                                                         int max_tiles, int* __restrict__ sorted,
+                                                         int* __restrict__ tiles, const __nv_bfloat16* __restrict__ x,
+                                                         __half* __restrict__ xq, float* __restrict__ xs, int rows,
+                                                         int K) {
+  extern __shared__ int plan_smem[];
+  if (blockIdx.x == 0) {
+    plan_block(ids, R, E, bm, max_tiles, sorted, tiles, tiles + max_tiles, tiles + 2 * max_tiles, plan_smem);
+    return;
+  }
+  const int idx = (blockIdx.x - 1) * blockDim.x + threadIdx.x;
+  const int blocks = K / 32;
+  if (idx < rows * blocks) quant_block32(x, xq, xs, idx / blocks, idx % blocks, K);
+}
+
+template <bool UP, int STAGES>
+__global__ void __launch_bounds__(32 * kMaxWarps) moe_fp4_kernel(const MoeArgs a) {
+  extern __shared__ __align__(128) unsigned char smem[];
+  const int tile = blockIdx.z;
+  const int n_rows = a.tile_rows[tile];
+  if (n_rows <= 0) return;  // every CTA of the cluster has the same tile: they leave together
+  const int expert = a.tile_e[tile];
+  const int row0 = a.tile_start[tile];
+
+  const int kc = a.kc;
+  const int stride = x_stride(kc);
+  size_t off_sa, off_red, off_ring;
+  smem_layout(kc, a.x_rows, a.warps_n, a.warps_k, STAGES, &off_sa, &off_red, &off_ring);
+  __half* x_s = reinterpret_cast<__half*>(smem);
+  float* sa_s = reinterpret_cast<float*>(smem + off_sa);
+  float* red = reinterpret_cast<float*>(smem + off_red);
+
+  const int K = a.K, N = a.n_out;
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  const int g = lane >> 2, t = lane & 3;
+  const int wn = warp % a.warps_n, wk = warp / a.warps_n;
+  const int split = blockIdx.x;
+  const int k0 = split * kc;
+  const int kc_valid = min(kc, K - k0);
+  const int nch = kc_valid / kChunk;
+  const int per = (nch + a.warps_k - 1) / a.warps_k;
+  const int c_lo = min(wk * per, nch), c_hi = min(c_lo + per, nch);
+  const int rows_cta_w = a.warps_n * kWarpRows;  // weight rows of the CTA (the partials' row dimension)
+  // The warp's 32 weight rows: up: W1 rows o0 .. o0 + 15 then the W3 rows of the same outputs; down: o0 .. o0 + 31
+  const int o0 = blockIdx.y * a.warps_n * (UP ? 16 : 32) + wn * (UP ? 16 : 32);
+  const int rows_e = UP ? 2 * N : N;
+  auto weight_row = [&](int r) -> int {  // local row 0..31 -> row of the expert's matrix (clamped)
+    if (UP) return (r >> 4) * N + min(o0 + (r & 15), N - 1);
+    return min(o0 + r, N - 1);
+  };
+  const uint8_t* w_e = a.w + size_t(expert) * rows_e * (K / 2);
+  const uint8_t* s_e = a.ws + size_t(expert) * rows_e * (K / 32);
+  const uint8_t* wrow[4];
+#pragma unroll
+  for (int j = 0; j < 4; ++j) wrow[j] = w_e + size_t(weight_row(g + 8 * j)) * (K / 2) + (t << 4);
+  const uint8_t* srow = s_e + size_t(weight_row(lane)) * (K / 32);
+  unsigned char* ring = smem + off_ring + size_t(warp) * STAGES * kStageBytes;
+
+  auto issue = [&](int c) {
+    if (c < c_hi) {
+      unsigned char* st = ring + (c % STAGES) * kStageBytes;
+      const int kel = k0 + c * kChunk;
+#pragma unroll
+      for (int j = 0; j < 4; ++j) {
+        const int r = g + 8 * j;
+        cp_async16(st + r * kRowBytes + ((t ^ ((r >> 1) & 3)) << 4), wrow[j] + kel / 2);
+      }
+      cp_async4(st + kWarpRows * kRowBytes + lane * 4, srow + kel / 32);
+    }
+    cp_async_commit();  // (an empty group past the end keeps the wait count uniform)
+  };
+#pragma unroll
+  for (int s = 0; s < STAGES - 1; ++s) issue(c_lo + s);
+
+  // Programmatic dependent launch: the plan and the weights are ready; the activations are the previous
+  // kernel's output (a no-op without the launch attribute).
+  asm volatile("griddepcontrol.wait;" ::: "memory");
+
+  const int kbc = kc / 32;
+  for (int p = tid; p < a.x_rows * (kc_valid / 8); p += blockDim.x) {
+    const int j = p / (kc_valid / 8), q8 = p % (kc_valid / 8);
+    if (j < n_rows) {
+      const int src_row = UP ? a.sorted_pairs[row0 + j] / a.topk : row0 + j;
+      *reinterpret_cast<uint4*>(x_s + j * stride + q8 * 8) =
+          *reinterpret_cast<const uint4*>(a.xq + size_t(src_row) * K + k0 + q8 * 8);
+    }
+  }
+  for (int p = tid; p < kMaxM * kbc; p += blockDim.x) {
+    const int j = p % kMaxM, kb = p / kMaxM;
+    float s = 0.f;
+    if (j < n_rows && kb < kc_valid / 32) {
+      const int src_row = UP ? a.sorted_pairs[row0 + j] / a.topk : row0 + j;
+      s = a.xs[size_t(src_row) * (K / 32) + k0 / 32 + kb];
+    }
+    sa_s[kb * kMaxM + j] = s;
+  }
+  __syncthreads();
+
+  const __half* x_row = x_s + min(g, a.x_rows - 1) * stride;  // token g's row (tokens past the tile: unused)
+  float acc[2][4];
+#pragma unroll
+  for (int rt = 0; rt < 2; ++rt)
+#pragma unroll
+    for (int i = 0; i < 4; ++i) acc[rt][i] = 0.f;
+
+  for (int c = c_lo; c < c_hi; ++c) {
+    issue(c + STAGES - 1);
+    cp_async_wait<STAGES - 1>();
+    __syncwarp();
+    const unsigned char* st = ring + (c % STAGES) * kStageBytes;
+    const uint32_t* sc = reinterpret_cast<const uint32_t*>(st + kWarpRows * kRowBytes);
+    const uint32_t swr[2][2] = {{sc[g], sc[g + 8]}, {sc[16 + g], sc[24 + g]}};
+#pragma unroll
+    for (int bp = 0; bp < 4; bp += 2) {
+      uint32_t d[2][4];
+#pragma unroll
+      for (int rt = 0; rt < 2; ++rt) {
+        const int r = rt * 16 + (lane & 7) + ((lane >> 3) & 1) * 8;
+        const int seg = bp + (lane >> 4);
+        ldmatrix_x4(d[rt], st + r * kRowBytes + ((seg ^ ((r >> 1) & 3)) << 4));
+      }
+#pragma unroll
+      for (int bb = 0; bb < 2; ++bb) {
+        const int b = bp + bb, kb = c * 4 + b;
+        const uint4 q = *reinterpret_cast<const uint4*>(x_row + kb * 32 + 8 * t);
+        const float2 sa = *reinterpret_cast<const float2*>(sa_s + kb * kMaxM + 2 * t);
+#pragma unroll
+        for (int rt = 0; rt < 2; ++rt) {
+          const uint32_t wg = d[rt][2 * bb], wg8 = d[rt][2 * bb + 1];
+          float cc[4] = {0.f, 0.f, 0.f, 0.f};
+          mma_16816(cc, e2m1_pair<0>(wg), e2m1_pair<0>(wg8), e2m1_pair<1>(wg), e2m1_pair<1>(wg8), q.x, q.y);
+          mma_16816(cc, e2m1_pair<2>(wg), e2m1_pair<2>(wg8), e2m1_pair<3>(wg), e2m1_pair<3>(wg8), q.z, q.w);
+          const float sw0 = e8m0_x16384((swr[rt][0] >> (8 * b)) & 0xFFu);
+          const float sw1 = e8m0_x16384((swr[rt][1] >> (8 * b)) & 0xFFu);
+          acc[rt][0] = fmaf(cc[0], __fmul_rn(sw0, sa.x), acc[rt][0]);
+          acc[rt][1] = fmaf(cc[1], __fmul_rn(sw0, sa.y), acc[rt][1]);
+          acc[rt][2] = fmaf(cc[2], __fmul_rn(sw1, sa.x), acc[rt][2]);
+          acc[rt][3] = fmaf(cc[3], __fmul_rn(sw1, sa.y), acc[rt][3]);
+        }
+      }
+    }
+    __syncwarp();  // every lane is done with this stage before it is refilled
+  }
+  cp_async_wait<0>();
+  asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+
+  // C fragment: (row g, tokens 2t, 2t + 1), (row g + 8, tokens 2t, 2t + 1); partials [wk][token][row]
+  float* red_w = red + wk * kMaxM * rows_cta_w;
+#pragma unroll
+  for (int rt = 0; rt < 2; ++rt) {
+    const int r = wn * kWarpRows + rt * 16 + g;
+    red_w[(2 * t) * rows_cta_w + r] = acc[rt][0];
+    red_w[(2 * t + 1) * rows_cta_w + r] = acc[rt][1];
+    red_w[(2 * t) * rows_cta_w + r + 8] = acc[rt][2];
+    red_w[(2 * t + 1) * rows_cta_w + r + 8] = acc[rt][3];
+  }
+  __syncthreads();
+  const int outs = n_rows * rows_cta_w;
+  for (int e = tid; e < outs; e += blockDim.x) {
+    float s = red[e];
+    for (int j = 1; j < a.warps_k; ++j) s = __fadd_rn(s, red[j * kMaxM * rows_cta_w + e]);
+    red[e] = s;
+  }
+  cg::cluster_group cluster = cg::this_cluster();
+  if (a.splits > 1) {
+    cluster.sync();  // every CTA's K-range partial is in its shared memory
+  } else {
+    __syncthreads();
+  }
+  const int rank = a.splits > 1 ? int(cluster.block_rank()) : 0;
+  auto total = [&](int e) {  // the CTA partials of element e summed in rank order
+    if (a.splits == 1) return red[e];
+    float s = cluster.map_shared_rank(red, 0)[e];
+    for (int j = 1; j < a.splits; ++j) s = __fadd_rn(s, cluster.map_shared_rank(red, j)[e]);
+    return s;
+  };
+
+  if (!UP) {
+    for (int e = rank * blockDim.x + tid; e < outs; e += a.splits * blockDim.x) {
+      const int j = e / rows_cta_w, lr = e % rows_cta_w;
+      const int n = blockIdx.y * rows_cta_w + lr;
+      if (n < N) a.out[size_t(a.sorted_pairs[row0 + j]) * N + n] = total(e);
+    }
+  } else {
+    // One warp per (pair j, 32 outputs): lane i owns output q = qb * 32 + i of this CTA's warps_n * 16
+    const int qblocks = a.warps_n / 2;
+    const int nwarps = blockDim.x / 32;
+    for (int u = rank * nwarps + warp; u < n_rows * qblocks; u += a.splits * nwarps) {
+      const int j = u / qblocks, qb = u % qblocks;
+      const int q = qb * 32 + lane;
+      const int lr1 = (q >> 4) * kWarpRows + (q & 15);  // its W1 row in the partials; W3 is 16 rows later
+      const int col = blockIdx.y * a.warps_n * 16 + q;   // h column
+      if (blockIdx.y * a.warps_n * 16 + qb * 32 >= N) continue;  // the whole 32-block is past I (I % 32 == 0)
+      const int row = row0 + j;                                  // sorted row
+      float gv = __bfloat162float(__float2bfloat16_rn(total(j * rows_cta_w + lr1)));
+      float uv = __bfloat162float(__float2bfloat16_rn(total(j * rows_cta_w + lr1 + 16)));
+      if (a.limit > 0.f) {
+        uv = fminf(fmaxf(uv, -a.limit), a.limit);
+        gv = fminf(gv, a.limit);
+      }
+      const float hv = __fmul_rn(__fmul_rn(__fdiv_rn(gv, __fadd_rn(1.0f, expf(-gv))), uv),
+                                 a.rw[a.sorted_pairs[row]]);
+      const __nv_bfloat16 hb = __float2bfloat16_rn(hv);
+      if (a.h_raw != nullptr) a.h_raw[size_t(row) * N + col] = hb;
+      const float hf = __bfloat162float(hb);
+      float amax = fabsf(hf);
+#pragma unroll
+      for (int o = 16; o > 0; o >>= 1) amax = fmaxf(amax, __shfl_xor_sync(0xFFFFFFFFu, amax, o));
+      const uint32_t e = act_scale_exp(amax);
+      const float inv_s = __uint_as_float((254u - e) << 23);
+      const __half code = __low2half(e4m3_codes(hf, 0.f, inv_s));
+      a.hq[size_t(row) * N + (col & ~7) + perm8(col & 7)] = code;
+      if (lane == 0) a.hs[size_t(row) * (N / 32) + col / 32] = __uint_as_float(e << 23);
+    }
+  }
+  if (a.splits > 1) cluster.sync();  // no CTA leaves while another still reads its shared memory
+}
+
+template <bool UP, int STAGES>
+cudaError_t launch(const MoeArgs& a, int tiles, size_t smem, bool pdl, cudaStream_t stream) {
+  auto kernel = moe_fp4_kernel<UP, STAGES>;
+  static uint64_t smem_set = 0;  // the shared-memory opt-in, once per device (first call: a warm-up)
+  int device = 0;
+  cudaError_t err = cudaGetDevice(&device);
+  if (err != cudaSuccess) return err;
+  if (device >= 64) return cudaErrorInvalidDevice;
+  if (!(smem_set >> device & 1)) {
+    err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kMaxSmem);
+    if (err != cudaSuccess) return err;
+    smem_set |= uint64_t(1) << device;
+  }
+  const int rows_out = a.warps_n * (UP ? 16 : 32);
+  cudaLaunchConfig_t cfg = {};
+  cfg.gridDim = dim3(a.splits, (a.n_out + rows_out - 1) / rows_out, tiles);
+  cfg.blockDim = dim3(32 * a.warps_n * a.warps_k, 1, 1);
+  cfg.dynamicSmemBytes = smem;
+  cfg.stream = stream;
+  cudaLaunchAttribute attr[2];
+  unsigned num_attrs = 0;
+  if (a.splits > 1) {
+    attr[num_attrs].id = cudaLaunchAttributeClusterDimension;
+    attr[num_attrs].val.clusterDim.x = a.splits;
+    attr[num_attrs].val.clusterDim.y = 1;
+    attr[num_attrs].val.clusterDim.z = 1;
+    ++num_attrs;
+  }
+  if (pdl) {
+    attr[num_attrs].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+    attr[num_attrs].val.programmaticStreamSerializationAllowed = 1;
+    ++num_attrs;
+  }
+  cfg.attrs = attr;
+  cfg.numAttrs = num_attrs;
+  return cudaLaunchKernelEx(&cfg, kernel, a);
+}
+
+}  // namespace
+
+extern "C" {
+
+// Shared memory bytes of one CTA (0 when the parameters are invalid); the Python wrapper checks the limit.
+size_t dsv41_moe_fp4_smem(int kc, int x_rows, int warps_n, int warps_k, int stages) {
+  if (kc <= 0 || kc % kChunk || x_rows < 1 || x_rows > kMaxM || warps_n < 1 || warps_k < 1 ||
+      warps_n * warps_k > kMaxWarps || stages < 2)
+    return 0;
+  size_t a, b, c;
+  return smem_layout(kc, x_rows, warps_n, warps_k, stages, &a, &b, &c);
+}
+
+// x bf16 [rows, K] -> xq f16 [rows, K] (E4M3 codes, permuted order), xs f32 [rows, K/32]. K % 32 == 0.
+int dsv41_moe_quant_rows(const void* x, void* xq, void* xs, int rows, int K, void* stream) {
+  if (rows < 0 || K <= 0 || K % 32) return int(cudaErrorInvalidValue);
+  if (rows == 0) return 0;
+  const int n = rows * (K / 32);
+  quant_rows_kernel<<<(n + 127) / 128, 128, 0, static_cast<cudaStream_t>(stream)>>>(
+      static_cast<const __nv_bfloat16*>(x), static_cast<__half*>(xq), static_cast<float*>(xs), rows, K);
+  return int(cudaGetLastError());
+}
+
+// The plan of ids int32 [R] (num_experts E, tiles of bm pairs, max_tiles = min(E, R) + R / bm) into sorted [R]
+// and tiles [3, max_tiles] (expert, first sorted row, rows), and quant_rows of x bf16 [rows, K], in one launch.
+int dsv41_moe_plan_quant(const void* ids, int R, int E, int bm, int max_tiles, void* sorted, void* tiles,
+                         const void* x, void* xq, void* xs, int rows, int K, void* stream) {
+  if (R < 0 || E < 1 || bm < 1 || max_tiles != min(E, R) + R / bm || rows < 0 || K <= 0 || K % 32 ||
+      size_t(3) * E * sizeof(int) > 48 * 1024)
+    return int(cudaErrorInvalidValue);
+  const int quant_blocks = (rows * (K / 32) + 255) / 256;
+  plan_quant_kernel<<<1 + quant_blocks, 256, 3 * E * sizeof(int), static_cast<cudaStream_t>(stream)>>>(
+      static_cast<const int*>(ids), R, E, bm, max_tiles, static_cast<int*>(sorted), static_cast<int*>(tiles),
+      static_cast<const __nv_bfloat16*>(x), static_cast<__half*>(xq), static_cast<float*>(xs), rows, K);
+  return int(cudaGetLastError());
+}
+
+// up (up != 0) or down over `tiles` plan tiles. Pointers as MoeArgs; kc = K elements per cluster rank
+// (a multiple of 128; splits * kc >= K > (splits - 1) * kc). Returns a cudaError_t.
+int dsv41_moe_fp4(int up, const void* w, const void* ws, const void* xq, const void* xs, const void* sorted_pairs,
+                  const void* tile_e, const void* tile_start, const void* tile_rows, int tiles, const void* rw,
+                  void* hq, void* hs, void* h_raw, void* out, int n_out, int K, int topk, float limit, int kc,
+                  int x_rows, int warps_n, int warps_k, int splits, int stages, int pdl, void* stream) {
+  const size_t smem = dsv41_moe_fp4_smem(kc, x_rows, warps_n, warps_k, stages);
+  if (smem == 0 || smem > kMaxSmem || tiles < 0 || n_out <= 0 || n_out % 32 || K % kChunk || splits < 1 ||
+      splits > kMaxSplits || (splits - 1) * kc >= K || splits * kc < K || (up && warps_n % 2))
+    return int(cudaErrorInvalidValue);
+  if (tiles == 0) return 0;
+  MoeArgs a;
+  a.w = static_cast<const uint8_t*>(w);
+  a.ws = static_cast<const uint8_t*>(ws);
+  a.xq = static_cast<const __half*>(xq);
+  a.xs = static_cast<const float*>(xs);
+  a.sorted_pairs = static_cast<const int*>(sorted_pairs);
+  a.tile_e = static_cast<const int*>(tile_e);
+  a.tile_start = static_cast<const int*>(tile_start);
+  a.tile_rows = static_cast<const int*>(tile_rows);
+  a.rw = static_cast<const float*>(rw);
+  a.hq = static_cast<__half*>(hq);
+  a.hs = static_cast<float*>(hs);
+  a.h_raw = static_cast<__nv_bfloat16*>(h_raw);
+  a.out = static_cast<float*>(out);
+  a.n_out = n_out;
+  a.K = K;
+  a.topk = topk;
+  a.limit = limit;
+  a.kc = kc;
+  a.x_rows = x_rows;
+  a.warps_n = warps_n;
+  a.warps_k = warps_k;
+  a.splits = splits;
+  const cudaStream_t s = static_cast<cudaStream_t>(stream);
+#define DSV41_MOE_CASE(S)                                                                          \
+  if (stages == S) return int(up ? launch<true, S>(a, tiles, smem, pdl != 0, s)                    \
+                                 : launch<false, S>(a, tiles, smem, pdl != 0, s));
+  DSV41_MOE_CASE(2) DSV41_MOE_CASE(3) DSV41_MOE_CASE(4) DSV41_MOE_CASE(6) DSV41_MOE_CASE(8)
+#undef DSV41_MOE_CASE
+  return int(cudaErrorInvalidValue);
+}
+
+const char* dsv41_moe_fp4_error_string(int err) { return cudaGetErrorString(static_cast<cudaError_t>(err)); }
+
+}  // extern "C"
