@@ -33,6 +33,8 @@
 #include <cuda_runtime.h>
 #include <stdint.h>
 
+#include "common.cuh"
+
 namespace cg = cooperative_groups;
 
 namespace {
@@ -49,18 +51,7 @@ __device__ __forceinline__ uint4 ldg_stream(const __nv_bfloat16* p) {
   return v;
 }
 
-__device__ __forceinline__ void mma_16816(float (&c)[4], uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3,
-                                          uint32_t b0, uint32_t b1) {
-  asm volatile(
-      "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
-      "{%0, %1, %2, %3};"
-      : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-      : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
-}
-
-// Row stride of x in shared memory (bf16 elements): ≡ 32 (mod 64), so that the 8 threads of a quarter warp
-// (tokens g, g + 1 x 4 column groups) read 2 x 64 contiguous bytes from disjoint bank halves.
-__host__ __device__ __forceinline__ int x_stride(int kc) { return (kc % 64 == 0) ? kc + 32 : kc; }
+using dsv41::x_stride;
 
 template <int RT, int U>
 __global__ void __launch_bounds__(32 * kMaxWarps, 2) bf16_gemv_kernel(
@@ -147,8 +138,8 @@ __global__ void __launch_bounds__(32 * kMaxWarps, 2) bf16_gemv_kernel(
           const uint4 lo = wr[u][rt][0], hi = wr[u][rt][1];  // rows g, g + 8
           float c[4] = {0.f, 0.f, 0.f, 0.f};
           // A regs: (row g, k pair), (row g + 8, same pair), (row g, next pair), (row g + 8, next pair)
-          mma_16816(c, lo.x, hi.x, lo.y, hi.y, q.x, q.y);
-          mma_16816(c, lo.z, hi.z, lo.w, hi.w, q.z, q.w);
+          dsv41::mma_bf16_16816(c, lo.x, hi.x, lo.y, hi.y, q.x, q.y);
+          dsv41::mma_bf16_16816(c, lo.z, hi.z, lo.w, hi.w, q.z, q.w);
 #pragma unroll
           for (int i = 0; i < 4; ++i) acc[rt][i] = __fadd_rn(acc[rt][i], c[i]);
         }
@@ -202,43 +193,12 @@ __global__ void __launch_bounds__(32 * kMaxWarps, 2) bf16_gemv_kernel(
 template <int RT, int U>
 cudaError_t launch(const void* x, const void* w, void* y, int M, int N, int K, int kc, int warps_n, int warps_k,
                    int splits, bool pdl, size_t smem, cudaStream_t stream) {
-  auto kernel = bf16_gemv_kernel<RT, U>;
-  // the shared-memory opt-in, once per device (the first call, a warm-up, is outside any graph capture)
-  static uint64_t smem_set = 0;
-  int device = 0;
-  cudaError_t err = cudaGetDevice(&device);
-  if (err != cudaSuccess) return err;
-  if (device >= 64) return cudaErrorInvalidDevice;
-  if (!(smem_set >> device & 1)) {
-    err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kMaxSmem);
-    if (err != cudaSuccess) return err;
-    smem_set |= uint64_t(1) << device;
-  }
+  static uint64_t smem_set = 0;  // this instance's shared-memory opt-in, per device
   const int rows_cta = warps_n * RT * 16;
-  cudaLaunchConfig_t cfg = {};
-  cfg.gridDim = dim3(splits, (N + rows_cta - 1) / rows_cta, 1);
-  cfg.blockDim = dim3(32 * warps_n * warps_k, 1, 1);
-  cfg.dynamicSmemBytes = smem;
-  cfg.stream = stream;
-  cudaLaunchAttribute attr[2];
-  unsigned num_attrs = 0;
-  if (splits > 1) {
-    attr[num_attrs].id = cudaLaunchAttributeClusterDimension;
-    attr[num_attrs].val.clusterDim.x = splits;
-    attr[num_attrs].val.clusterDim.y = 1;
-    attr[num_attrs].val.clusterDim.z = 1;
-    ++num_attrs;
-  }
-  if (pdl) {
-    attr[num_attrs].id = cudaLaunchAttributeProgrammaticStreamSerialization;
-    attr[num_attrs].val.programmaticStreamSerializationAllowed = 1;
-    ++num_attrs;
-  }
-  cfg.attrs = attr;
-  cfg.numAttrs = num_attrs;
-  return cudaLaunchKernelEx(&cfg, kernel, static_cast<const __nv_bfloat16*>(x),
-                            static_cast<const __nv_bfloat16*>(w), static_cast<float*>(y), M, N, K, kc, warps_n,
-                            warps_k, splits);
+  return dsv41::launch_ex(bf16_gemv_kernel<RT, U>, &smem_set, kMaxSmem, dim3(splits, (N + rows_cta - 1) / rows_cta, 1),
+                          dim3(32 * warps_n * warps_k, 1, 1), smem, stream, splits > 1 ? splits : 0, pdl,
+                          static_cast<const __nv_bfloat16*>(x), static_cast<const __nv_bfloat16*>(w),
+                          static_cast<float*>(y), M, N, K, kc, warps_n, warps_k, splits);
 }
 
 }  // namespace

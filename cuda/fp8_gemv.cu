@@ -47,6 +47,8 @@
 #include <cuda_runtime.h>
 #include <stdint.h>
 
+#include "common.cuh"
+
 namespace cg = cooperative_groups;
 
 namespace {
@@ -63,56 +65,17 @@ __device__ __forceinline__ uint2 ldg_stream(const uint8_t* p) {
   return v;
 }
 
-// 4 E4M3 bytes -> two f16x2: lo = (byte0, byte1), hi = (byte2, byte3), low half from the low byte.
-__device__ __forceinline__ void e4m3x4_to_f16x4(uint32_t w, uint32_t& lo, uint32_t& hi) {
-  asm("{\n\t.reg .b16 l, h;\n\tmov.b32 {l, h}, %2;\n\t"
-      "cvt.rn.f16x2.e4m3x2 %0, l;\n\tcvt.rn.f16x2.e4m3x2 %1, h;\n\t}"
-      : "=r"(lo), "=r"(hi) : "r"(w));
-}
-
-__device__ __forceinline__ void mma_16816(float (&c)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
-  asm volatile(
-      "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
-      "{%0, %1, %2, %3};"
-      : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-}
-
-__host__ __device__ __forceinline__ int x_stride(int kc) { return (kc % 64 == 0) ? kc + 32 : kc; }
+using dsv41::x_stride;
 
 // act_quant of one 32-block (bf16 in global memory) -> 32 E4M3 values as f16 in shared memory; returns sa.
 __device__ __forceinline__ float quant_block(const __nv_bfloat16* src, __half* dst) {
-  uint4 raw[4];
-  const uint4* s4 = reinterpret_cast<const uint4*>(src);
-#pragma unroll
-  for (int i = 0; i < 4; ++i) raw[i] = s4[i];
   float v[32];
-#pragma unroll
-  for (int i = 0; i < 4; ++i) {
-    const uint32_t w[4] = {raw[i].x, raw[i].y, raw[i].z, raw[i].w};
-#pragma unroll
-    for (int j = 0; j < 4; ++j) {
-      v[8 * i + 2 * j] = __uint_as_float(w[j] << 16);
-      v[8 * i + 2 * j + 1] = __uint_as_float(w[j] & 0xFFFF0000u);
-    }
-  }
-  float amax = 0.f;
-#pragma unroll
-  for (int i = 0; i < 32; ++i) amax = fmaxf(amax, fabsf(v[i]));
-  amax = fmaxf(amax, 1e-4f);
-  const uint32_t yb = __float_as_uint(__fmul_rn(amax, 1.0f / 448.0f));
-  const uint32_t e = ((yb >> 23) & 0xFF) + ((yb & 0x7FFFFF) != 0);  // s = 2^ceil(log2 y), biased exponent
-  const float inv_s = __uint_as_float((254u - e) << 23);            // 1/s exactly
+  dsv41::load_bf16x32(src, v);
+  const uint32_t e = dsv41::act_scale_exp(dsv41::amax32(v));  // s = 2^ceil(log2 y), biased exponent
+  const float inv_s = __uint_as_float((254u - e) << 23);        // 1/s exactly
   uint32_t out[16];
 #pragma unroll
-  for (int i = 0; i < 16; ++i) {
-    float2 q;
-    q.x = fminf(fmaxf(__fmul_rn(v[2 * i], inv_s), -448.f), 448.f);
-    q.y = fminf(fmaxf(__fmul_rn(v[2 * i + 1], inv_s), -448.f), 448.f);
-    const __nv_fp8x2_storage_t c = __nv_cvt_float2_to_fp8x2(q, __NV_SATFINITE, __NV_E4M3);
-    const __half2_raw h = __nv_cvt_fp8x2_to_halfraw2(c, __NV_E4M3);
-    out[i] = uint32_t(h.x) | (uint32_t(h.y) << 16);
-  }
+  for (int i = 0; i < 16; ++i) out[i] = dsv41::e4m3_pair_f16(v[2 * i], v[2 * i + 1], inv_s);
   uint4* d4 = reinterpret_cast<uint4*>(dst);
 #pragma unroll
   for (int i = 0; i < 4; ++i) d4[i] = make_uint4(out[4 * i], out[4 * i + 1], out[4 * i + 2], out[4 * i + 3]);
@@ -122,23 +85,9 @@ __device__ __forceinline__ float quant_block(const __nv_bfloat16* src, __half* d
 // bf16-exact staging of one 32-block (bf16 in global memory) -> x / sa as f16 in shared memory; returns sa =
 // 2^max(floor(log2 amax) - 15, -126) (1 for an all-zero block). See the header for why this is exact.
 __device__ __forceinline__ float stage_block_exact(const __nv_bfloat16* src, __half* dst) {
-  uint4 raw[4];
-  const uint4* s4 = reinterpret_cast<const uint4*>(src);
-#pragma unroll
-  for (int i = 0; i < 4; ++i) raw[i] = s4[i];
   float v[32];
-#pragma unroll
-  for (int i = 0; i < 4; ++i) {
-    const uint32_t w[4] = {raw[i].x, raw[i].y, raw[i].z, raw[i].w};
-#pragma unroll
-    for (int j = 0; j < 4; ++j) {
-      v[8 * i + 2 * j] = __uint_as_float(w[j] << 16);
-      v[8 * i + 2 * j + 1] = __uint_as_float(w[j] & 0xFFFF0000u);
-    }
-  }
-  float amax = 0.f;
-#pragma unroll
-  for (int i = 0; i < 32; ++i) amax = fmaxf(amax, fabsf(v[i]));
+  dsv41::load_bf16x32(src, v);
+  const float amax = dsv41::amax32(v);
   const uint32_t ab = __float_as_uint(amax);
   // biased exponent of sa: (E - 127) - 15 + 127 = E - 15 for amax = 2^(E - 127)·1.f, floored at 1 (2^-126)
   const int eb = int(ab >> 23);  // amax >= 0: no sign bit
@@ -254,12 +203,12 @@ __global__ void __launch_bounds__(32 * kMaxWarps) fp8_gemv_kernel(
           float c[4] = {0.f, 0.f, 0.f, 0.f};
           uint32_t a[4];
           // A regs: (row g, k 2t..), (row g + 8, k 2t..), (row g, k 2t + 8..), (row g + 8, k 2t + 8..)
-          e4m3x4_to_f16x4(wr[u][rt][0].x, a[0], a[2]);
-          e4m3x4_to_f16x4(wr[u][rt][1].x, a[1], a[3]);
-          mma_16816(c, a, q.x, q.y);
-          e4m3x4_to_f16x4(wr[u][rt][0].y, a[0], a[2]);
-          e4m3x4_to_f16x4(wr[u][rt][1].y, a[1], a[3]);
-          mma_16816(c, a, q.z, q.w);
+          dsv41::e4m3x4_to_f16x4(wr[u][rt][0].x, a[0], a[2]);
+          dsv41::e4m3x4_to_f16x4(wr[u][rt][1].x, a[1], a[3]);
+          dsv41::mma_f16_16816(c, a[0], a[1], a[2], a[3], q.x, q.y);
+          dsv41::e4m3x4_to_f16x4(wr[u][rt][0].y, a[0], a[2]);
+          dsv41::e4m3x4_to_f16x4(wr[u][rt][1].y, a[1], a[3]);
+          dsv41::mma_f16_16816(c, a[0], a[1], a[2], a[3], q.z, q.w);
           acc[rt][0] = __fadd_rn(acc[rt][0], __fmul_rn(c[0], s0));
           acc[rt][1] = __fadd_rn(acc[rt][1], __fmul_rn(c[1], s1));
           acc[rt][2] = __fadd_rn(acc[rt][2], __fmul_rn(c[2], s0));
@@ -310,43 +259,13 @@ __global__ void __launch_bounds__(32 * kMaxWarps) fp8_gemv_kernel(
 template <int RT, int U, bool QUANT>
 cudaError_t launch(const void* x, const void* w, const void* ws, void* y, int M, int N, int K, int groups,
                    int kc, int warps_n, int warps_k, int splits, bool pdl, size_t smem, cudaStream_t stream) {
-  auto kernel = fp8_gemv_kernel<RT, U, QUANT>;
-  // the shared-memory opt-in, once per device (the first call, a warm-up, is outside any graph capture)
-  static uint64_t smem_set = 0;
-  int device = 0;
-  cudaError_t err = cudaGetDevice(&device);
-  if (err != cudaSuccess) return err;
-  if (device >= 64) return cudaErrorInvalidDevice;
-  if (!(smem_set >> device & 1)) {
-    err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kMaxSmem);
-    if (err != cudaSuccess) return err;
-    smem_set |= uint64_t(1) << device;
-  }
+  static uint64_t smem_set = 0;  // this instance's shared-memory opt-in, per device
   const int rows_cta = warps_n * RT * 16;
-  cudaLaunchConfig_t cfg = {};
-  cfg.gridDim = dim3(splits, (N + rows_cta - 1) / rows_cta, groups);
-  cfg.blockDim = dim3(32 * warps_n * warps_k, 1, 1);
-  cfg.dynamicSmemBytes = smem;
-  cfg.stream = stream;
-  cudaLaunchAttribute attr[2];
-  unsigned num_attrs = 0;
-  if (splits > 1) {
-    attr[num_attrs].id = cudaLaunchAttributeClusterDimension;
-    attr[num_attrs].val.clusterDim.x = splits;
-    attr[num_attrs].val.clusterDim.y = 1;
-    attr[num_attrs].val.clusterDim.z = 1;
-    ++num_attrs;
-  }
-  if (pdl) {
-    attr[num_attrs].id = cudaLaunchAttributeProgrammaticStreamSerialization;
-    attr[num_attrs].val.programmaticStreamSerializationAllowed = 1;
-    ++num_attrs;
-  }
-  cfg.attrs = attr;
-  cfg.numAttrs = num_attrs;
-  return cudaLaunchKernelEx(&cfg, kernel, static_cast<const __nv_bfloat16*>(x), static_cast<const uint8_t*>(w),
-                            static_cast<const uint8_t*>(ws), static_cast<__nv_bfloat16*>(y), M, N, K, groups, kc,
-                            warps_n, warps_k, splits);
+  return dsv41::launch_ex(fp8_gemv_kernel<RT, U, QUANT>, &smem_set, kMaxSmem,
+                          dim3(splits, (N + rows_cta - 1) / rows_cta, groups), dim3(32 * warps_n * warps_k, 1, 1),
+                          smem, stream, splits > 1 ? splits : 0, pdl, static_cast<const __nv_bfloat16*>(x),
+                          static_cast<const uint8_t*>(w), static_cast<const uint8_t*>(ws),
+                          static_cast<__nv_bfloat16*>(y), M, N, K, groups, kc, warps_n, warps_k, splits);
 }
 
 }  // namespace

@@ -36,6 +36,8 @@
 #include <cuda_runtime.h>
 #include <stdint.h>
 
+#include "common.cuh"
+
 namespace cg = cooperative_groups;
 
 namespace {
@@ -72,7 +74,7 @@ struct MoeArgs {
   int warps_n, warps_k, splits;
 };
 
-__host__ __device__ __forceinline__ int x_stride(int kc) { return (kc % 64 == 0) ? kc + 32 : kc; }
+using dsv41::x_stride;
 
 __host__ __device__ __forceinline__ size_t align128(size_t b) { return (b + 127) / 128 * 128; }
 
@@ -103,21 +105,6 @@ __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commi
 template <int N>
 __device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_group %0;" ::"n"(N) : "memory"); }
 
-__device__ __forceinline__ void ldmatrix_x4(uint32_t (&d)[4], const void* p) {
-  const uint32_t a = static_cast<uint32_t>(__cvta_generic_to_shared(p));
-  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];"
-               : "=r"(d[0]), "=r"(d[1]), "=r"(d[2]), "=r"(d[3]) : "r"(a));
-}
-
-__device__ __forceinline__ void mma_16816(float (&c)[4], uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3,
-                                          uint32_t b0, uint32_t b1) {
-  asm volatile(
-      "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
-      "{%0, %1, %2, %3};"
-      : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-      : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
-}
-
 // 8 E2M1 nibbles (element i at bits 4i..4i+3) -> p[j] = f16x2 (element j, element j + 4), each value * 2^-14:
 // sign bit to 15, the 3 exponent/mantissa bits to 11..9 (exponent 0 gives the f16 subnormal 2^-15 = 0.5 * 2^-14).
 template <int J>
@@ -133,53 +120,22 @@ __host__ __device__ __forceinline__ int perm8(int e) { return 2 * (e & 3) + (e >
 
 __device__ __forceinline__ float e8m0_x16384(uint32_t code) { return __uint_as_float((code + 14u) << 23); }
 
-// act_quant's scale of a block with maximum |v| amax (engine.quant.act_quant, bit for bit): the biased exponent
-// of s = 2^ceil(log2(max(amax, 1e-4) / 448)).
-__device__ __forceinline__ uint32_t act_scale_exp(float amax) {
-  amax = fmaxf(amax, 1e-4f);
-  const uint32_t yb = __float_as_uint(__fmul_rn(amax, 1.0f / 448.0f));
-  return ((yb >> 23) & 0xFF) + ((yb & 0x7FFFFF) != 0);
-}
-
-// v / s -> the E4M3 code as an f16 value (saturating, round to nearest even): exact in f16.
-__device__ __forceinline__ __half2 e4m3_codes(float a, float b, float inv_s) {
-  float2 q;
-  q.x = fminf(fmaxf(__fmul_rn(a, inv_s), -448.f), 448.f);
-  q.y = fminf(fmaxf(__fmul_rn(b, inv_s), -448.f), 448.f);
-  const __nv_fp8x2_storage_t c = __nv_cvt_float2_to_fp8x2(q, __NV_SATFINITE, __NV_E4M3);
-  return __half2(__nv_cvt_fp8x2_to_halfraw2(c, __NV_E4M3));
-}
-
 // act_quant of the 32-block b of row r: x bf16 [rows, K] -> codes f16 [rows, K] (permuted order) + scale.
 __device__ void quant_block32(const __nv_bfloat16* __restrict__ x, __half* __restrict__ xq, float* __restrict__ xs,
                               int r, int b, int K) {
-  const uint4* src = reinterpret_cast<const uint4*>(x + size_t(r) * K + b * 32);
   float v[32];
-#pragma unroll
-  for (int i = 0; i < 4; ++i) {
-    const uint4 raw = src[i];
-    const uint32_t w[4] = {raw.x, raw.y, raw.z, raw.w};
-#pragma unroll
-    for (int j = 0; j < 4; ++j) {
-      v[8 * i + 2 * j] = __uint_as_float(w[j] << 16);
-      v[8 * i + 2 * j + 1] = __uint_as_float(w[j] & 0xFFFF0000u);
-    }
-  }
-  float amax = 0.f;
-#pragma unroll
-  for (int i = 0; i < 32; ++i) amax = fmaxf(amax, fabsf(v[i]));
-  const uint32_t e = act_scale_exp(amax);
+  dsv41::load_bf16x32(x + size_t(r) * K + b * 32, v);
+  const uint32_t e = dsv41::act_scale_exp(dsv41::amax32(v));
   const float inv_s = __uint_as_float((254u - e) << 23);
-  __half2 out[16];
+  uint32_t out[16];
 #pragma unroll
   for (int grp = 0; grp < 4; ++grp)
 #pragma unroll
     for (int j = 0; j < 4; ++j)  // stored pair j of group grp: elements (j, j + 4)
-      out[4 * grp + j] = e4m3_codes(v[8 * grp + j], v[8 * grp + j + 4], inv_s);
+      out[4 * grp + j] = dsv41::e4m3_pair_f16(v[8 * grp + j], v[8 * grp + j + 4], inv_s);
   uint4* dst = reinterpret_cast<uint4*>(xq + size_t(r) * K + b * 32);
-  const uint4* o4 = reinterpret_cast<const uint4*>(out);
 #pragma unroll
-  for (int i = 0; i < 4; ++i) dst[i] = o4[i];
+  for (int i = 0; i < 4; ++i) dst[i] = make_uint4(out[4 * i], out[4 * i + 1], out[4 * i + 2], out[4 * i + 3]);
   xs[size_t(r) * (K / 32) + b] = __uint_as_float(e << 23);
 }
 
@@ -385,7 +341,7 @@ __global__ void __launch_bounds__(32 * kMaxWarps) moe_fp4_kernel(const MoeArgs a
       for (int rt = 0; rt < 2; ++rt) {
         const int r = rt * 16 + (lane & 7) + ((lane >> 3) & 1) * 8;
         const int seg = bp + (lane >> 4);
-        ldmatrix_x4(d[rt], st + r * kRowBytes + ((seg ^ ((r >> 1) & 3)) << 4));
+        dsv41::ldmatrix_x4(d[rt], st + r * kRowBytes + ((seg ^ ((r >> 1) & 3)) << 4));
       }
 #pragma unroll
       for (int bb = 0; bb < 2; ++bb) {
@@ -396,8 +352,8 @@ __global__ void __launch_bounds__(32 * kMaxWarps) moe_fp4_kernel(const MoeArgs a
         for (int rt = 0; rt < 2; ++rt) {
           const uint32_t wg = d[rt][2 * bb], wg8 = d[rt][2 * bb + 1];
           float cc[4] = {0.f, 0.f, 0.f, 0.f};
-          mma_16816(cc, e2m1_pair<0>(wg), e2m1_pair<0>(wg8), e2m1_pair<1>(wg), e2m1_pair<1>(wg8), q.x, q.y);
-          mma_16816(cc, e2m1_pair<2>(wg), e2m1_pair<2>(wg8), e2m1_pair<3>(wg), e2m1_pair<3>(wg8), q.z, q.w);
+          dsv41::mma_f16_16816(cc, e2m1_pair<0>(wg), e2m1_pair<0>(wg8), e2m1_pair<1>(wg), e2m1_pair<1>(wg8), q.x, q.y);
+          dsv41::mma_f16_16816(cc, e2m1_pair<2>(wg), e2m1_pair<2>(wg8), e2m1_pair<3>(wg), e2m1_pair<3>(wg8), q.z, q.w);
           const float sw0 = e8m0_x16384((swr[rt][0] >> (8 * b)) & 0xFFu);
           const float sw1 = e8m0_x16384((swr[rt][1] >> (8 * b)) & 0xFFu);
           acc[rt][0] = fmaf(cc[0], __fmul_rn(sw0, sa.x), acc[rt][0]);
@@ -474,10 +430,10 @@ __global__ void __launch_bounds__(32 * kMaxWarps) moe_fp4_kernel(const MoeArgs a
       float amax = fabsf(hf);
 #pragma unroll
       for (int o = 16; o > 0; o >>= 1) amax = fmaxf(amax, __shfl_xor_sync(0xFFFFFFFFu, amax, o));
-      const uint32_t e = act_scale_exp(amax);
+      const uint32_t e = dsv41::act_scale_exp(amax);
       const float inv_s = __uint_as_float((254u - e) << 23);
-      const __half code = __low2half(e4m3_codes(hf, 0.f, inv_s));
-      a.hq[size_t(row) * N + (col & ~7) + perm8(col & 7)] = code;
+      const uint16_t code = uint16_t(dsv41::e4m3_pair_f16(hf, 0.f, inv_s) & 0xFFFFu);
+      reinterpret_cast<uint16_t*>(a.hq)[size_t(row) * N + (col & ~7) + perm8(col & 7)] = code;
       if (lane == 0) a.hs[size_t(row) * (N / 32) + col / 32] = __uint_as_float(e << 23);
     }
   }
@@ -486,40 +442,11 @@ __global__ void __launch_bounds__(32 * kMaxWarps) moe_fp4_kernel(const MoeArgs a
 
 template <bool UP, int STAGES>
 cudaError_t launch(const MoeArgs& a, int tiles, size_t smem, bool pdl, cudaStream_t stream) {
-  auto kernel = moe_fp4_kernel<UP, STAGES>;
-  static uint64_t smem_set = 0;  // the shared-memory opt-in, once per device (first call: a warm-up)
-  int device = 0;
-  cudaError_t err = cudaGetDevice(&device);
-  if (err != cudaSuccess) return err;
-  if (device >= 64) return cudaErrorInvalidDevice;
-  if (!(smem_set >> device & 1)) {
-    err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kMaxSmem);
-    if (err != cudaSuccess) return err;
-    smem_set |= uint64_t(1) << device;
-  }
+  static uint64_t smem_set = 0;  // this instance's shared-memory opt-in, per device
   const int rows_out = a.warps_n * (UP ? 16 : 32);
-  cudaLaunchConfig_t cfg = {};
-  cfg.gridDim = dim3(a.splits, (a.n_out + rows_out - 1) / rows_out, tiles);
-  cfg.blockDim = dim3(32 * a.warps_n * a.warps_k, 1, 1);
-  cfg.dynamicSmemBytes = smem;
-  cfg.stream = stream;
-  cudaLaunchAttribute attr[2];
-  unsigned num_attrs = 0;
-  if (a.splits > 1) {
-    attr[num_attrs].id = cudaLaunchAttributeClusterDimension;
-    attr[num_attrs].val.clusterDim.x = a.splits;
-    attr[num_attrs].val.clusterDim.y = 1;
-    attr[num_attrs].val.clusterDim.z = 1;
-    ++num_attrs;
-  }
-  if (pdl) {
-    attr[num_attrs].id = cudaLaunchAttributeProgrammaticStreamSerialization;
-    attr[num_attrs].val.programmaticStreamSerializationAllowed = 1;
-    ++num_attrs;
-  }
-  cfg.attrs = attr;
-  cfg.numAttrs = num_attrs;
-  return cudaLaunchKernelEx(&cfg, kernel, a);
+  return dsv41::launch_ex(moe_fp4_kernel<UP, STAGES>, &smem_set, kMaxSmem,
+                          dim3(a.splits, (a.n_out + rows_out - 1) / rows_out, tiles), dim3(32 * a.warps_n * a.warps_k, 1, 1),
+                          smem, stream, a.splits > 1 ? a.splits : 0, pdl, a);
 }
 
 }  // namespace

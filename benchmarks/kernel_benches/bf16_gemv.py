@@ -31,7 +31,7 @@ if __name__ == "__main__":
     sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from benchmarks.gpu_timing import calls_of, copies_for, copy_bandwidth, graph_time_us, sweep  # noqa: E402
-from engine.kernels.bf16_gemv import (INSTANCES, Bf16GemvParams, bf16_gemv, bf16_gemv_ref,  # noqa: E402
+from engine.kernels.bf16_gemv import (INSTANCES, GemvParams, bf16_gemv, bf16_gemv_ref,  # noqa: E402
                                       pick_params, smem_bytes)
 from engine.presets import full_config  # noqa: E402
 
@@ -58,11 +58,11 @@ def _bytes(m: int, n: int, k: int) -> int:
     return 2 * n * k + 2 * m * k + 4 * m * n
 
 
-def _name(p: Bf16GemvParams) -> str:
+def _name(p: GemvParams) -> str:
     return f"rt{p.row_tiles} u{p.unroll} {p.warps_n}x{p.warps_k}w s{p.splits}" + ("" if p.pdl else " no-pdl")
 
 
-def _time_gemv(xs, wts, p: Bf16GemvParams | None) -> float:
+def _time_gemv(xs, wts, p: GemvParams | None) -> float:
     return graph_time_us(calls_of(lambda i: lambda: bf16_gemv(xs[i % 4], wts[i], p), len(wts)))
 
 
@@ -119,11 +119,11 @@ def sweep_gemv(todo: dict[str, tuple[int, int]], m_values: tuple[int, ...]) -> N
         for m in m_values:
             xs = _xs(m, k)
             auto = pick_params(m, n, k, sms).normalised(k)
-            stage1 = {Bf16GemvParams(2, 4, wn, wk, s).normalised(k) for wn, wk in WARP_SHAPES for s in SPLITS}
+            stage1 = {GemvParams(2, 4, wn, wk, s).normalised(k) for wn, wk in WARP_SHAPES for s in SPLITS}
             stage1 = sorted((p for p in stage1 if smem_bytes(k, p) <= 200 * 1024), key=_name)
             res, (best, _) = sweep(stage1, f"{name} M={m}", lambda p: _time_gemv(xs, wts, p))
             if best is not None:
-                stage2 = [Bf16GemvParams(rt, u, best.warps_n, best.warps_k, best.splits) for rt, u in INSTANCES]
+                stage2 = [GemvParams(rt, u, best.warps_n, best.warps_k, best.splits) for rt, u in INSTANCES]
                 res |= sweep(stage2, f"{name} M={m}", lambda p: _time_gemv(xs, wts, p))[0]
             auto_us = res.get(auto) or _time_gemv(xs, wts, auto)
             nbytes = _bytes(m, n, k)

@@ -12,13 +12,13 @@ integer-valued data whose partial sums stay below 2^24 is exact in any order, so
 
 The split-K reduction (warps through shared memory, then the CTAs of a thread-block cluster) runs in a fixed
 order, so the result is deterministic. No workspace and no atomics: any stream, CUDA-graph capturable. With
-programmatic dependent launch (Bf16GemvParams.pdl, default on) the first weight loads are issued before the
+programmatic dependent launch (GemvParams.pdl, default on) the first weight loads are issued before the
 kernel waits for its predecessor on the stream; x is read and y written only after that wait.
 
 Memory traffic (the floor): 2·N·K weight bytes + 2·M·K (x) + 4·M·N (y); each CTA also re-reads its K range
 of x from L2 (2·M·K·N / rows per CTA bytes of L2 traffic).
 
-Launch shape (Bf16GemvParams): a warp owns row_tiles x 16 rows; a CTA has warps_n x warps_k warps (warps_k
+Launch shape (GemvParams): a warp owns row_tiles x 16 rows; a CTA has warps_n x warps_k warps (warps_k
 split the CTA's K range), a cluster of `splits` CTAs splits K further. unroll = 32-column blocks of weight
 in flight per thread (16 bytes per row per block, rows g and g + 8 of each row tile).
 """
@@ -26,53 +26,26 @@ in flight per thread (16 bytes per row per block, rows g and g + 8 of each row t
 from __future__ import annotations
 
 import ctypes
-from dataclasses import dataclass
 from functools import lru_cache
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from engine.kernels.cuda_build import load, nvcc_path
+from engine.kernels.cuda_build import cuda_kernels_available, load, num_sms
+from engine.kernels.gemv_shapes import BLOCK, GemvParams, model_shape
+from engine.kernels.gemv_shapes import MAX_SPLITS as _MAX_SPLITS
+from engine.kernels.gemv_shapes import MAX_WARPS as _MAX_WARPS
+from engine.kernels.gemv_shapes import cdiv as _cdiv
 
 MAX_M = 8  # the MMA's N: tokens per launch
 MAX_K = 65536  # 8 cluster splits of <= 8192 columns: every K up to this has a launch shape
-BLOCK = 32  # K columns per block (two m16n8k16 MMAs); K % BLOCK == 0
 INSTANCES = ((1, 2), (1, 4), (1, 8), (2, 2), (2, 4))  # compiled (row_tiles, unroll) pairs
-_MAX_WARPS = 8
-_MAX_SPLITS = 8
 _MAX_SMEM = 200 * 1024  # the launcher's opt-in limit (kMaxSmem in cuda/bf16_gemv.cu)
-_SMEM_PER_SM = 228 * 1024
 _CTA_OVERHEAD_BYTES = 8192  # pick_params: a CTA's start-up (x staging, reduction) in weight-byte terms
 
 
-@dataclass(frozen=True, slots=True)
-class Bf16GemvParams:
-    """Launch shape of bf16_gemv (see the module docstring). splits is rounded down by `normalised` to the
-    number of CTAs that own K columns."""
-
-    row_tiles: int  # 1 or 2: rows per warp / 16
-    unroll: int  # 2, 4 or 8 (8 with row_tiles 1 only): 32-column blocks in flight per thread
-    warps_n: int
-    warps_k: int
-    splits: int  # cluster size, 1..8
-    pdl: bool = True  # programmatic dependent launch: weight loads overlap the previous kernel's tail
-
-    def normalised(self, k: int) -> Bf16GemvParams:
-        kb = k // BLOCK
-        kbc = _cdiv(kb, min(self.splits, kb))
-        return Bf16GemvParams(self.row_tiles, self.unroll, self.warps_n, self.warps_k, _cdiv(kb, kbc), self.pdl)
-
-    @property
-    def rows_per_cta(self) -> int:
-        return self.warps_n * self.row_tiles * 16
-
-
-def _cdiv(a: int, b: int) -> int:
-    return -(-a // b)
-
-
-def smem_bytes(k: int, p: Bf16GemvParams) -> int:
+def smem_bytes(k: int, p: GemvParams) -> int:
     """Shared memory of one CTA: x as bf16 [8, kc (+32 pad)] and fp32 partials [warps_k, 8, rows]."""
     kc = _cdiv(k // BLOCK, p.splits) * BLOCK
     stride = kc + 32 if kc % 64 == 0 else kc
@@ -80,31 +53,10 @@ def smem_bytes(k: int, p: Bf16GemvParams) -> int:
 
 
 @lru_cache(maxsize=1024)
-def pick_params(m: int, n: int, k: int, num_sms: int = 132) -> Bf16GemvParams:
-    """A bytes-per-wave model: 8 warps of 32 rows with 4 blocks in flight, K split over warps and a cluster
-    so that one wave of CTAs (2 per SM: the kernel's register budget) covers the matrix with the fewest
-    bytes per CTA (weight bytes, plus its read of x from L2 and a fixed start-up cost in bytes); ties go to
-    fewer cluster splits, then fewer warp splits."""
-    kb = k // BLOCK
-    best: tuple[float, int, int, Bf16GemvParams] | None = None
-    for warps_k in (1, 2, 4, 8):
-        for splits in range(1, _MAX_SPLITS + 1):
-            p = Bf16GemvParams(2, 4, _MAX_WARPS // warps_k, warps_k, splits)
-            if p.normalised(k).splits != splits or (warps_k > 1 and _cdiv(kb, splits) < 2 * warps_k):
-                continue
-            smem = smem_bytes(k, p)
-            if smem > _MAX_SMEM:
-                continue
-            resident = max(1, min(2, _SMEM_PER_SM // (smem + 1024)))
-            ctas = _cdiv(n, p.rows_per_cta) * splits
-            waves = _cdiv(ctas, resident * num_sms)
-            kc = _cdiv(kb, splits) * BLOCK
-            cost = waves * (2 * p.rows_per_cta * kc + 2 * m * kc + _CTA_OVERHEAD_BYTES)
-            key = (cost, splits, warps_k, p)
-            if best is None or key[:3] < best[:3]:
-                best = key
-    assert best is not None, f"no launch shape for K = {k}"
-    return best[3]
+def pick_params(m: int, n: int, k: int, num_sms: int = 132) -> GemvParams:
+    """gemv_shapes.model_shape with 2-byte weights (2 CTAs per SM: the kernel's register budget)."""
+    return model_shape(m, n, k, weight_bytes=2, smem_bytes=smem_bytes, max_smem=_MAX_SMEM,
+                       overhead_bytes=_CTA_OVERHEAD_BYTES, num_sms=num_sms)
 
 
 @lru_cache(maxsize=None)
@@ -119,18 +71,6 @@ def _lib() -> ctypes.CDLL:
     return lib
 
 
-@lru_cache(maxsize=None)
-def _num_sms(device_index: int) -> int:
-    return torch.cuda.get_device_properties(device_index).multi_processor_count
-
-
-@lru_cache(maxsize=None)
-def gemv_available(device_index: int = 0) -> bool:
-    """True where the kernel can run: a CUDA device of compute capability >= 9.0 and an nvcc to build it."""
-    return (torch.cuda.is_available() and torch.cuda.get_device_capability(device_index) >= (9, 0)
-            and nvcc_path() is not None)
-
-
 def gemv_applies(x: Tensor, w: Tensor) -> bool:
     """Whether linear_fp32 routes this call to bf16_gemv: CUDA, bf16, 1..MAX_M rows, K % 32 == 0,
     K <= MAX_K, contiguous and 16-byte aligned, buildable."""
@@ -139,10 +79,10 @@ def gemv_applies(x: Tensor, w: Tensor) -> bool:
     return (x.is_cuda and x.dtype == torch.bfloat16 and w.dtype == torch.bfloat16 and w.dim() == 2
             and w.size(1) == k and 0 < m <= MAX_M and k % BLOCK == 0 and 0 < k <= MAX_K
             and x.is_contiguous() and w.is_contiguous() and x.data_ptr() % 16 == 0 and w.data_ptr() % 16 == 0
-            and w.device == x.device and gemv_available(x.device.index or 0))
+            and w.device == x.device and cuda_kernels_available(x.device.index or 0))
 
 
-def bf16_gemv(x: Tensor, w: Tensor, params: Bf16GemvParams | None = None) -> Tensor:
+def bf16_gemv(x: Tensor, w: Tensor, params: GemvParams | None = None) -> Tensor:
     """y = x @ w^T in fp32: bf16 [..., K] x bf16 [N, K] -> fp32 [..., N], at most MAX_M rows of x (the
     leading dims flattened); K % 32 == 0, K <= MAX_K; both contiguous, 16-byte aligned, on one CUDA device.
     Within 2^-22 · Σ_k |x_k w_k| of bf16_gemv_ref (see the module docstring)."""
@@ -161,7 +101,7 @@ def bf16_gemv(x: Tensor, w: Tensor, params: Bf16GemvParams | None = None) -> Ten
     y = torch.empty(*x.shape[:-1], n, dtype=torch.float32, device=x.device)
     if m == 0:
         return y
-    p = (params or pick_params(m, n, k, _num_sms(x.device.index or 0))).normalised(k)
+    p = (params or pick_params(m, n, k, num_sms(x.device.index or 0))).normalised(k)
     assert (p.row_tiles, p.unroll) in INSTANCES, f"no kernel instance for {p}"
     assert p.warps_n * p.warps_k <= _MAX_WARPS and 1 <= p.splits <= _MAX_SPLITS, f"bad launch shape {p}"
     assert smem_bytes(k, p) <= _MAX_SMEM, f"{p} needs {smem_bytes(k, p)} B of shared memory for K = {k}"

@@ -1,8 +1,8 @@
 """Build and load the CUDA C++ kernels of `cuda/` (extern "C" launchers, called through ctypes).
 
 `load(name)` compiles `cuda/<name>.cu` into a shared library on first use and caches it under
-$DSV41_CUDA_CACHE (default ~/.cache/dsv41/cuda), keyed by a hash of the source, the nvcc version and the
-flags, so an edited source or another toolkit rebuilds. A file lock serialises concurrent builds (two
+$DSV41_CUDA_CACHE (default ~/.cache/dsv41/cuda), keyed by a hash of the source, the shared headers
+(`cuda/*.cuh`), the nvcc version and the flags, so an edited source or header or another toolkit rebuilds. A file lock serialises concurrent builds (two
 processes, or pytest workers, starting on one machine); the library is written to a temporary name and
 renamed into place, so a reader never sees half a file. cudart is linked statically (nvcc's default): the
 library needs no LD_LIBRARY_PATH and shares the driver's primary context, and so torch's streams.
@@ -54,7 +54,8 @@ def build(name: str, out_dir: Path | None = None) -> Path:
     nvcc = nvcc_path()
     if nvcc is None:
         raise FileNotFoundError("nvcc not found (PATH, $CUDA_HOME/bin, /usr/local/cuda/bin)")
-    key = hashlib.sha256(src.read_bytes() + _nvcc_version(nvcc).encode() + " ".join(NVCC_FLAGS).encode())
+    headers = b"".join(h.read_bytes() for h in sorted(CUDA_SRC_DIR.glob("*.cuh")))  # included by the sources
+    key = hashlib.sha256(src.read_bytes() + headers + _nvcc_version(nvcc).encode() + " ".join(NVCC_FLAGS).encode())
     out_dir = out_dir or cache_dir()
     out_dir.mkdir(parents=True, exist_ok=True)
     lib = out_dir / f"{name}-{key.hexdigest()[:16]}.so"
@@ -81,3 +82,21 @@ def build(name: str, out_dir: Path | None = None) -> Path:
 def load(name: str) -> ctypes.CDLL:
     """The built library of cuda/<name>.cu, loaded once per process."""
     return ctypes.CDLL(str(build(name)))
+
+
+@lru_cache(maxsize=None)
+def cuda_kernels_available(device_index: int = 0) -> bool:
+    """Whether the kernels of `cuda/` can run on this device: a CUDA device of compute capability >= 9.0 (they
+    use sm_90 instructions: clusters, griddepcontrol) and an nvcc to build them."""
+    import torch
+
+    return (torch.cuda.is_available() and torch.cuda.get_device_capability(device_index) >= (9, 0)
+            and nvcc_path() is not None)
+
+
+@lru_cache(maxsize=None)
+def num_sms(device_index: int = 0) -> int:
+    """The device's streaming multiprocessors (launch-shape pickers size their grids by it)."""
+    import torch
+
+    return torch.cuda.get_device_properties(device_index).multi_processor_count

@@ -40,49 +40,23 @@ per warp per step (8 bytes per thread per row per block).
 from __future__ import annotations
 
 import ctypes
-from dataclasses import dataclass
 from functools import lru_cache
 
 import torch
 from torch import Tensor
 
-from engine.kernels.cuda_build import load, nvcc_path
+from engine.kernels.cuda_build import cuda_kernels_available, load, num_sms
+from engine.kernels.gemv_shapes import MAX_SPLITS as _MAX_SPLITS
+from engine.kernels.gemv_shapes import MAX_WARPS as _MAX_WARPS
+from engine.kernels.gemv_shapes import GemvParams, model_shape
+from engine.kernels.gemv_shapes import cdiv as _cdiv
 from engine.quant import BLOCK, check_fp8_linear_args, dequant_fp8_weight
 
 MAX_M = 8  # the MMA's N: tokens per launch
 MAX_K = 65536  # 8 cluster splits of <= 8192 columns: every K up to this has a launch shape
 MAX_GROUPS = 65535  # the grid's z dimension
-_MAX_WARPS = 8
-_MAX_SPLITS = 8
 _MAX_SMEM = 200 * 1024  # the launcher's opt-in limit (kMaxSmem in cuda/fp8_gemv.cu)
-_SMEM_PER_SM = 228 * 1024
 _CTA_OVERHEAD_BYTES = 4096  # pick_params: a CTA's start-up (x quantisation, reduction) in weight-byte terms
-
-
-@dataclass(frozen=True, slots=True)
-class GemvParams:
-    """Launch shape of fp8_gemv (see the module docstring). splits is rounded down by `normalised` to the
-    number of CTAs that own K columns."""
-
-    row_tiles: int  # 1 or 2: rows per warp / 16
-    unroll: int  # 2, 4 or 8
-    warps_n: int
-    warps_k: int
-    splits: int  # cluster size, 1..8
-    pdl: bool = True  # programmatic dependent launch: weight loads overlap the previous kernel's tail
-
-    def normalised(self, k: int) -> GemvParams:
-        kb = k // BLOCK
-        kbc = _cdiv(kb, min(self.splits, kb))
-        return GemvParams(self.row_tiles, self.unroll, self.warps_n, self.warps_k, _cdiv(kb, kbc), self.pdl)
-
-    @property
-    def rows_per_cta(self) -> int:
-        return self.warps_n * self.row_tiles * 16
-
-
-def _cdiv(a: int, b: int) -> int:
-    return -(-a // b)
 
 
 def smem_bytes(k: int, p: GemvParams) -> int:
@@ -116,36 +90,15 @@ _TUNED_GROUPED: dict[tuple[int, int, int], tuple[GemvParams, GemvParams]] = {
 
 @lru_cache(maxsize=1024)
 def pick_params(m: int, n: int, k: int, num_sms: int = 132, groups: int = 1) -> GemvParams:
-    """The swept shape for the V4.1 matrices (_TUNED, _TUNED_GROUPED), else a bytes-per-wave model: 8 warps
-    of 32 rows, K split over warps and a cluster so that
-    one wave of CTAs (2 per SM when shared memory allows) covers the matrix with the fewest weight bytes
-    per CTA (weight bytes, plus each CTA's re-read of x from L2 at half weight and a fixed start-up cost
-    in bytes); ties go to fewer cluster splits, then fewer warp splits. n is the rows of one group; the
+    """The swept shape for the V4.1 matrices (_TUNED, _TUNED_GROUPED), else gemv_shapes.model_shape (x read
+    as 2-byte elements, counted at the FP8 weight's 1 byte: it comes from L2). n is the rows of one group; the
     groups multiply the CTAs (the grid's z dimension)."""
     if groups == 1 and (n, k) in _TUNED:
         return _TUNED[(n, k)][m > 4]
     if (groups, n, k) in _TUNED_GROUPED:
         return _TUNED_GROUPED[(groups, n, k)][m > 4]
-    kb = k // BLOCK
-    best: tuple[float, int, int, GemvParams] | None = None
-    for warps_k in (1, 2, 4, 8):
-        for splits in range(1, _MAX_SPLITS + 1):
-            p = GemvParams(2, 4, _MAX_WARPS // warps_k, warps_k, splits)
-            if p.normalised(k).splits != splits or (warps_k > 1 and _cdiv(kb, splits) < 2 * warps_k):
-                continue
-            smem = smem_bytes(k, p)
-            if smem > _MAX_SMEM:
-                continue
-            resident = max(1, min(2, _SMEM_PER_SM // (smem + 1024)))
-            ctas = _cdiv(n, p.rows_per_cta) * splits * groups
-            waves = _cdiv(ctas, resident * num_sms)
-            kc = _cdiv(kb, splits) * BLOCK
-            cost = waves * (p.rows_per_cta * kc + m * kc + _CTA_OVERHEAD_BYTES)  # x: 2 B per token, from L2
-            key = (cost, splits, warps_k, p)
-            if best is None or key[:3] < best[:3]:
-                best = key
-    assert best is not None, f"no launch shape for K = {k}"
-    return best[3]
+    return model_shape(m, n, k, weight_bytes=1, smem_bytes=smem_bytes, max_smem=_MAX_SMEM,
+                       overhead_bytes=_CTA_OVERHEAD_BYTES, num_sms=num_sms, groups=groups)
 
 
 @lru_cache(maxsize=None)
@@ -162,23 +115,11 @@ def _lib() -> ctypes.CDLL:
     return lib
 
 
-@lru_cache(maxsize=None)
-def _num_sms(device_index: int) -> int:
-    return torch.cuda.get_device_properties(device_index).multi_processor_count
-
-
-@lru_cache(maxsize=None)
-def gemv_available(device_index: int = 0) -> bool:
-    """True where the kernel can run: a CUDA device of compute capability >= 9.0 and an nvcc to build it."""
-    return (torch.cuda.is_available() and torch.cuda.get_device_capability(device_index) >= (9, 0)
-            and nvcc_path() is not None)
-
-
 def gemv_applies(x: Tensor, weight: Tensor) -> bool:
     """Whether fp8_linear should route this call here: CUDA, 1..MAX_M rows, 16-byte aligned, buildable."""
     m = x.numel() // max(1, x.size(-1))
     return (x.is_cuda and 0 < m <= MAX_M and x.size(-1) <= MAX_K and x.data_ptr() % 16 == 0
-            and weight.data_ptr() % 16 == 0 and gemv_available(x.device.index or 0))
+            and weight.data_ptr() % 16 == 0 and cuda_kernels_available(x.device.index or 0))
 
 
 def grouped_gemv_applies(x: Tensor, weight: Tensor, groups: int) -> bool:
@@ -188,13 +129,13 @@ def grouped_gemv_applies(x: Tensor, weight: Tensor, groups: int) -> bool:
     m = x.numel() // max(1, groups * k)
     return (x.is_cuda and 0 < m <= MAX_M and k <= MAX_K and 1 <= groups <= MAX_GROUPS
             and weight.size(0) % groups == 0 and (groups == 1 or (weight.size(0) // groups) % BLOCK == 0)
-            and x.data_ptr() % 16 == 0 and weight.data_ptr() % 16 == 0 and gemv_available(x.device.index or 0))
+            and x.data_ptr() % 16 == 0 and weight.data_ptr() % 16 == 0 and cuda_kernels_available(x.device.index or 0))
 
 
 def _launch(x: Tensor, weight: Tensor, scale: Tensor, y: Tensor, m: int, n: int, k: int, groups: int,
             quant_x: bool, params: GemvParams | None) -> None:
     """Launch the kernel on contract-checked tensors (n = rows per group); raises RuntimeError on failure."""
-    p = (params or pick_params(m, n, k, _num_sms(x.device.index or 0), groups)).normalised(k)
+    p = (params or pick_params(m, n, k, num_sms(x.device.index or 0), groups)).normalised(k)
     assert p.row_tiles in (1, 2) and p.unroll in (2, 4, 8), f"no kernel instance for {p}"
     assert p.warps_n * p.warps_k <= _MAX_WARPS and 1 <= p.splits <= _MAX_SPLITS, f"bad launch shape {p}"
     assert smem_bytes(k, p) <= _MAX_SMEM, f"{p} needs {smem_bytes(k, p)} B of shared memory for K = {k}"

@@ -28,7 +28,7 @@ from functools import lru_cache
 import torch
 from torch import Tensor
 
-from engine.kernels.cuda_build import load, nvcc_path
+from engine.kernels.cuda_build import cuda_kernels_available, load, num_sms
 
 MAX_PAIRS_PER_TILE = 8  # the MMA's N
 CHUNK = 128  # K elements per pipeline stage
@@ -84,13 +84,6 @@ def smem_bytes(k: int, x_rows: int, p: Fp4Params) -> int:
     b = a128(b + (kc // 32) * 8 * 4)
     b = a128(b + p.warps_k * 8 * p.warps_n * 32 * 4)
     return b + p.warps_n * p.warps_k * p.stages * (32 * 64 + 32 * 4)
-
-
-@lru_cache(maxsize=None)
-def fp4_available(device_index: int = 0) -> bool:
-    """A CUDA device of compute capability >= 9.0 and an nvcc to build the kernels."""
-    return (torch.cuda.is_available() and torch.cuda.get_device_capability(device_index) >= (9, 0)
-            and nvcc_path() is not None)
 
 
 def pick_params(up: bool, n: int, k: int, tiles: int, x_rows: int, num_sms: int = 132) -> Fp4Params:
@@ -171,7 +164,7 @@ def _launch(up: bool, w: Tensor, ws: Tensor, xq: Tensor, xs: Tensor, plan, rw: T
     bound = min(plan.block_m, plan.sorted_pairs.numel())
     x_rows = max(1, bound if max_tile_rows is None else min(max_tile_rows, bound))
     p = _normalised(params, k) if params else pick_params(up, n, k, tiles, x_rows,
-                                                          torch.cuda.get_device_properties(w.device).multi_processor_count)
+                                                          num_sms(w.device.index or 0))
     assert p.stages in _STAGES and p.warps_n * p.warps_k <= 8 and 1 <= p.splits <= 8, f"bad launch shape {p}"
     assert not up or p.warps_n % 2 == 0, f"up needs an even warps_n (32-output quantisation blocks): {p}"
     smem = smem_bytes(k, x_rows, p)
@@ -238,4 +231,4 @@ def fp4_applies(x: Tensor, experts) -> bool:
     decode-sized batch (<= 64 tokens: beyond that the Triton GEMM re-reads each expert's weights less often)."""
     d, inter = experts.w13.size(2) * 2, experts.inter
     return (x.is_cuda and 0 < x.size(0) <= 64 and d % CHUNK == 0 and inter % CHUNK == 0
-            and fp4_available(x.device.index or 0))
+            and cuda_kernels_available(x.device.index or 0))

@@ -26,7 +26,7 @@ import torch
 import torch.nn.functional as F
 
 from engine.kernels import cuda_build
-from engine.kernels.bf16_gemv import (BLOCK, INSTANCES, MAX_K, MAX_M, Bf16GemvParams, bf16_gemv, bf16_gemv_ref,
+from engine.kernels.bf16_gemv import (BLOCK, INSTANCES, MAX_K, MAX_M, GemvParams, bf16_gemv, bf16_gemv_ref,
                                       gemv_applies, linear_fp32, pick_params, smem_bytes)
 from engine.presets import full_config
 
@@ -38,7 +38,7 @@ REL = 2.0**-22
 CUBLAS_REL = 2.0**-18
 TINY = 2.0**-100
 
-ODD_PARAMS = [Bf16GemvParams(rt, u, wn, wk, s, pdl) for rt, u, wn, wk, s, pdl in
+ODD_PARAMS = [GemvParams(rt, u, wn, wk, s, pdl) for rt, u, wn, wk, s, pdl in
               [(1, 2, 1, 1, 1, True), (1, 4, 2, 4, 3, False), (1, 8, 8, 1, 2, True), (2, 2, 4, 2, 5, True),
                (2, 4, 2, 4, 8, True), (1, 8, 1, 8, 1, False), (2, 4, 8, 1, 7, True), (2, 2, 1, 8, 8, True)]]
 
@@ -257,7 +257,7 @@ def test_bf16_gemv_head_integers_exact_gpu(m):
 
 @gpu
 @needs_cuda
-@pytest.mark.parametrize("p", ODD_PARAMS + [Bf16GemvParams(rt, u, 4, 2, 3) for rt, u in INSTANCES], ids=str)
+@pytest.mark.parametrize("p", ODD_PARAMS + [GemvParams(rt, u, 4, 2, 3) for rt, u in INSTANCES], ids=str)
 @pytest.mark.parametrize("m,n,k", [(3, 1000, 1056), (8, 72, 64), (1, 16, 32), (7, 4111, 2304), (2, 33, 5120)])
 def test_bf16_gemv_every_instance_on_odd_shapes_gpu(m, n, k, p):
     x, w = _problem(m, n, k, "cuda", seed=n)
