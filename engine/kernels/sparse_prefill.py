@@ -39,6 +39,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
+from engine.kernels.sparse_decode import decode_applies, sparse_attn_decode
 from engine.kernels.sparse_attention import (SINK_FREE_MAX, _e4m3_to_fp32, _logits, _round_bf16, check_attn_args,
                                               sparse_attn_paged)
 
@@ -213,9 +214,12 @@ def sparse_attn_prefill(q: Tensor, swa_pool: Tensor, swa_idx: Tensor, main_pool:
 
 def sparse_attn(q: Tensor, swa_pool: Tensor, swa_idx: Tensor, main_pool: Tensor, main_idx: Tensor,
                 sink: Tensor, scale: float) -> Tensor:
-    """Sparse MQA attention over the packed pools (arguments as `sparse_attn_prefill`), either kernel:
-    the decode split kernel for M <= DECODE_MAX_M queries or a head_dim that is not a multiple of 128
-    (the tiny model's 64: its SWA records are not word-aligned), the one-launch prefill kernel otherwise."""
+    """Sparse MQA attention over the packed pools (arguments as `sparse_attn_prefill`): for M <= DECODE_MAX_M
+    queries the one-launch CUDA decode kernel (engine/kernels/sparse_decode.py) where it applies (sm_90, D 512),
+    else the Triton decode split kernel, also for a head_dim that is not a multiple of 128 (the tiny model's
+    64: its SWA records are not word-aligned); the one-launch prefill kernel otherwise."""
+    if q.size(0) <= DECODE_MAX_M and decode_applies(q, swa_pool, swa_idx, main_pool, main_idx, DECODE_MAX_M):
+        return sparse_attn_decode(q, swa_pool, swa_idx, main_pool, main_idx, sink, scale)
     if q.size(0) <= DECODE_MAX_M or q.size(-1) % 128:
         return sparse_attn_paged(q, swa_pool, swa_idx, main_pool, main_idx, sink, scale)
     return sparse_attn_prefill(q, swa_pool, swa_idx, main_pool, main_idx, sink, scale)
