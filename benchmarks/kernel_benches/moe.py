@@ -4,8 +4,9 @@
 
 One MoE layer of DeepSeek-V4.1-Flash: 384 FP4 experts (W1, W3 [2304 x 5120], W2 [5120 x 2304], E8M0 per 32:
 18.8 MB each), top-6, FP8 shared expert. Per token count T:
-- routed up+down: what moe_forward runs for given (ids, weights): at T <= 64 on CUDA the FP4 GEMVs of
-  engine/kernels/moe_fp4.py (moe_plan with 8-pair tiles + quant_rows + moe_up_fp4 + moe_down_fp4), else the
+- routed up+down: for given (ids, weights): at T <= 64 on CUDA the FP4 GEMVs of engine/kernels/moe_fp4.py
+  (moe_plan with 8-pair tiles + quant_rows + moe_up_fp4 + moe_down_fp4; moe_forward runs the fused
+  plan_and_quant instead of the first two, timed separately in the sweep section), else the
   Triton GEMMs (moe_plan + moe_up, x act-quantised inside at decode, + moe_down); the Triton time is also
   printed at every T for comparison. Decode rows
   (T <= 8) route every token to 6 distinct experts, distinct across the batch; consecutive calls take the
@@ -27,7 +28,7 @@ import torch.nn.functional as F
 from benchmarks.gpu_timing import graph_time_us, sweep
 from engine.kernels.moe import (ExpertWeights, MoeGemmConfig, moe_down, moe_forward, moe_plan, moe_route, moe_up,
                                 pick_block_m)
-from engine.kernels.moe_fp4 import Fp4Params, fp4_applies, moe_down_fp4, moe_up_fp4, quant_rows
+from engine.kernels.moe_fp4 import Fp4Params, fp4_applies, moe_down_fp4, moe_up_fp4, plan_and_quant, quant_rows
 from engine.presets import full_config
 from engine.tools.random_moe import random_moe
 from engine.quant import dequant_fp4_weight
@@ -162,8 +163,9 @@ def bench(copy_bw: float) -> None:
                                  for i in range(DECODE_COPIES)])
         plan_us = graph_time_us([lambda i=i: moe_plan(routes[i][0], e, 8) for i in range(DECODE_COPIES)])
         quant_us = graph_time_us([lambda i=i: quant_rows(xs[i]) for i in range(DECODE_COPIES)])
+        fused_us = graph_time_us([lambda i=i: plan_and_quant(xs[i], routes[i][0], e, 8) for i in range(DECODE_COPIES)])
         print(f"- T={t}: plan + quant_rows + up (auto) alone: {up_only:.1f} us; plan alone {plan_us:.1f} us, "
-              f"quant_rows alone {quant_us:.1f} us")
+              f"quant_rows alone {quant_us:.1f} us, the fused plan_and_quant (what moe_forward runs) {fused_us:.1f} us")
         for which, space in (("up", FP4_SWEEP), ("down", FP4_SWEEP_DOWN)):
             res, best = sweep((None, *space), f"fp4 {which} T={t}", lambda p: graph_time_us(
                 [lambda i=i: _routed_fp4(xs[i], *routes[i], ex, limit, **{which: p}) for i in range(DECODE_COPIES)]))

@@ -49,7 +49,7 @@ from torch import Tensor
 
 from engine.kernels.fp8_linear import (_MAX_TICKETS, _bf16_bits, _cdiv, _num_sms, _quant_blocks,
                                        _tickets, fp8_act_qdq, fp8_linear)
-from engine.kernels.moe_fp4 import MAX_PAIRS_PER_TILE, fp4_applies, moe_down_fp4, moe_up_fp4, quant_rows
+from engine.kernels.moe_fp4 import MAX_PAIRS_PER_TILE, fp4_applies, moe_down_fp4, moe_up_fp4, plan_and_quant
 from engine.kernels.sparse_attention import _round_bf16
 from engine.model.moe import MoE
 from engine.quant import BLOCK, _act_dequant, act_quant, act_quant_qdq, dequant_fp4_weight, exact_matmul
@@ -574,9 +574,10 @@ def moe_forward(x: Tensor, moe: MoE, experts: ExpertWeights, ids: Tensor | None 
         weights, ids = moe_route(x, gate.weight, gate.bias, gate.topk, gate.route_scale, gate.norm_topk)
     limit = moe.experts[0].limit
     if fp4_applies(x, experts):  # decode on CUDA: the FP4 GEMVs of cuda/moe_fp4.cu (tiles of <= 8 pairs)
-        plan = moe_plan(ids, experts.w13.size(0), MAX_PAIRS_PER_TILE)
+        sorted_pairs, tiles, xq, xs = plan_and_quant(x, ids, experts.w13.size(0), MAX_PAIRS_PER_TILE)
+        plan = MoePlan(sorted_pairs, tiles[0], tiles[1], tiles[2], MAX_PAIRS_PER_TILE, ids.size(1))
         rows = min(MAX_PAIRS_PER_TILE, t) if routed else None  # the router names an expert once per token
-        hq, hs, _ = moe_up_fp4(*quant_rows(x), experts, plan, weights, limit, max_tile_rows=rows)
+        hq, hs, _ = moe_up_fp4(xq, xs, experts, plan, weights, limit, max_tile_rows=rows)
         o = moe_down_fp4(hq, hs, experts, plan, max_tile_rows=rows)
     else:
         plan = moe_plan(ids, experts.w13.size(0), pick_block_m(ids.numel(), experts.w13.size(0)))
