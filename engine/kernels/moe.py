@@ -24,7 +24,8 @@ Launches of moe_forward:
      launch before it for larger tiles), SwiGLU + clamps + routing weight, bf16, then
      act_quant QDQ of h per 32 (the input of W2, fused here because the tile holds whole 32-blocks);
   5. the same kernel DOWN: W2 over the sorted rows of h, fp32 out [T·k, D] by pair;
-  6-8. shared expert: fp8_linear on [W1; W3] (one launch), `_swiglu_kernel`, fp8_linear on W2;
+  6-8. shared expert: fp8_linear on [W1; W3] (one launch), `_swiglu_kernel`, fp8_linear on W2 (at decode on
+     CUDA on a side stream, forked before the router and joined before the combine);
   9. `_combine_kernel`: y = bf16(Σ_j bf16(o_tj) + shared).
 K splits (decode, to fill the GPU) write fp32 partials; the last program of a tile (atomic ticket, as in
 fp8_linear) sums them in split order: deterministic, one launch.
@@ -561,6 +562,18 @@ def _combine_kernel(o_ptr, ids_ptr, shared_ptr, y_ptr, D, topk, BLOCK: tl.conste
     tl.store(y_ptr + t * D + offs, _bf16_bits(acc), mask=ok)
 
 
+_SIDE_STREAMS: dict[torch.device, torch.cuda.Stream] = {}
+
+
+def _side_stream(device: torch.device) -> torch.cuda.Stream:
+    """One side stream per device for the shared expert, created on first use (a CUDA-graph capture of a layer
+    warms it up first, as benchmarks/gpu_timing.py does)."""
+    stream = _SIDE_STREAMS.get(device)
+    if stream is None:
+        stream = _SIDE_STREAMS[device] = torch.cuda.Stream(device)
+    return stream
+
+
 def moe_forward(x: Tensor, moe: MoE, experts: ExpertWeights, ids: Tensor | None = None,
                 weights: Tensor | None = None) -> Tensor:
     """The MoE layer on the kernels: x bf16 [T, D] -> bf16 [T, D]. ids int32 / weights fp32 [T, k] override
@@ -569,11 +582,17 @@ def moe_forward(x: Tensor, moe: MoE, experts: ExpertWeights, ids: Tensor | None 
     gate = moe.gate
     assert gate.score_func == "sqrtsoftplus" and gate.temp == 1.0, f"router {gate.score_func} / {gate.temp}"
     t, d = x.shape
+    decode = fp4_applies(x, experts)
+    if decode:  # the shared expert (three small launches) runs on a side stream, beside the router and the GEMVs
+        current, side = torch.cuda.current_stream(x.device), _side_stream(x.device)
+        side.wait_stream(current)
+        with torch.cuda.stream(side):
+            shared = shared_expert(x, experts, moe.shared_experts.limit)
     routed = ids is None
     if routed:
         weights, ids = moe_route(x, gate.weight, gate.bias, gate.topk, gate.route_scale, gate.norm_topk)
     limit = moe.experts[0].limit
-    if fp4_applies(x, experts):  # decode on CUDA: the FP4 GEMVs of cuda/moe_fp4.cu (tiles of <= 8 pairs)
+    if decode:  # on CUDA: the FP4 GEMVs of cuda/moe_fp4.cu (tiles of <= 8 pairs)
         sorted_pairs, tiles, xq, xs = plan_and_quant(x, ids, experts.w13.size(0), MAX_PAIRS_PER_TILE)
         plan = MoePlan(sorted_pairs, tiles[0], tiles[1], tiles[2], MAX_PAIRS_PER_TILE, ids.size(1))
         rows = min(MAX_PAIRS_PER_TILE, t) if routed else None  # the router names an expert once per token
@@ -582,7 +601,11 @@ def moe_forward(x: Tensor, moe: MoE, experts: ExpertWeights, ids: Tensor | None 
     else:
         plan = moe_plan(ids, experts.w13.size(0), pick_block_m(ids.numel(), experts.w13.size(0)))
         o = moe_down(moe_up(x, experts, plan, weights, limit), experts, plan)
-    shared = shared_expert(x, experts, moe.shared_experts.limit)
+    if decode:
+        current.wait_stream(side)  # rejoin (also inside a CUDA-graph capture)
+        shared.record_stream(current)
+    else:
+        shared = shared_expert(x, experts, moe.shared_experts.limit)
     y = torch.empty_like(x)
     if t:
         _combine_kernel[(t, _cdiv(d, 1024))](o, ids, shared, y.view(torch.int16), d, ids.size(1), BLOCK=1024,
