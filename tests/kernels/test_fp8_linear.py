@@ -52,13 +52,29 @@ def assert_fp8_linear_close(y, ref, x, qw, sw, eps: float, what: str) -> None:
     err = (yf - rf).abs()
     bad = ~(err <= allowed)  # NaN fails
     if bad.any():
-        worst = int(torch.where(bad, err / allowed, torch.inf).nan_to_num(posinf=1e30).argmax())
+        worst = int(torch.where(bad, (err / allowed).nan_to_num(nan=1e30, posinf=1e30), -1.0).argmax())
         m, n = divmod(worst, rf.size(1))
         pytest.fail(
             f"{what}: {int(bad.sum())}/{bad.numel()} elements out of tolerance; worst [m={m}, n={n}]: "
             f"y={yf[m, n].item():.6g} ref={rf[m, n].item():.6g} err={err[m, n].item():.3g} "
             f"allowed={allowed[m, n].item():.3g} ({err[m, n].item() / ulp[m, n].item():.1f} ULP)"
         )
+
+
+def test_close_names_the_worst_element():
+    """The failure message points at the element furthest outside its tolerance (and NaN counts as worst)."""
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(3, 64, generator=g).bfloat16()
+    qw, sw = quant_fp8_weight(torch.randn(40, 64, generator=g) * 0.05)
+    ref = linear(x, qw, sw)
+    y = ref.clone()
+    y[1, 7] = ref[1, 7] + 1.0
+    y[2, 30] = ref[2, 30] + 4.0
+    with pytest.raises(pytest.fail.Exception, match=r"2/120 .*worst \[m=2, n=30\]"):
+        assert_fp8_linear_close(y, ref, x, qw, sw, 0.0, "probe")
+    y[0, 3] = float("nan")
+    with pytest.raises(pytest.fail.Exception, match=r"worst \[m=0, n=3\]"):
+        assert_fp8_linear_close(y, ref, x, qw, sw, 0.0, "probe")
 
 
 def _awkward_rows(k: int) -> torch.Tensor:
