@@ -5,6 +5,7 @@ with tiles of at most 8 pairs (moe_plan(ids, E, block_m=8)):
 
     quant_rows(x)            -> A(x): E4M3 codes (as f16, each group of 8 stored in the order 0 4 1 5 2 6 3 7)
                                 and one power-of-two scale per 32 (act_quant bit for bit)
+    plan_and_quant(x, ids)   -> moe_plan(ids, E, 8) bit for bit and quant_rows(x), in one launch
     moe_up_fp4(...)          -> A(h) of h = bf16(w silu(min(g, L)) clamp(u, ±L)) by sorted row (and optionally
                                 h itself), g / u = bf16 of the fp32 sums of exact products
     moe_down_fp4(...)        -> o = A(h) W2^T in fp32 by pair
