@@ -299,7 +299,7 @@ SPARSE_CONFIGS = ((16, 32, 32, 4), (16, 32, 64, 4), (16, 32, 64, 8), (16, 16, 32
                   (64, 32, 64, 8), (16, 64, 128, 8))  # block_h, block_n, rows_per_split, warps
 
 
-def _sparse_torch_fp32(q, swa_pool, swa_idx, main_pool, main_idx, sink, scale):
+def sparse_torch_fp32(q, swa_pool, swa_idx, main_pool, main_idx, sink, scale):
     """Baseline: unpack the listed records with cache_records, then the golden's math in fp32 torch ops."""
     kv, idx = gather_rows_ref(q, swa_pool, swa_idx, main_pool, main_idx)  # bf16 [M, K, D], [M, 1, K]
     kvf = kv.float()
@@ -311,15 +311,25 @@ def _sparse_torch_fp32(q, swa_pool, swa_idx, main_pool, main_idx, sink, scale):
     return (torch.einsum("mhk,mkd->mhd", p.bfloat16().float(), kvf) / denom).bfloat16()
 
 
-def bench_sparse_attn(copy_bw: float) -> None:
-    h, d, kw, km = (SPARSE_SHAPE[k] for k in ("h", "d", "kw", "km"))
-    swa_slots, main_slots = 1 << 18, 1 << 19  # 138 MB + 151 MB of records: gathers come from HBM
+SPARSE_SLOTS = (1 << 18, 1 << 19)  # SWA, main records: 138 MB + 151 MB at D = 512, so gathers come from HBM
+
+
+def sparse_pools(d: int, swa_slots: int = SPARSE_SLOTS[0], main_slots: int = SPARSE_SLOTS[1]
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Random packed SWA (FP8) and main-KV (FP4) record pools on the GPU, with finite moderate values."""
     swa_rec, main_rec = d + d // 32, d // 2 + d // 16
     swa_pool = torch.randint(0, 256, (swa_slots, swa_rec), dtype=torch.uint8, device="cuda")
     swa_pool[:, :d] &= 0x77  # finite E4M3 codes, moderate magnitudes
     swa_pool[:, d:] = torch.randint(120, 131, (swa_slots, d // 32), dtype=torch.uint8, device="cuda")
     main_pool = torch.randint(0, 256, (main_slots, main_rec), dtype=torch.uint8, device="cuda")
     main_pool[:, d // 2:] = torch.randint(0x30, 0x40, (main_slots, d // 16), dtype=torch.uint8, device="cuda")
+    return swa_pool, main_pool
+
+
+def bench_sparse_attn(copy_bw: float) -> None:
+    h, d, kw, km = (SPARSE_SHAPE[k] for k in ("h", "d", "kw", "km"))
+    swa_slots, main_slots = SPARSE_SLOTS
+    swa_pool, main_pool = sparse_pools(d)
     sink = torch.randn(h, device="cuda")
     scale = d ** -0.5
     print(f"\n## sparse_attn: decode MQA over packed pools (H={h}, D={d}, KW={kw} FP8 rows + KM={km} FP4 rows; "
@@ -337,7 +347,7 @@ def bench_sparse_attn(copy_bw: float) -> None:
         args = lambda i: (qs[i], swa_pool, sw[i], main_pool, mn[i], sink, scale)  # noqa: E731
         us = graph_time_us(calls_of(lambda i: lambda: sparse_attn_paged(*args(i)), copies))
         nbytes = m * (kw * swa_rec + km * main_rec + 4 * (kw + km) + 4 * h * d)
-        base = graph_time_us(calls_of(lambda i: lambda: _sparse_torch_fp32(*args(i)), copies))
+        base = graph_time_us(calls_of(lambda i: lambda: sparse_torch_fp32(*args(i)), copies))
         res, best = sweep(SPARSE_CONFIGS, f"M={m}", lambda c: graph_time_us(calls_of(
             lambda i: lambda: sparse_attn_paged(*args(i), block_h=c[0], block_n=c[1], rows_per_split=c[2],
                                                 num_warps=c[3]), copies)))

@@ -25,37 +25,15 @@ if __name__ == "__main__":
     sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from benchmarks.gpu_timing import calls_of, copy_bandwidth, graph_time_us, sweep  # noqa: E402
-from engine.kernels.sparse_attention import gather_rows_ref, sparse_attn_paged, sparse_attn_paged_ref  # noqa: E402
+from benchmarks.kernels import SPARSE_SLOTS, sparse_pools, sparse_torch_fp32  # noqa: E402
+from engine.kernels.sparse_attention import sparse_attn_paged, sparse_attn_paged_ref  # noqa: E402
 from engine.kernels.sparse_decode import (DecodeParams, params_fit, pick_params,  # noqa: E402
                                           sparse_attn_decode)
 
 M_VALUES = (1, 6, 16)
 H, D, KW, KM = 64, 512, 128, 512
-SWA_SLOTS, MAIN_SLOTS = 1 << 18, 1 << 19
+SWA_SLOTS, MAIN_SLOTS = SPARSE_SLOTS
 COPIES = 32
-
-
-def _torch_fp32(q, swa_pool, swa_idx, main_pool, main_idx, sink, scale):
-    """Baseline: unpack the listed records with cache_records, then the golden's math in fp32 torch ops
-    (benchmarks/kernels.py `_sparse_torch_fp32`)."""
-    kv, idx = gather_rows_ref(q, swa_pool, swa_idx, main_pool, main_idx)
-    kvf = kv.float()
-    logits = torch.einsum("mhd,mkd->mhk", q.float(), kvf) * scale
-    logits = logits.masked_fill(idx < 0, float("-inf"))
-    mx = logits.amax(-1, keepdim=True).clamp_min(-1e30)
-    p = torch.exp(logits - mx)
-    denom = p.sum(-1, keepdim=True) + torch.exp(sink.view(1, -1, 1) - mx)
-    return (torch.einsum("mhk,mkd->mhd", p.bfloat16().float(), kvf) / denom).bfloat16()
-
-
-def _pools() -> tuple[torch.Tensor, torch.Tensor]:
-    swa_rec, main_rec = D + D // 32, D // 2 + D // 16
-    swa_pool = torch.randint(0, 256, (SWA_SLOTS, swa_rec), dtype=torch.uint8, device="cuda")
-    swa_pool[:, :D] &= 0x77  # finite E4M3 codes, moderate magnitudes
-    swa_pool[:, D:] = torch.randint(120, 131, (SWA_SLOTS, D // 32), dtype=torch.uint8, device="cuda")
-    main_pool = torch.randint(0, 256, (MAIN_SLOTS, main_rec), dtype=torch.uint8, device="cuda")
-    main_pool[:, D // 2:] = torch.randint(0x30, 0x40, (MAIN_SLOTS, D // 16), dtype=torch.uint8, device="cuda")
-    return swa_pool, main_pool
 
 
 def _inputs(m: int):
@@ -81,7 +59,7 @@ def _within_tol(o, args, scale) -> bool:
 
 
 def bench(copy_bw: float, sweep_params: bool = False, m_values: tuple[int, ...] = M_VALUES) -> None:
-    swa_pool, main_pool = _pools()
+    swa_pool, main_pool = sparse_pools(D, SWA_SLOTS, MAIN_SLOTS)
     sink = torch.randn(H, device="cuda")
     scale = D ** -0.5
     sms = torch.cuda.get_device_properties(0).multi_processor_count
@@ -100,7 +78,7 @@ def bench(copy_bw: float, sweep_params: bool = False, m_values: tuple[int, ...] 
         us = graph_time_us(calls_of(lambda i: lambda: sparse_attn_decode(*args(i), p), COPIES))
         us_np = graph_time_us(calls_of(lambda i: lambda: sparse_attn_decode(*args(i), no_pdl), COPIES))
         tri = graph_time_us(calls_of(lambda i: lambda: sparse_attn_paged(*args(i)), COPIES))
-        base = graph_time_us(calls_of(lambda i: lambda: _torch_fp32(*args(i)), COPIES))
+        base = graph_time_us(calls_of(lambda i: lambda: sparse_torch_fp32(*args(i)), COPIES))
         nbytes = m * (KW * (D + D // 32) + KM * (D // 2 + D // 16) + 4 * (KW + KM) + 4 * H * D)
         o = sparse_attn_decode(*args(0))
         same = (o.view(torch.int16) == sparse_attn_paged(*args(0)).view(torch.int16)).double().mean().item()

@@ -58,9 +58,8 @@ def _cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
-@lru_cache(maxsize=None)
-def _lib() -> ctypes.CDLL:
-    lib = load("moe_fp4")
+def declare(lib: ctypes.CDLL) -> ctypes.CDLL:
+    """The C signatures of cuda/moe_fp4.cu's entry points on a loaded library (also used by the CPU tests)."""
     lib.dsv41_moe_fp4.restype = ctypes.c_int
     lib.dsv41_moe_fp4.argtypes = ([ctypes.c_int] + [ctypes.c_void_p] * 8 + [ctypes.c_int] + [ctypes.c_void_p] * 5
                                   + [ctypes.c_int] * 3 + [ctypes.c_float] + [ctypes.c_int] * 7 + [ctypes.c_void_p])
@@ -74,6 +73,11 @@ def _lib() -> ctypes.CDLL:
     lib.dsv41_moe_fp4_error_string.restype = ctypes.c_char_p
     lib.dsv41_moe_fp4_error_string.argtypes = [ctypes.c_int]
     return lib
+
+
+@lru_cache(maxsize=None)
+def _lib() -> ctypes.CDLL:
+    return declare(load("moe_fp4"))
 
 
 def smem_bytes(k: int, x_rows: int, p: Fp4Params) -> int:

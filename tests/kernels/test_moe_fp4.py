@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from engine.kernels import cuda_build
-from engine.kernels.moe_fp4 import CHUNK, Fp4Params, dequant_rows, pick_params, smem_bytes
+from engine.kernels.moe_fp4 import CHUNK, Fp4Params, declare, dequant_rows, pick_params, smem_bytes
 from engine.presets import full_config
 from engine.quant import _fp4_byte_table
 
@@ -25,18 +25,7 @@ PERM8 = [0, 4, 1, 5, 2, 6, 3, 7]  # element stored at each position of an 8-grou
 
 
 def _lib(tmp_path) -> ctypes.CDLL:
-    lib = ctypes.CDLL(str(cuda_build.build("moe_fp4", tmp_path)))
-    lib.dsv41_moe_fp4.restype = ctypes.c_int
-    lib.dsv41_moe_fp4.argtypes = ([ctypes.c_int] + [ctypes.c_void_p] * 8 + [ctypes.c_int] + [ctypes.c_void_p] * 5
-                                  + [ctypes.c_int] * 3 + [ctypes.c_float] + [ctypes.c_int] * 7 + [ctypes.c_void_p])
-    lib.dsv41_moe_fp4_smem.restype = ctypes.c_size_t
-    lib.dsv41_moe_fp4_smem.argtypes = [ctypes.c_int] * 5
-    lib.dsv41_moe_plan_quant.restype = ctypes.c_int
-    lib.dsv41_moe_plan_quant.argtypes = ([ctypes.c_void_p, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_int]
-                                         + [ctypes.c_void_p] * 5 + [ctypes.c_int] * 2 + [ctypes.c_void_p])
-    lib.dsv41_moe_quant_rows.restype = ctypes.c_int
-    lib.dsv41_moe_quant_rows.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int] * 2 + [ctypes.c_void_p]
-    return lib
+    return declare(ctypes.CDLL(str(cuda_build.build("moe_fp4", tmp_path))))
 
 
 @needs_nvcc
