@@ -7,6 +7,7 @@ replay time / calls. Rates are reported against the device-to-device copy bandwi
 
 from __future__ import annotations
 
+import argparse
 import math
 import statistics
 from collections.abc import Callable
@@ -79,3 +80,18 @@ def sweep(configs, label: str, time_us: Callable[[tuple], float]) -> tuple[dict,
 
 def calls_of(make: Callable[[int], Callable[[], object]], copies: int) -> list[Callable[[], object]]:
     return [make(i % copies) for i in range(max(copies, 32))]
+
+
+def gemv_bench_main(bench: Callable[..., None], description: str, shapes_help: str,
+                    m_values: tuple[int, ...]) -> None:
+    """The command line of a GEMV benchmark module: [--sweep] [--shapes a,b] [--m 1,8] ->
+    bench(copy_bandwidth(), sweep, shape names or None, m values)."""
+    parser = argparse.ArgumentParser(description=description)
+    parser.add_argument("--sweep", action="store_true", help="also sweep launch shapes")
+    parser.add_argument("--shapes", help=f"comma-separated matrices: {shapes_help}")
+    parser.add_argument("--m", help="comma-separated M values (default " + ",".join(map(str, m_values)) + ")")
+    args = parser.parse_args()
+    assert torch.cuda.is_available(), "needs a CUDA GPU"
+    names = tuple(args.shapes.split(",")) if args.shapes else None
+    ms = tuple(int(v) for v in args.m.split(",")) if args.m else m_values
+    bench(copy_bandwidth(), args.sweep, names, ms)

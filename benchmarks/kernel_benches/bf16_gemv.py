@@ -19,7 +19,6 @@ pick_params's choice.
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import sys
 from pathlib import Path
@@ -30,7 +29,7 @@ import torch.nn.functional as F
 if __name__ == "__main__":
     sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from benchmarks.gpu_timing import calls_of, copies_for, copy_bandwidth, graph_time_us, sweep  # noqa: E402
+from benchmarks.gpu_timing import calls_of, copies_for, gemv_bench_main, graph_time_us, sweep  # noqa: E402
 from engine.kernels.bf16_gemv import (INSTANCES, GemvParams, bf16_gemv, bf16_gemv_ref,  # noqa: E402
                                       pick_params, smem_bytes)
 from engine.presets import full_config  # noqa: E402
@@ -135,16 +134,7 @@ def sweep_gemv(todo: dict[str, tuple[int, int]], m_values: tuple[int, ...]) -> N
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--sweep", action="store_true", help="also sweep launch shapes")
-    parser.add_argument("--shapes", help="comma-separated matrices: head, compressor (default: both)")
-    parser.add_argument("--m", help="comma-separated M values (default 1,2,4,8)")
-    args = parser.parse_args()
-    assert torch.cuda.is_available(), "needs a CUDA GPU"
-    names = tuple(args.shapes.split(",")) if args.shapes else None
-    m_values = tuple(int(v) for v in args.m.split(",")) if args.m else M_VALUES
-    bench(copy_bandwidth(), args.sweep, names, m_values)
-
+    gemv_bench_main(bench, __doc__.splitlines()[0], "head, compressor (default: both)", M_VALUES)
 
 if __name__ == "__main__":
     main()

@@ -22,7 +22,6 @@ unroll at the stage-1 winner; it prints the best few per (matrix, M) next to pic
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import math
 import sys
@@ -34,7 +33,7 @@ import torch.nn.functional as F
 if __name__ == "__main__":
     sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from benchmarks.gpu_timing import calls_of, copies_for, copy_bandwidth, graph_time_us, sweep  # noqa: E402
+from benchmarks.gpu_timing import calls_of, copies_for, gemv_bench_main, graph_time_us, sweep  # noqa: E402
 from engine.kernels.fp8_gemv import (GemvParams, fp8_gemv, fp8_gemv_bf16_ref, fp8_gemv_grouped,  # noqa: E402
                                      pick_params, smem_bytes)
 from engine.kernels.fp8_linear import fp8_linear, fp8_linear_ref, layer_shapes, pick_config  # noqa: E402
@@ -195,16 +194,7 @@ def sweep_gemv(shapes: dict[str, tuple[int, int]], m_values: tuple[int, ...]) ->
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--sweep", action="store_true", help="also sweep launch shapes")
-    parser.add_argument("--shapes", help="comma-separated matrices (default: wo_a and the six of layer_shapes)")
-    parser.add_argument("--m", help="comma-separated M values (default 1,2,4,8)")
-    args = parser.parse_args()
-    assert torch.cuda.is_available(), "needs a CUDA GPU"
-    names = tuple(args.shapes.split(",")) if args.shapes else None
-    m_values = tuple(int(v) for v in args.m.split(",")) if args.m else M_VALUES
-    bench(copy_bandwidth(), args.sweep, names, m_values)
-
+    gemv_bench_main(bench, __doc__.splitlines()[0], "default: wo_a and the six of layer_shapes", M_VALUES)
 
 if __name__ == "__main__":
     main()
