@@ -1,6 +1,7 @@
 // What the CUDA kernels of cuda/*.cu share: act_quant of a 32-block (engine.quant.act_quant bit for bit), the f16
-// and bf16 MMAs, ldmatrix, the E4M3 -> f16 conversion, the activation row stride in shared memory, and the launch with the shared-memory opt-in, a thread-block
-// cluster over x and programmatic dependent launch. engine/kernels/cuda_build.py hashes this header into every
+// and bf16 MMAs, ldmatrix, the E4M3 -> f16 and E2M1 -> f16 conversions, the permuted 8-group order, the activation
+// row stride in shared memory, and the launch with the shared-memory opt-in, a thread-block cluster over x and
+// programmatic dependent launch. engine/kernels/cuda_build.py hashes this header into every
 // library's cache key.
 #pragma once
 
@@ -96,6 +97,20 @@ __device__ __forceinline__ void e4m3x4_to_f16x4(uint32_t w, uint32_t& lo, uint32
       "cvt.rn.f16x2.e4m3x2 %0, l;\n\tcvt.rn.f16x2.e4m3x2 %1, h;\n\t}"
       : "=r"(lo), "=r"(hi) : "r"(w));
 }
+
+// 8 E2M1 nibbles (element i at bits 4i..4i+3) -> p[j] = f16x2 (element j, element j + 4), each value * 2^-14:
+// sign bit to 15, the 3 exponent/mantissa bits to 11..9 (exponent 0 gives the f16 subnormal 2^-15 = 0.5 * 2^-14).
+template <int J>
+__device__ __forceinline__ uint32_t e2m1_pair(uint32_t w) {
+  constexpr int kSign = 12 - 4 * J, kMag = 9 - 4 * J;
+  const uint32_t s = (kSign >= 0 ? (w << kSign) : (w >> -kSign)) & 0x80008000u;
+  const uint32_t m = (kMag >= 0 ? (w << kMag) : (w >> -kMag)) & 0x0E000E00u;
+  return s | m;
+}
+
+// The position of element e (0..7) of an 8-group in the permuted activation order (the order in which e2m1_pair
+// produces f16 pairs: stored [0, 4, 1, 5, 2, 6, 3, 7]).
+__host__ __device__ __forceinline__ int perm8(int e) { return 2 * (e & 3) + (e >> 2); }
 
 // Launch `kernel` on `stream` with dynamic shared memory `smem` (the kernel's opt-in to max_smem is set once per
 // device in *smem_set, a static of the caller's kernel instance: the first call, a warm-up, is outside any graph

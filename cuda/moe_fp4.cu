@@ -105,18 +105,8 @@ __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commi
 template <int N>
 __device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_group %0;" ::"n"(N) : "memory"); }
 
-// 8 E2M1 nibbles (element i at bits 4i..4i+3) -> p[j] = f16x2 (element j, element j + 4), each value * 2^-14:
-// sign bit to 15, the 3 exponent/mantissa bits to 11..9 (exponent 0 gives the f16 subnormal 2^-15 = 0.5 * 2^-14).
-template <int J>
-__device__ __forceinline__ uint32_t e2m1_pair(uint32_t w) {
-  constexpr int kSign = 12 - 4 * J, kMag = 9 - 4 * J;
-  const uint32_t s = (kSign >= 0 ? (w << kSign) : (w >> -kSign)) & 0x80008000u;
-  const uint32_t m = (kMag >= 0 ? (w << kMag) : (w >> -kMag)) & 0x0E000E00u;
-  return s | m;
-}
-
-// The position of element e (0..7) of an 8-group in the permuted activation order.
-__host__ __device__ __forceinline__ int perm8(int e) { return 2 * (e & 3) + (e >> 2); }
+using dsv41::e2m1_pair;
+using dsv41::perm8;
 
 __device__ __forceinline__ float e8m0_x16384(uint32_t code) { return __uint_as_float((code + 14u) << 23); }
 
