@@ -30,16 +30,16 @@
 // (UE8M0 code 0 decodes to 0 as in the Triton kernel, to 2^-127 in the golden: they differ only for a block whose
 // values are all below ~2^-125, i.e. in practice an all-zero block, where both give 0.)
 //
-// Data path: the M·H query rows (<= 256) are staged once per CTA in shared memory as f16 with each group of 8
-// stored in the order 0 4 1 5 2 6 3 7 (moe_fp4's perm8), so one 16-byte load hands thread (g, t) the A
-// fragments of both MMAs of a 32-block for one row; row stride x_stride(128) = 160 halves (320 B = 64 mod 128:
-// the 16-byte loads of rows g and g + 1 fall in opposite bank halves, conflict-free). Each warp owns units of
-// NB groups of 8 entries (the MMA's N: entry g of a group is column g), units dealt round-robin over all
-// warps of the persistent grid; per unit it copies, with 4-byte cp.async (a record is only 4-byte aligned),
-// word 4b + t of block b of entry g into lane (g, t)'s own ring slot and the scale word of entry g (lanes t = 0),
-// STAGES - 1 units ahead; the slots of the next two units are prefetched into registers. Thread (g, t) turns
-// its word of block b into the 4 B registers of that block's 2 MMAs: pairs (elements 8t + j, 8t + j + 4),
-// j = 0..3 — the same k permutation as the stored queries. C fragment: rows g, g + 8 x entries 2t, 2t + 1.
+// Data path: the M·H query rows (<= 256) are staged once per CTA in shared memory as f16 A fragments (q_frag_word):
+// each 8-element slice in the order 0 4 1 5 2 6 3 7 (moe_fp4's perm8), laid out so that lane (g, t) loads each
+// MMA's four A registers with one conflict-free 16-byte load. Each warp owns units of NB groups of 8 entries (the
+// MMA's N: entry g of a group is column g), units dealt round-robin over all warps of the persistent grid; per
+// unit it copies, with 4-byte cp.async (a record is only 4-byte aligned), word 4b + t of block b of entry g into
+// lane (g, t)'s own ring slot and the scale word of entry g (lanes t = 0), STAGES - 1 units ahead; the slots of
+// the next two units are prefetched into registers. Thread (g, t) turns its word of block b into the 4 B
+// registers of that block's 2 MMAs: pairs (elements 8t + j, 8t + j + 4), j = 0..3 — the same k permutation as
+// the staged queries. C fragment: rows g, g + 8 x entries 2t, 2t + 1. The head sums of a unit's 2·NB entries per
+// lane are reduced over g by a reduce-scatter (reduce_scatter_g), each lane storing one score.
 // No global workspace, no atomics: any stream, CUDA-graph capturable.
 // Programmatic dependent launch: q, w, slots, visible and the key pool may all be the predecessor's output (the
 // new entry's record), so the kernel waits for its predecessor before its first read.
@@ -64,7 +64,6 @@ constexpr int kMaxRows = 256;        // M·H query rows
 constexpr int kMaxWarps = 8;         // per CTA
 constexpr int kMaxSmem = 200 * 1024;
 constexpr int kGroupWords = 4 * 32 + 8;  // one 8-entry group in a stage: codes [block][lane] + a scale word per entry
-constexpr int kStride = 160;         // dsv41::x_stride(kD): f16 per staged query row
 
 struct ScanArgs {
   const __nv_bfloat16* q;  // [M, H, 128]
@@ -78,11 +77,11 @@ struct ScanArgs {
 
 __host__ __device__ __forceinline__ size_t align128(size_t b) { return (b + 127) / 128 * 128; }
 
-// Shared memory: q_s f16 [R][kStride] | w_s bf16 [R] (w · sq of the row) | vis_s int [8] | rings
-// [warps][STAGES][NB · kGroupWords] u32.
+// Shared memory: q_frag u32 [R/16 tiles][4 blocks][2 MMAs][32 lanes][4] (the A fragments, one 16-byte load per
+// MMA) | w_s bf16 [R] (w · sq of the row) | vis_s int [8] | rings [warps][STAGES][NB · kGroupWords] u32.
 __host__ __device__ __forceinline__ size_t smem_layout(int rows, int warps, int nb, int stages, size_t* off_w,
                                                        size_t* off_vis, size_t* off_ring) {
-  size_t b = align128(size_t(rows) * kStride * 2);
+  size_t b = align128(size_t(rows) * kD * 2);
   *off_w = b;
   b = align128(b + size_t(rows) * 2);
   *off_vis = b;
@@ -113,12 +112,21 @@ __device__ __forceinline__ uint32_t f16x2_bits(float lo, float hi) {
   return *reinterpret_cast<const uint32_t*>(&h);
 }
 
-// One 32-block of a query row (bf16, global) -> q / sa as f16 in the order 0 4 1 5 2 6 3 7 per 8-group; returns
-// sa · 2^14 (the key's bit-placement factor folded in). sa = 2^max(floor(log2 amax) - 15, -126) with amax the ROW's
-// max |q| (1 when the row is all zero): cuda/fp8_gemv.cu stage_block_exact's scale, per row instead of per block
-// (its header proves the exactness). Called by the 4 consecutive lanes holding blocks 0..3 of the row (all 32
-// lanes of the warp active).
-__device__ __forceinline__ float stage_query_block(const __nv_bfloat16* src, __half* dst) {
+// Word of the staged A fragments holding f16x2 word j (elements (8t + j, 8t + j + 4)) of block b of query row
+// `row`: mma.sync m16n8k16's A registers of lane (g, t) are (row g, row g + 8) x (k pair 2t, k pair 2t + 8); with
+// the block's 32 elements split into two MMAs of 16 (words 0, 1 and 2, 3 of each lane's 8-element slice), lane
+// (g, t) of MMA i loads {word 2i of row g, of row g + 8, word 2i + 1 of row g, of row g + 8} in one 16-byte load.
+__device__ __forceinline__ int q_frag_word(int row, int b, int t, int j) {
+  const int rr = row & 15;
+  return ((((row >> 4) * 4 + b) * 2 + (j >> 1)) * 32 + (rr & 7) * 4 + t) * 4 + (j & 1) * 2 + (rr >> 3);
+}
+
+// One 32-block of a query row (bf16, global) -> q / sa as f16, written as A-fragment words (see q_frag_word);
+// returns sa · 2^14 (the key's bit-placement factor folded in). sa = 2^max(floor(log2 amax) - 15, -126) with amax
+// the ROW's max |q| (1 when the row is all zero): cuda/fp8_gemv.cu stage_block_exact's scale, per row instead of
+// per block (its header proves the exactness). Called by the 4 consecutive lanes holding blocks 0..3 of the row
+// (all 32 lanes of the warp active).
+__device__ __forceinline__ float stage_query_block(const __nv_bfloat16* src, uint32_t* frag, int row, int b) {
   float v[32];
   dsv41::load_bf16x32(src, v);
   uint32_t ab = __float_as_uint(dsv41::amax32(v));  // >= 0: the bits order as the values
@@ -126,16 +134,42 @@ __device__ __forceinline__ float stage_query_block(const __nv_bfloat16* src, __h
   ab = max(ab, __shfl_xor_sync(0xFFFFFFFFu, ab, 2));  // the row's amax
   const uint32_t sb = ab == 0 ? 127u : uint32_t(max(int(ab >> 23) - 15, 1));
   const float inv_s = __uint_as_float((254u - sb) << 23);  // 1 / sa exactly (biased 14..253)
-  uint32_t out[16];
 #pragma unroll
-  for (int grp = 0; grp < 4; ++grp)
+  for (int t = 0; t < 4; ++t)      // elements 8t..8t+7 of the block: the k slice of lanes (., t)
 #pragma unroll
-    for (int j = 0; j < 4; ++j)  // stored pair j of group grp: elements (j, j + 4)
-      out[4 * grp + j] = f16x2_bits(__fmul_rn(v[8 * grp + j], inv_s), __fmul_rn(v[8 * grp + j + 4], inv_s));
-  uint4* d4 = reinterpret_cast<uint4*>(dst);
-#pragma unroll
-  for (int i = 0; i < 4; ++i) d4[i] = make_uint4(out[4 * i], out[4 * i + 1], out[4 * i + 2], out[4 * i + 3]);
+    for (int j = 0; j < 4; ++j)    // f16x2 word j of that slice: elements (8t + j, 8t + j + 4) (moe_fp4's perm8)
+      frag[q_frag_word(row, b, t, j)] =
+          f16x2_bits(__fmul_rn(v[8 * t + j], inv_s), __fmul_rn(v[8 * t + j + 4], inv_s));
   return __uint_as_float((sb + 14u) << 23);  // biased 15..253: normal
+}
+
+// Head sums of a warp step: lane (g, t) holds v[2·grp + c] = its rows' part of entry 8·grp + 2t + c. Reduced over
+// the 8 row groups g by a reduce-scatter over the lane bits of g (xor 4, 8, 16: the pairing, and so every sum, of
+// an xor butterfly; fp32 adds commute, so each value is one fixed tree: deterministic). Returns the index of the
+// value the lane ends with (v[0]) and sets *owner when this lane is the one that stores it.
+template <int V>
+__device__ __forceinline__ int reduce_scatter_g(float (&v)[V], int g, bool* owner) {
+  int idx = 0, n = V;
+  bool own = true;
+#pragma unroll
+  for (int lvl = 0; lvl < 3; ++lvl) {
+    const bool upper = (g >> lvl) & 1;
+    if (n > 1) {
+      const int h = n / 2;
+#pragma unroll
+      for (int i = 0; i < h; ++i) {
+        const float send = upper ? v[i] : v[h + i], keep = upper ? v[h + i] : v[i];
+        v[i] = __fadd_rn(keep, __shfl_xor_sync(0xFFFFFFFFu, send, 4 << lvl));
+      }
+      idx += upper ? h : 0;
+      n = h;
+    } else {
+      v[0] = __fadd_rn(v[0], __shfl_xor_sync(0xFFFFFFFFu, v[0], 4 << lvl));
+      own = own && !upper;
+    }
+  }
+  *owner = own;
+  return idx;
 }
 
 template <int NB, int STAGES>
@@ -145,68 +179,76 @@ __global__ void __launch_bounds__(32 * kMaxWarps) indexer_scan_kernel(const Scan
   const int R = a.M * a.H, T = a.T;
   size_t off_w, off_vis, off_ring;
   smem_layout(R, a.warps, NB, STAGES, &off_w, &off_vis, &off_ring);
-  __half* q_s = reinterpret_cast<__half*>(smem);
+  uint32_t* q_frag = reinterpret_cast<uint32_t*>(smem);
   __nv_bfloat16* w_s = reinterpret_cast<__nv_bfloat16*>(smem + off_w);
   int* vis_s = reinterpret_cast<int*>(smem + off_vis);
 
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const int g = lane >> 2, t = lane & 3;
-  const long long total_warps = (long long)gridDim.x * a.warps;
-  const long long wg = (long long)blockIdx.x * a.warps + warp;
-  const long long units = (T + kUnit - 1) / kUnit;
-  uint32_t* ring = reinterpret_cast<uint32_t*>(smem + off_ring) + size_t(warp) * STAGES * NB * kGroupWords;
+  const int total_warps = gridDim.x * a.warps;  // <= 132·kMaxWarps·ctas: int throughout (T < 2^30)
+  const int units = (T + kUnit - 1) / kUnit;
+  uint32_t* ring = reinterpret_cast<uint32_t*>(smem + off_ring) + warp * STAGES * NB * kGroupWords;
+  // A slot is read as its low 32-bit word (int64 slots: word 2e): exact for every index of a pool that fits in
+  // memory (< 2^32 records of 68 B).
+  const uint32_t* slots32 = static_cast<const uint32_t*>(a.slots);
+  const int slot_shift = a.slot64;
 
   // Programmatic dependent launch: every input may be the predecessor's output (a no-op without the attribute).
   asm volatile("griddepcontrol.wait;" ::: "memory");
 
-  auto load_slots = [&](long long j, long long (&s)[NB]) {  // slots of entry g of each group of the warp's unit j
-    const long long u = wg + j * total_warps;
+  int u_next = blockIdx.x * a.warps + warp;  // the unit the next issue copies
+  auto load_slots = [&](int u, uint32_t (&s)[NB]) {  // slots of entry g of each group of unit u
 #pragma unroll
     for (int grp = 0; grp < NB; ++grp) {
-      const int e = u < units ? min(int(u * kUnit) + grp * 8 + g, T - 1) : 0;  // entries past T: a valid record
-      s[grp] = a.slot64 ? (long long)__ldg(static_cast<const long long*>(a.slots) + e)
-                        : (long long)__ldg(static_cast<const int*>(a.slots) + e);
+      const int e = u < units ? min(u * kUnit + grp * 8 + g, T - 1) : 0;  // entries past T: a valid record
+      s[grp] = __ldg(slots32 + (e << slot_shift));
     }
   };
-  long long slot_a[NB], slot_b[NB];  // slots of the next unit to issue and of the one after
-  load_slots(0, slot_a);
-  load_slots(1, slot_b);
-  auto issue = [&](long long j) {  // unit j -> stage j % STAGES (one commit group, empty past the end)
-    if (wg + j * total_warps < units) {
-      uint32_t* st = ring + (j % STAGES) * NB * kGroupWords;
+  uint32_t slot_a[NB], slot_b[NB];  // slots of the next unit to issue and of the one after
+  load_slots(u_next, slot_a);
+  load_slots(u_next + total_warps, slot_b);
+  int stage_in = 0;  // ring stage of the next issue
+  auto issue = [&]() {  // unit u_next -> stage stage_in (one commit group, empty past the end)
+    if (u_next < units) {
+      uint32_t* st = ring + stage_in * NB * kGroupWords + lane;
 #pragma unroll
       for (int grp = 0; grp < NB; ++grp) {
-        const uint8_t* rec = a.pool + slot_a[grp] * kRec;
+        const uint8_t* rec = a.pool + size_t(slot_a[grp]) * kRec + 4 * t;
 #pragma unroll
-        for (int b = 0; b < 4; ++b) cp_async4(st + grp * kGroupWords + b * 32 + lane, rec + 16 * b + 4 * t);
-        if (t == 0) cp_async4(st + grp * kGroupWords + 128 + g, rec + kD / 2);
+        for (int b = 0; b < 4; ++b) cp_async4(st + grp * kGroupWords + b * 32, rec + 16 * b);
+        if (t == 0) cp_async4(st - lane + grp * kGroupWords + 128 + g, rec + kD / 2);
       }
     }
     cp_async_commit();
 #pragma unroll
     for (int grp = 0; grp < NB; ++grp) slot_a[grp] = slot_b[grp];
-    load_slots(j + 2, slot_b);
+    u_next += total_warps;
+    load_slots(u_next + total_warps, slot_b);
+    stage_in = stage_in == STAGES - 1 ? 0 : stage_in + 1;
   };
 #pragma unroll
-  for (int s = 0; s < STAGES - 1; ++s) issue(s);
+  for (int s = 0; s < STAGES - 1; ++s) issue();
 
   // Stage the queries (one thread per (row, 32-block); R·4 % 64 == 0: whole warps), the head weights times the
   // row's scale sq = sa·2^14 (bf16 · power of two: exact) and the visible counts.
   for (int p = tid; p < R * 4; p += blockDim.x) {
     const int row = p >> 2, b = p & 3;
-    const float sq = stage_query_block(a.q + size_t(row) * kD + 32 * b, q_s + row * kStride + 32 * b);
+    const float sq = stage_query_block(a.q + size_t(row) * kD + 32 * b, q_frag, row, b);
     if (b == 0) w_s[row] = __float2bfloat16_rn(__fmul_rn(__bfloat162float(a.w[row]), sq));
   }
   if (tid < kMaxM) vis_s[tid] = tid < a.M ? a.visible[tid] : 0;
   __syncthreads();
 
   const int H = a.H;
-  for (long long j = 0; wg + j * total_warps < units; ++j) {
-    issue(j + STAGES - 1);
+  const uint4* frag4 = reinterpret_cast<const uint4*>(q_frag) + lane;
+  int stage_out = 0;
+  for (int u = blockIdx.x * a.warps + warp; u < units; u += total_warps) {
+    issue();
     cp_async_wait<STAGES - 1>();
-    __syncwarp();  // every lane's copies of unit j are visible to the warp (the scale words are shared)
-    const uint32_t* st = ring + (j % STAGES) * NB * kGroupWords;
-    const int e0 = int((wg + j * total_warps) * kUnit);
+    __syncwarp();  // every lane's copies of unit u are visible to the warp (the scale words are shared)
+    const uint32_t* st = ring + stage_out * NB * kGroupWords;
+    stage_out = stage_out == STAGES - 1 ? 0 : stage_out + 1;
+    const int e0 = u * kUnit;
 
     uint32_t bf[NB][4][4];  // B fragments: [group][block][pair j = elements (8t + j, 8t + j + 4)]
     uint32_t sc[NB][2];     // scale words of entries 2t, 2t + 1 (byte b: block b)
@@ -234,24 +276,24 @@ __global__ void __launch_bounds__(32 * kMaxWarps) indexer_scan_kernel(const Scan
     __syncwarp();  // the stage is consumed: a lane may refill it (next iteration's issue) once all have read it
 
     for (int m = 0; m < a.M; ++m) {
-      float hs[NB][2];
+      float hs[2 * NB];  // [2·grp + c]
 #pragma unroll
-      for (int grp = 0; grp < NB; ++grp) hs[grp][0] = hs[grp][1] = 0.f;
+      for (int i = 0; i < 2 * NB; ++i) hs[i] = 0.f;
       for (int r0 = m * H; r0 < (m + 1) * H; r0 += 16) {  // the query's 16-row MMA tiles
         float acc[NB][4];
 #pragma unroll
         for (int grp = 0; grp < NB; ++grp)
 #pragma unroll
           for (int i = 0; i < 4; ++i) acc[grp][i] = 0.f;
+        const uint4* tile = frag4 + (r0 >> 4) * (4 * 2 * 32);
 #pragma unroll
         for (int b = 0; b < 4; ++b) {
-          const uint4 qa = *reinterpret_cast<const uint4*>(q_s + (r0 + g) * kStride + 32 * b + 8 * t);
-          const uint4 qb = *reinterpret_cast<const uint4*>(q_s + (r0 + g + 8) * kStride + 32 * b + 8 * t);
+          const uint4 a0 = tile[(2 * b) * 32], a1 = tile[(2 * b + 1) * 32];  // the block's two A fragments
 #pragma unroll
           for (int grp = 0; grp < NB; ++grp) {
             float cc[4] = {0.f, 0.f, 0.f, 0.f};
-            dsv41::mma_f16_16816(cc, qa.x, qb.x, qa.y, qb.y, bf[grp][b][0], bf[grp][b][1]);
-            dsv41::mma_f16_16816(cc, qa.z, qb.z, qa.w, qb.w, bf[grp][b][2], bf[grp][b][3]);
+            dsv41::mma_f16_16816(cc, a0.x, a0.y, a0.z, a0.w, bf[grp][b][0], bf[grp][b][1]);
+            dsv41::mma_f16_16816(cc, a1.x, a1.y, a1.z, a1.w, bf[grp][b][2], bf[grp][b][3]);
             float sk0, sk1;
             if constexpr (NB <= 2) {
               sk0 = skh[grp][b][0];
@@ -276,21 +318,16 @@ __global__ void __launch_bounds__(32 * kMaxWarps) indexer_scan_kernel(const Scan
           for (int c = 0; c < 2; ++c) {
             const __nv_bfloat162 s2 = __floats2bfloat162_rn(acc[grp][c], acc[grp][2 + c]);  // (row g, row g + 8)
             const __nv_bfloat162 p2 = __hmul2(__hmax2(s2, zero2), w2);  // one rounding: bf16 x bf16 is exact in fp32
-            hs[grp][c] = __fadd_rn(__fadd_rn(hs[grp][c], __low2float(p2)), __high2float(p2));
+            const uint32_t pb = *reinterpret_cast<const uint32_t*>(&p2);
+            hs[2 * grp + c] = __fadd_rn(__fadd_rn(hs[2 * grp + c], __uint_as_float(pb << 16)),  // row g
+                                        __uint_as_float(pb & 0xFFFF0000u));                  // row g + 8
           }
       }
-      const int vis = vis_s[m];
-#pragma unroll
-      for (int grp = 0; grp < NB; ++grp)
-#pragma unroll
-        for (int c = 0; c < 2; ++c) {
-          float s = hs[grp][c];
-#pragma unroll
-          for (int o = 4; o < 32; o <<= 1) s = __fadd_rn(s, __shfl_xor_sync(0xFFFFFFFFu, s, o));  // over g
-          const int e = e0 + grp * 8 + 2 * t + c;
-          if (g == grp && e < T)
-            a.out[size_t(m) * T + e] = e < vis ? __float2bfloat16_rn(s) : __float2bfloat16_rn(-INFINITY);
-        }
+      bool owner;
+      const int idx = reduce_scatter_g(hs, g, &owner);
+      const int e = e0 + (idx >> 1) * 8 + 2 * t + (idx & 1);
+      if (owner && e < T)
+        a.out[size_t(m) * T + e] = e < vis_s[m] ? __float2bfloat16_rn(hs[0]) : __float2bfloat16_rn(-INFINITY);
     }
   }
   cp_async_wait<0>();

@@ -16,7 +16,10 @@ slots, copies past 4x L2: the records stream from HBM).
   _indexer_torch's bf16 baseline).
 Bytes = the floor T·(68 + 4) + 2·M·H·D + 2·M·H + 2·M·T; TB/s and % copy BW on those bytes. "tensor floor" =
 the time of the M·H·D·2 flops per entry at the dense f16 mma.sync rate assumed here (MMA_TFLOPS; the kernel
-is tensor-bound where it exceeds the memory floor). "== Triton" checks the outputs bitwise on one copy.
+is tensor-bound where it exceeds the memory floor). "!= golden" counts the scores (of M·T, one copy) that differ
+from index_scores_ref (float64) for the CUDA and the Triton kernel: these random keys and weights make some
+fp32 sums inexact (both kernels' exactness condition; the GPU tests' problems keep it), where the two kernels
+round in different orders.
 
 --sweep: every valid (warps, groups, stages, ctas_per_sm) per (T, M); prints the best few next to the pick.
 """
@@ -35,7 +38,7 @@ if __name__ == "__main__":
 
 from benchmarks.gpu_timing import calls_of, copies_for, copy_bandwidth, graph_time_us, sweep  # noqa: E402
 from engine.kernels.cache_records import unpack_index_k  # noqa: E402
-from engine.kernels.indexer import index_scores  # noqa: E402
+from engine.kernels.indexer import index_scores, index_scores_ref  # noqa: E402
 from engine.kernels.indexer_cuda import (ScanParams, index_scores_cuda, pick_params, smem_bytes,  # noqa: E402
                                          valid_params)
 from engine.presets import full_config  # noqa: E402
@@ -81,7 +84,7 @@ def bench(copy_bw: float, t_values=T_VALUES, m_values=M_VALUES, do_sweep: bool =
           "slots; CUDA graph replay, keys from HBM)")
     print(f"copy bandwidth measured in this run: {copy_bw / 1e12:.2f} TB/s (read + write)\n")
     head = ("| T | slots | M | CUDA us | no PDL us | bytes | TB/s | % copy BW | tensor floor us | Triton us "
-            "| torch bf16 us | vs Triton | vs torch | == Triton | params |")
+            "| torch bf16 us | vs Triton | vs torch | != golden: CUDA / Triton | params |")
     print(head)
     print("|" + "---|" * (head.count("|") - 1))
     sweeps = []
@@ -101,13 +104,15 @@ def bench(copy_bw: float, t_values=T_VALUES, m_values=M_VALUES, do_sweep: bool =
             tri = graph_time_us(calls_of(lambda i: lambda: index_scores(*args(i)), copies))
             few = min(copies, 8)
             tor = graph_time_us(calls_of(lambda i: lambda: _indexer_torch(*args(i)), few), replays=3)
-            same = torch.equal(index_scores_cuda(*args(0), params=p), index_scores(*args(0)))
+            gold = index_scores_ref(*args(0))
+            off_cuda = int((index_scores_cuda(*args(0), params=p) != gold).sum())
+            off_tri = int((index_scores(*args(0)) != gold).sum())
             nbytes = t * (rec + 4) + 2 * m * h * d + 2 * m * h + 2 * m * t
             floor = 2 * m * h * d * t / (MMA_TFLOPS * 1e12) * 1e6
             print(f"| {t:,} | {layout} | {m} | {us:.1f} | {us_np:.1f} | {nbytes / 1e6:.2f} MB | "
                   f"{nbytes / us / 1e6:.2f} | "
                   f"{100 * nbytes / (us * 1e-6) / copy_bw:.0f}% | {floor:.1f} | {tri:.1f} | {tor:.1f} | "
-                  f"{tri / us:.1f}x | {tor / us:.1f}x | {'yes' if same else 'NO'} | "
+                  f"{tri / us:.1f}x | {tor / us:.1f}x | {off_cuda} / {off_tri} | "
                   f"w{p.warps} g{p.groups} s{p.stages} c{p.ctas_per_sm} |", flush=True)
             if do_sweep:
                 configs = [c for c in SWEEP if valid_params(m, h, c)

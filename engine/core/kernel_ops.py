@@ -19,6 +19,8 @@ from engine.kernels.compressor import compress_ratio2
 from engine.kernels.engram_gather import HostEngramTable, engram_gather
 from engine.kernels.fp8_linear import fp8_linear
 from engine.kernels.indexer import index_scores
+from engine.kernels.indexer_cuda import MAX_M as SCAN_MAX_M
+from engine.kernels.indexer_cuda import index_scores_cuda, scan_applies
 from engine.kernels.mhc import hc_mixes, hc_post, hc_pre_norm
 from engine.kernels.moe import ExpertWeights, moe_forward, stack_experts
 from engine.kernels.norm import rms_norm
@@ -121,9 +123,16 @@ def index_topk_rows(score: Tensor, k: int) -> Tensor:
 
 
 def index_scores_rows(q: Tensor, w: Tensor, key_pool: Tensor, slots: Tensor, visible: Tensor) -> Tensor:
-    """index_scores over any number of queries (the kernel takes up to 16 at a time)."""
-    return torch.cat([index_scores(q[i:i + INDEXER_MAX_M], w[i:i + INDEXER_MAX_M], key_pool, slots,
-                                   visible[i:i + INDEXER_MAX_M]) for i in range(0, q.size(0), INDEXER_MAX_M)])
+    """index_scores over any number of queries: the CUDA scan (engine.kernels.indexer_cuda) 8 queries at a time
+    where it applies (sm_90 with nvcc, the real head shape), else the Triton kernel 16 at a time."""
+    n = SCAN_MAX_M
+    if scan_applies(q[:n], w[:n], key_pool, slots, visible[:n]):
+        fn = index_scores_cuda
+    else:
+        fn, n = index_scores, INDEXER_MAX_M
+    if q.size(0) <= n:
+        return fn(q, w, key_pool, slots, visible)
+    return torch.cat([fn(q[i:i + n], w[i:i + n], key_pool, slots, visible[i:i + n]) for i in range(0, q.size(0), n)])
 
 
 # ---- the op table ----------------------------------------------------------------------------------------------

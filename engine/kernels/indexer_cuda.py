@@ -52,7 +52,6 @@ _SMEM_PER_SM = 227 * 1024  # the H100/H200 opt-in per SM
 _MAX_WARPS = 8
 _GROUPS = (1, 2, 4)
 _STAGES = (2, 3, 4, 6)
-_STRIDE = 160  # f16 per staged query row: 128 + 32 pad (dsv41::x_stride(128))
 _GROUP_WORDS = 4 * 32 + 8  # a stage's 8-entry group: 32 code words per block + one scale word per entry
 
 
@@ -78,10 +77,10 @@ def _a128(b: int) -> int:
 
 
 def smem_bytes(m: int, h: int, p: ScanParams) -> int:
-    """Shared memory of one CTA (dsv41_indexer_scan_smem): queries f16 [M·H, 160], head weights times the row
-    scales bf16 [M·H], visible counts int [8], and the warps' rings [warps, stages, groups · 136] u32."""
+    """Shared memory of one CTA (dsv41_indexer_scan_smem): the queries as f16 A fragments (M·H x 128), head weights
+    times the row scales bf16 [M·H], visible counts int [8], and the warps' rings [warps, stages, groups · 136] u32."""
     rows = m * h
-    b = _a128(rows * _STRIDE * 2)
+    b = _a128(rows * HEAD_DIM * 2)
     b = _a128(b + rows * 2)
     b = _a128(b + MAX_M * 4)
     return b + p.warps * p.stages * p.groups * _GROUP_WORDS * 4
@@ -95,12 +94,12 @@ def valid_params(m: int, h: int, p: ScanParams) -> bool:
 
 
 def pick_params(m: int, h: int, t: int, num_sms: int = 132) -> ScanParams:
-    """Launch shape by query rows. Few rows (M·H <= 64: memory-bound): 2 CTAs of 8 warps per SM, 16-entry steps,
-    4 stages (3 steps = 3.3 KB in flight per warp, ~52 KB per SM). More rows (tensor-bound): 32-entry steps (each
-    16-byte query load feeds 8 MMAs), 3 stages, one CTA per SM (the 32-entry step needs ~240 registers).
-    NOT YET TUNED on the H200 (benchmarks/kernel_benches/indexer_cuda.py --sweep); CTAs per SM are lowered until
-    they fit the SM's shared memory."""
-    p = ScanParams(8, 2, 4, 2) if m * h <= 64 else ScanParams(8, 4, 3, 1)
+    """Launch shape by query rows: 2 CTAs of 8 warps per SM, 16-entry steps; 4 stages for few rows (M·H <= 64:
+    memory-bound; 3 steps = 3.3 KB in flight per warp), 3 for more (tensor-bound). From the H200 sweep of
+    2026-11-30 (benchmarks/kernel_benches/indexer_cuda.py --sweep, T = 1M): at M = 1 every shape with 16-entry
+    steps was within 5%; at M = 8 (8, 2, 3, 2) took 422 us and the 32-entry step (8, 4, 3, 1, ~234 registers)
+    500. CTAs per SM are lowered until they fit the SM's shared memory."""
+    p = ScanParams(8, 2, 4, 2) if m * h <= 64 else ScanParams(8, 2, 3, 2)
     while p.ctas_per_sm > 1 and p.ctas_per_sm * (smem_bytes(m, h, p) + 1024) > _SMEM_PER_SM:
         p = ScanParams(p.warps, p.groups, p.stages, p.ctas_per_sm - 1, p.pdl)
     return p

@@ -8,7 +8,9 @@ record words each lane copies, the E2M1 -> f16 bit placement of e2m1_pair, the m
 tables of the PTX ISA, the C-fragment scaling by the entries' scale words, the fp32 block accumulation, the
 bf16 roundings, the per-lane head order and the xor butterfly, the output index), is BITWISE equal to the golden
 index_scores_ref and to the Triton index_scores (interpreter) at the real head shape, and differs from it under
-each of several one-index mutations.
+each of several one-index mutations. Two storage details are checked against it separately: the staged query
+layout hands each MMA the emulation's A registers, and the kernel's reduce-scatter stores every score once with
+the butterfly's sums.
 
 GPU (@gpu, skipped without CUDA sm_90 + nvcc): index_scores_cuda at the real shape (H = 32, D = 128) for T in
 {4096, 65536, 1M} and M in {1, 2, 6, 8} with random visible counts (incl. 0), paged pools and int32/int64 slots
@@ -275,6 +277,77 @@ def test_e2m1_pair_places_the_value_times_2_pow_minus_14():
         for j in range(4):
             lo, hi = _e2m1_pair(wd, j)
             assert _F16[lo] == values[j] * 2.0**-14 and _F16[hi] == values[j + 4] * 2.0**-14, (hex(wd), j)
+
+
+def _q_frag_word(row: int, b: int, t: int, j: int) -> int:
+    """q_frag_word of cuda/indexer_scan.cu."""
+    rr = row & 15
+    return (((((row >> 4) * 4 + b) * 2 + (j >> 1)) * 32 + (rr & 7) * 4 + t) * 4 + (j & 1) * 2 + (rr >> 3))
+
+
+def test_query_fragment_layout_feeds_each_mma_its_a_registers():
+    """The staged layout is a bijection onto the rows' 64 words each, and the 16-byte load of lane (g, t) for MMA i
+    of block b holds the emulation's A registers (word 2i of rows g, g + 8, then word 2i + 1 of rows g, g + 8)."""
+    rows = 32
+    where = {}
+    for row in range(rows):
+        for b in range(4):
+            for t in range(4):
+                for j in range(4):
+                    where[_q_frag_word(row, b, t, j)] = (row, b, t, j)
+    assert sorted(where) == list(range(rows * 64))
+    for tile in range(rows // 16):
+        for b in range(4):
+            for i in range(2):
+                for lane in range(32):
+                    g, t = lane // 4, lane % 4
+                    base = ((tile * 4 + b) * 2 + i) * 32 * 4 + lane * 4  # uint4 index (tile·8 + 2b + i)·32 + lane
+                    got = [where[base + r] for r in range(4)]
+                    r0 = 16 * tile
+                    assert got == [(r0 + g, b, t, 2 * i), (r0 + g + 8, b, t, 2 * i), (r0 + g, b, t, 2 * i + 1),
+                                   (r0 + g + 8, b, t, 2 * i + 1)]
+
+
+def _reduce_scatter(vals: list[list[float]]) -> list[tuple[int, float, bool]]:
+    """reduce_scatter_g of cuda/indexer_scan.cu over 32 lanes: vals[lane] = V fp32 values -> per lane (index of
+    the value it ends with, that value, whether it stores it)."""
+    v = [list(x) for x in vals]
+    idx, own, n = [0] * 32, [True] * 32, len(vals[0])
+    for lvl in range(3):
+        o = 4 << lvl
+        upper = [(lane // 4 >> lvl) & 1 for lane in range(32)]
+        if n > 1:
+            h = n // 2
+            send = [[v[ln][i] if upper[ln] else v[ln][h + i] for i in range(h)] for ln in range(32)]
+            keep = [[v[ln][h + i] if upper[ln] else v[ln][i] for i in range(h)] for ln in range(32)]
+            v = [[_f32(keep[ln][i] + send[ln ^ o][i]) for i in range(h)] for ln in range(32)]
+            idx = [idx[ln] + (h if upper[ln] else 0) for ln in range(32)]
+            n = h
+        else:
+            v = [[_f32(v[ln][0] + v[ln ^ o][0])] for ln in range(32)]
+            own = [own[ln] and not upper[ln] for ln in range(32)]
+    return [(idx[ln], v[ln][0], own[ln]) for ln in range(32)]
+
+
+@pytest.mark.parametrize("nb", [1, 2, 4])
+def test_reduce_scatter_is_the_butterfly_with_one_owner_per_score(nb):
+    """Every (t, value) is stored by exactly one lane, bitwise the xor butterfly's sum (the emulation's order)."""
+    rng = np.random.default_rng(nb)
+    vals = [[_f32(float(x)) for x in rng.standard_normal(2 * nb) * 2.0 ** rng.integers(-20, 20, 2 * nb)]
+            for _ in range(32)]
+    want = {}
+    for i in range(2 * nb):
+        v = [vals[ln][i] for ln in range(32)]
+        for o in (4, 8, 16):
+            v = [_f32(v[ln] + v[ln ^ o]) for ln in range(32)]
+        for ln in range(32):
+            want[ln % 4, i] = v[ln]
+    stored = {}
+    for lane, (i, val, own) in enumerate(_reduce_scatter(vals)):
+        if own:
+            assert (lane % 4, i) not in stored, f"two lanes store t={lane % 4} value {i}"
+            stored[lane % 4, i] = val
+    assert stored == want
 
 
 # ------------------------------------------------------------------------------------------------ GPU
