@@ -42,7 +42,6 @@ from engine.kernels.rope import RopeTable, rope_table
 from engine.model.attention import Attention, Compressor
 from engine.model.block import Block
 from engine.model.rope import RotaryTable
-from engine.quant import fp4_qdq
 
 
 # ---- step metadata (host work, done once per step) -------------------------------------------------------------
@@ -277,8 +276,8 @@ class KernelRunner:
         if r.num_entries == 0:
             topk = torch.empty(qpos.numel(), 0, dtype=torch.long, device=xq.device)
         else:
-            q = OPS.rope(linear(ix.wq_b, qr).unflatten(-1, (ix.n_heads, ix.head_dim)), qpos, table)
-            q = fp4_qdq(q, 32, "ue8m0")  # [m, H, ihd] MXFP4 QDQ (torch)
+            q = linear(ix.wq_b, qr).unflatten(-1, (ix.n_heads, ix.head_dim))
+            q = OPS.rope_mxfp4_qdq(q, qpos, table)  # [m, H, ihd]: RoPE then MXFP4 QDQ, one launch
             w = linear(ix.weights_proj, xq) * (ix.head_dim ** -0.5 * ix.n_heads ** -0.5)  # bf16 [m, H]
             score = OPS.index_scores(q, w.contiguous(), self.kv.index_k[role.kv_source], r.entries, r.visible)
             if role.is_candidate_source:

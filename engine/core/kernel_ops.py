@@ -145,6 +145,7 @@ class OpTable:
     hc_mixes: Callable  # (x [N, hc, D], fn, scale, base, hc, iters, hc_eps, norm_eps) -> (pre, post, comb) fp32
     hc_post: Callable  # (y [N, D], residual [N, hc, D], post, comb) -> [N, hc, D]
     rope: Callable  # (x [N, (H,) d] contiguous, positions [N], RopeTable, inverse) -> rotated copy
+    rope_mxfp4_qdq: Callable  # (x bf16 [N, H, d], positions [N], RopeTable) -> fp4_qdq(rope(x), 32, "ue8m0")
     store_window: Callable  # (kv [N, hd] pre-norm, norm_w, eps, positions, RopeTable, pool, slots): norm, RoPE, FP8
     store_main_kv: Callable  # (pool, slots [G], latent [G, hd] pre-RoPE, positions [G], RopeTable): RoPE, NVFP4
     store_index_keys: Callable  # (keys [G, ihd] pre-norm, norm_w, eps, positions, RopeTable, pool, slots): MXFP4
@@ -164,6 +165,7 @@ OPS = OpTable(
     hc_mixes=hc_mixes,
     hc_post=hc_post,
     rope=apply_rope,
+    rope_mxfp4_qdq=cache_store.rope_mxfp4_qdq,
     store_window=cache_store.store_swa_fused,
     store_main_kv=cache_store.store_main_kv,
     store_index_keys=cache_store.store_index_k_fused,

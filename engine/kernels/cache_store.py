@@ -11,6 +11,8 @@ which is the RoPE layout and the FP4 packing layout at once. Per row, in order (
       main  (E2M1 pairs, even element low nibble + E4M3 scale per 16)   = cache_records.pack_main_kv
       index (E2M1 pairs + UE8M0 scale per 32, MXFP4)                    = cache_records.pack_index_k
       bf16  (plain [N, D] output: `norm_rope`, the values the fused stores quantise)
+      qdq   (plain bf16 [N, D] output of the MXFP4 QDQ values, fp4_qdq(y, 32, "ue8m0"): `rope_mxfp4_qdq`, the
+             indexer's queries; rows may share a position, H rows per token)
 
 Quantisation is exact integer/fp32 arithmetic (no fp8 casts), so a record is bitwise pack_*(y) on the
 GPU and in the CPU interpreter alike. The fused forms' y can differ from the golden's bf16 value by one
@@ -34,7 +36,7 @@ from engine.kernels.fp8_linear import _INV_FP8_MAX, _bf16_bits, _e4m3_code, _rou
 from engine.kernels.rope import RopeTable, _bf16_to_f32, _rotate, check_positions
 from engine.kernels.sparse_attention import _round_bf16
 
-FMT_BF16, FMT_SWA, FMT_MAIN, FMT_INDEX = 0, 1, 2, 3
+FMT_BF16, FMT_SWA, FMT_MAIN, FMT_INDEX, FMT_QDQ = 0, 1, 2, 3, 4
 _INV_FP4_MAX = tl.constexpr(1.0 / 6.0)  # rounded to fp32 where used, as engine.quant._fp32(1/6)
 _NVFP4_AMIN = tl.constexpr(6 * 2.0**-9)  # amax floors (engine.quant._fp4_codes_and_scales)
 _MXFP4_AMIN = tl.constexpr(6 * 2.0**-126)
@@ -93,6 +95,16 @@ def _ue8m0(amax, inv_qmax):
 
 
 @triton.jit
+def _e2m1_value(c):
+    """int32 E2M1 code -> its fp32 value (engine.quant.e2m1_decode; code 8 is -0.0)."""
+    m = c & 7
+    v = tl.where(m < 2, m.to(tl.float32) * 0.5,
+                 tl.where(m < 4, 1.0 + (m - 2).to(tl.float32) * 0.5,
+                          tl.where(m < 6, (m - 2).to(tl.float32), 4.0 + (m - 6).to(tl.float32) * 2.0)))
+    return (v.to(tl.int32, bitcast=True) | ((c & 8) << 28)).to(tl.float32, bitcast=True)  # sign bit (-0.0 too)
+
+
+@triton.jit
 def _write_rows(e, o, out_ptr, rec, mask, D: tl.constexpr, R: tl.constexpr, FMT: tl.constexpr):
     """Rows as pairs -> FMT at out_ptr + rec [R, 1] (record byte offset; element offset for FMT_BF16)."""
     j = tl.arange(0, D // 2)[None, :]
@@ -118,6 +130,16 @@ def _write_rows(e, o, out_ptr, rec, mask, D: tl.constexpr, R: tl.constexpr, FMT:
         co = _e2m1_code(tl.minimum(tl.maximum(tl.math.div_rn(o3, s[:, :, None]), -6.0), 6.0))
         tl.store(out_ptr + rec + j, tl.reshape(ce | (co << 4), (R, D // 2)).to(tl.uint8), mask=mask)
         tl.store(out_ptr + rec + D // 2 + tl.arange(0, D // 16)[None, :], _e4m3_code(s), mask=mask)
+    elif FMT == 4:  # MXFP4 QDQ values as bf16 [N, D] (int16 view): e2m1(x / s) · s, exact in bf16
+        e3 = tl.reshape(e, (R, D // 32, 16))
+        o3 = tl.reshape(o, (R, D // 32, 16))
+        amax = tl.maximum(tl.maximum(tl.max(tl.abs(e3), axis=2), tl.max(tl.abs(o3), axis=2)), _MXFP4_AMIN)
+        ex, inv_s = _ue8m0(amax, _INV_FP4_MAX)
+        s = (ex << 23).to(tl.float32, bitcast=True)[:, :, None]
+        ve = _e2m1_value(_e2m1_code(tl.minimum(tl.maximum(e3 * inv_s[:, :, None], -6.0), 6.0))) * s
+        vo = _e2m1_value(_e2m1_code(tl.minimum(tl.maximum(o3 * inv_s[:, :, None], -6.0), 6.0))) * s
+        tl.store(out_ptr + rec + 2 * j, _bf16_bits(tl.reshape(ve, (R, D // 2))), mask=mask)
+        tl.store(out_ptr + rec + 2 * j + 1, _bf16_bits(tl.reshape(vo, (R, D // 2))), mask=mask)
     else:  # index K (MXFP4): E2M1 pairs, then UE8M0 scale per 32 (16 pairs)
         e3 = tl.reshape(e, (R, D // 32, 16))
         o3 = tl.reshape(o, (R, D // 32, 16))
@@ -132,10 +154,10 @@ def _write_rows(e, o, out_ptr, rec, mask, D: tl.constexpr, R: tl.constexpr, FMT:
 @triton.jit
 def _store_rows_kernel(x_ptr, w_ptr, pos_ptr, cs_ptr, slot_ptr, out_ptr, N, eps,
                        D: tl.constexpr, RD: tl.constexpr, REC: tl.constexpr, BLOCK_R: tl.constexpr,
-                       NORM: tl.constexpr, ROPE: tl.constexpr, FMT: tl.constexpr):
+                       NORM: tl.constexpr, ROPE: tl.constexpr, FMT: tl.constexpr, HEADS: tl.constexpr):
     rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
     in_range = rows < N
-    if FMT == 0:
+    if FMT == 0 or FMT == 4:
         ok = in_range
         rec = rows.to(tl.int64) * D
     else:
@@ -147,7 +169,7 @@ def _store_rows_kernel(x_ptr, w_ptr, pos_ptr, cs_ptr, slot_ptr, out_ptr, N, eps,
     if NORM:
         e, o = _rms_norm_pairs(e, o, w_ptr, eps, D)
     if ROPE:
-        pos = tl.load(pos_ptr + rows, mask=in_range, other=0).to(tl.int64)[:, None]
+        pos = tl.load(pos_ptr + rows // HEADS, mask=in_range, other=0).to(tl.int64)[:, None]  # HEADS rows a token
         e, o = _rope_pairs(e, o, pos, cs_ptr, ok, D, RD)
     _write_rows(e, o, out_ptr, rec[:, None], ok, D, BLOCK_R, FMT)
 
@@ -170,7 +192,7 @@ def _check_pool(pool: Tensor, rec_bytes: int, slots: Tensor, n: int, device: tor
 
 
 def _launch(x: Tensor, out: Tensor, slots: Tensor | None, fmt: int, rec_bytes: int, norm_w: Tensor | None,
-            eps: float, positions: Tensor | None, table: RopeTable | None) -> None:
+            eps: float, positions: Tensor | None, table: RopeTable | None, heads: int = 1) -> None:
     assert x.dtype == torch.bfloat16 and x.dim() == 2 and x.is_contiguous(), (
         f"rows must be contiguous bf16 [N, D], got {x.dtype} {tuple(x.shape)}")
     n, d = x.shape
@@ -185,7 +207,7 @@ def _launch(x: Tensor, out: Tensor, slots: Tensor | None, fmt: int, rec_bytes: i
     if rope:
         rd = table.rd
         assert rd <= d and rd & (rd - 1) == 0, f"rope dim {rd} must be a power of two <= D = {d}"
-        positions = check_positions(positions, n, table, x.device)
+        positions = check_positions(positions, n // heads, table, x.device)
     if slots is not None:
         slots = _check_pool(out, rec_bytes, slots, n, x.device)
     if n == 0:
@@ -195,7 +217,8 @@ def _launch(x: Tensor, out: Tensor, slots: Tensor | None, fmt: int, rec_bytes: i
     _store_rows_kernel[(triton.cdiv(n, block_r),)](
         x.view(torch.int16), dummy if norm_w is None else norm_w.view(torch.int16),
         positions if rope else dummy, table.cs if rope else dummy, dummy if slots is None else slots,
-        out, n, eps, D=d, RD=rd, REC=rec_bytes, BLOCK_R=block_r, NORM=norm_w is not None, ROPE=rope, FMT=fmt)
+        out, n, eps, D=d, RD=rd, REC=rec_bytes, BLOCK_R=block_r, NORM=norm_w is not None, ROPE=rope, FMT=fmt,
+        HEADS=heads)
 
 
 def store_swa(pool: Tensor, slots: Tensor, kv: Tensor) -> None:
@@ -237,4 +260,16 @@ def norm_rope(x: Tensor, norm_w: Tensor | None, eps: float, positions: Tensor | 
     the fused stores before they quantise."""
     out = torch.empty_like(x)
     _launch(x, out.view(torch.int16), None, FMT_BF16, 0, norm_w, eps, positions, table)
+    return out
+
+
+def rope_mxfp4_qdq(x: Tensor, positions: Tensor, table: RopeTable) -> Tensor:
+    """The indexer's query after wq_b: x bf16 [N, H, D] -> RoPE of each head at positions [N] -> MXFP4 QDQ
+    (blocks of 32, UE8M0 scales), bf16 [N, H, D]: one launch, bitwise fp4_qdq(apply_rope(x, positions, table),
+    32, "ue8m0") (the same rotation code; the quantisation is store_index_k's)."""
+    assert x.dim() == 3 and x.is_contiguous(), f"x must be contiguous [N, H, D], got {tuple(x.shape)}"
+    n, h, d = x.shape
+    out = torch.empty_like(x)
+    _launch(x.view(n * h, d), out.view(torch.int16).view(n * h, d), None, FMT_QDQ, 0, None, 0.0, positions, table,
+            heads=h)
     return out

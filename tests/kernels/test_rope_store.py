@@ -23,8 +23,8 @@ import torch
 from engine.config import ModelConfig
 from engine.kernels import paged
 from engine.kernels.cache_records import fp4_record_bytes, swa_record_bytes
-from engine.kernels.cache_store import (norm_rope, store_index_k, store_index_k_fused, store_main_kv, store_swa,
-                                        store_swa_fused)
+from engine.kernels.cache_store import (norm_rope, rope_mxfp4_qdq, store_index_k, store_index_k_fused,
+                                        store_main_kv, store_swa, store_swa_fused)
 from engine.kernels.compressor import Ratio2Chunk, compress_ratio2, plan_ratio2, store_index_keys
 from engine.kernels.rope import apply_rope, rope_table
 from engine.model.attention import Compressor
@@ -32,6 +32,7 @@ from engine.model.cache import SourceCache
 from engine.model.layers import RMSNorm
 from engine.model.rope import RotaryTable, apply_rotary
 from engine.presets import full_config, tiny_config
+from engine.quant import fp4_qdq
 
 gpu = pytest.mark.gpu
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
@@ -172,6 +173,27 @@ def check_rope(cfg: ModelConfig, n: int, h: int, device, seed: int) -> None:
         ref = apply_rotary(xc[None], cis[None])[0]
         assert_bf16_close(apply_rope(xc, pos, table), ref, f"rope cancellation N={n} compressed={compressed}",
                           min_exact=0.95)
+
+
+def check_rope_qdq(cfg: ModelConfig, n: int, h: int, device, seed: int) -> None:
+    """rope_mxfp4_qdq is bitwise (signed zeros included) fp4_qdq(apply_rope(x), 32, "ue8m0"): the two-launch
+    path it replaces in the indexer."""
+    g = torch.Generator().manual_seed(seed)
+    d = cfg.index_head_dim
+    table = rope_table(_rotary(cfg), device, 4 * cfg.original_seq_len)
+    x = _rows(n * h, d, g, device).view(n, h, d)
+    pos = _positions(n, cfg, g, device)
+    got = rope_mxfp4_qdq(x, pos, table)
+    want = fp4_qdq(apply_rope(x, pos, table), 32, "ue8m0")
+    assert got.shape == x.shape and got.dtype == torch.bfloat16
+    diff = got.view(torch.int16) != want.view(torch.int16)
+    assert not diff.any(), f"{int(diff.sum())} of {diff.numel()} differ, first at {diff.nonzero()[0].tolist()}"
+    assert torch.equal(fp4_qdq(got, 32, "ue8m0").view(torch.int16), got.view(torch.int16)), "not a fixed point"
+
+
+def test_rope_qdq_cpu():
+    check_rope_qdq(tiny_config(), n=5, h=3, device="cpu", seed=4)
+    check_rope_qdq(full_config(), n=2, h=4, device="cpu", seed=5)
 
 
 def test_rope_cpu():
@@ -412,6 +434,13 @@ def test_compressor_plan_cpu():
 @pytest.mark.parametrize("n", [1, 6, 4096])
 def test_rope_gpu(n):
     check_rope(full_config(), n=n, h=64 if n < 4096 else 4, device="cuda", seed=n)
+
+
+@gpu
+@needs_cuda
+@pytest.mark.parametrize("n", [1, 6, 512])
+def test_rope_qdq_gpu(n):
+    check_rope_qdq(full_config(), n=n, h=full_config().index_n_heads, device="cuda", seed=n)
 
 
 @gpu
