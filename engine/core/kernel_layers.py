@@ -259,15 +259,14 @@ class KernelRunner:
                                   dtype=torch.int32, device=x.device)
             for r in meta.requests:
                 topk = self._topk(attn, xq[r.rows], qr[r.rows], meta.qpos[r.rows], r, step.shared[r.chunk], table)
-                if topk.size(1):
-                    main_idx[r.rows, :topk.size(1)] = torch.where(topk >= 0, r.entries[topk.clamp_min(0)], -1)
+                OPS.topk_slots(topk, r.entries, main_idx[r.rows])  # their slots, -1 = none
         o = OPS.sparse_attn(q, kv.swa[layer], meta.swa_idx, main_pool, main_idx, attn.attn_sink,
                             attn.head_dim ** -0.5)
         return self._output(attn, o, meta.qpos, table)
 
     def _topk(self, attn: Attention, xq: Tensor, qr: Tensor, qpos: Tensor, r: RequestRows, shared: Shared,
               table: RopeTable) -> Tensor:
-        """Top-k entry ids long [m, K] (-1 = none): from this layer's indexer, or its index source's."""
+        """Top-k entry ids int [m, K] (-1 = none): from this layer's indexer, or its index source's."""
         role, ix = attn.role, attn.indexer
         if ix is None:
             topk = shared.topk[role.index_source]

@@ -26,7 +26,7 @@ from engine.kernels.moe import ExpertWeights, moe_forward, stack_experts
 from engine.kernels.norm import rms_norm
 from engine.kernels.rope import apply_rope
 from engine.kernels.sparse_prefill import sparse_attn
-from engine.kernels.topk import candidate_blocks, index_topk
+from engine.kernels.topk import candidate_blocks, entry_slots, index_topk
 from engine.model.engram import Engram, EngramEmbedding
 from engine.model.layers import Linear
 from engine.model.moe import MoE
@@ -118,10 +118,6 @@ def rms_norm_rows(x: Tensor, w: Tensor, eps: float) -> Tensor:
     return rms_norm(x.contiguous(), w, eps)
 
 
-def index_topk_rows(score: Tensor, k: int) -> Tensor:
-    return index_topk(score, k).long()
-
-
 def index_scores_rows(q: Tensor, w: Tensor, key_pool: Tensor, slots: Tensor, visible: Tensor) -> Tensor:
     """index_scores over any number of queries: the CUDA scan (engine.kernels.indexer_cuda) 8 queries at a time
     where it applies (sm_90 with nvcc, the real head shape), else the Triton kernel 16 at a time."""
@@ -152,7 +148,8 @@ class OpTable:
     compress_ratio2: Callable  # engine.kernels.compressor.compress_ratio2's signature
     index_scores: Callable  # (q bf16 [M, H, D], w bf16 [M, H], key_pool, slots [T], visible [M]) -> bf16 [M, T]
     candidate_blocks: Callable  # (score [M, T], visible [M], topk_blocks, block) -> bool [M, T]
-    index_topk: Callable  # (score bf16 [M, T], k) -> int64 [M, min(k, T)] entry ids, -1 = none
+    index_topk: Callable  # (score bf16 [M, T], k) -> int32 [M, min(k, T)] entry ids, -1 = none
+    topk_slots: Callable  # (ids [m, K], entries int32 [E], out int32 [m, W]): out = entries[ids], -1 = none
     sparse_attn: Callable  # sparse_attn_paged's signature
     moe: Callable  # (x bf16 [T, D], moe: MoE) -> bf16 [T, D]
     engram: Callable  # (eng, h [N, hc, D], rows bf16 [N, cols, ehd] from engram_gather) -> [N, hc, D]
@@ -172,7 +169,8 @@ OPS = OpTable(
     compress_ratio2=compress_ratio2,
     index_scores=index_scores_rows,
     candidate_blocks=candidate_blocks,
-    index_topk=index_topk_rows,
+    index_topk=index_topk,
+    topk_slots=entry_slots,
     sparse_attn=sparse_attn,
     moe=moe_kernels,
     engram=engram_mix,
@@ -181,7 +179,7 @@ OPS = OpTable(
 
 def op_backends() -> dict[str, str]:
     """op name -> "kernel" (Triton kernels of engine.kernels, with torch glue at most) or "torch"."""
-    kernels = {index_scores_rows, rms_norm_rows, index_topk_rows, moe_kernels, engram_mix}
+    kernels = {index_scores_rows, rms_norm_rows, moe_kernels, engram_mix}
 
     def kind(fn) -> str:
         mod = fn.__module__

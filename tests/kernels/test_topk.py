@@ -7,8 +7,8 @@ rows, rows with fewer than k visible entries, k > T, NaN, and several chunks per
 import pytest
 import torch
 
-from engine.kernels.topk import (candidate_block_mask, candidate_blocks, candidate_blocks_ref, index_topk,
-                                 index_topk_ref)
+from engine.kernels.topk import (candidate_block_mask, candidate_blocks, candidate_blocks_ref, entry_slots,
+                                 index_topk, index_topk_ref)
 from engine.presets import full_config, tiny_config
 
 pytestmark = pytest.mark.filterwarnings("ignore:Conversion of an array with ndim:DeprecationWarning")  # interpreter
@@ -150,3 +150,31 @@ def test_real_shapes(t, m, kind):
     ref = index_topk_ref(s, cfg.index_topk, ref_cand)
     for path, kw in PATHS.items():
         _check_ids(index_topk(s, cfg.index_topk, bm, blk, **kw), ref, f"{what} in candidates {path}")
+
+
+def check_entry_slots(dtype, device):
+    """entry_slots is torch's where(ids >= 0, entries[ids.clamp_min(0)], -1) written into the first K columns of
+    each row, with -1 in the rest (the runner's main_idx rows)."""
+    g = torch.Generator().manual_seed(3)
+    entries = torch.randperm(1 << 20, generator=g)[:4099].to(torch.int32)
+    for m, k, w in ((1, 5, 5), (3, 7, 13), (2, 0, 4), (4, 64, 64), (6, 512, 512)):
+        ids = torch.randint(-1, entries.numel(), (m, k), generator=g).to(dtype)
+        out = torch.full((m, w), 123, dtype=torch.int32)
+        want = torch.full((m, w), -1, dtype=torch.int32)
+        want[:, :k] = torch.where(ids >= 0, entries[ids.clamp_min(0).long()], -1)
+        out, ids_d, entries_d = out.to(device), ids.to(device), entries.to(device)
+        entry_slots(ids_d, entries_d, out)
+        assert torch.equal(out.cpu(), want), (m, k, w)
+    with pytest.raises(AssertionError, match="int32 entries"):
+        entry_slots(ids_d, entries_d.long(), out)
+
+
+@pytest.mark.parametrize("dtype", [torch.int32, torch.int64])
+def test_entry_slots_cpu(dtype):
+    check_entry_slots(dtype, "cpu")
+
+
+@gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_entry_slots_gpu():
+    check_entry_slots(torch.int32, "cuda")
