@@ -14,10 +14,12 @@ import torch
 from benchmarks.gpu_timing import calls_of, copies_for, graph_time_us, sweep
 from engine.kernels.mhc import (hc_mixes, hc_post, hc_post_mixes, hc_pre, hc_pre_norm, mixes_launch_shape,
                                 post_mixes_launch_shape)
+from engine.kernels.mhc_cuda import MAX_ROWS, hc_mixes_cuda, pick_launch
 from engine.kernels.norm import rms_norm
 from engine.presets import full_config
 
 N_VALUES = (1, 6, 64, 4096)
+CUDA_MIXES_SPLITS = (20, 40, 80, 160, 320)
 MIXES_LAUNCHES = ((16, 128, 1), (16, 128, 10), (16, 128, 20), (16, 128, 40), (16, 64, 80), (16, 64, 160),
                   (32, 64, 20), (64, 64, 1), (64, 64, 2), (64, 64, 4), (64, 64, 8))  # (block_m, block_k, splits)
 POST_MIXES_LAUNCHES = ((16, 16, 1), (16, 16, 20), (16, 16, 40), (16, 16, 80), (16, 8, 160), (32, 16, 20),
@@ -85,10 +87,16 @@ def bench(copy_bw: float) -> None:
         us = timed(lambda i: hc_mixes(*margs(i)))
         res, best = sweep(MIXES_LAUNCHES, f"hc_mixes N={n}",
                           lambda c: timed(lambda i: hc_mixes(*margs(i), launch=c)))
+        cuda = n <= MAX_ROWS
+        auto = f"CUDA {pick_launch(k, n)} splits" if cuda else f"Triton {mixes_launch_shape(n, k)}"
         _row("hc_mixes", n, us, stream_bytes + 4 * mix * k + 4 * n * mix, timed(lambda i: _mixes_torch(*margs(i))),
-             copy_bw, f"auto {mixes_launch_shape(n, k)}; best {best[0]}: {best[1]:.1f} us")
-        print("  hc_mixes launches (block_m, block_k, splits): " + "; ".join(f"{c}: {t:.1f}" for c, t in res.items()),
-              flush=True)
+             copy_bw, f"auto: {auto}; best Triton {best[0]}: {best[1]:.1f} us")
+        print("  hc_mixes Triton launches (block_m, block_k, splits): "
+              + "; ".join(f"{c}: {t:.1f}" for c, t in res.items()), flush=True)
+        if cuda:
+            res, best = sweep(CUDA_MIXES_SPLITS, f"hc_mixes_cuda N={n}",
+                              lambda c: timed(lambda i: hc_mixes_cuda(*margs(i), splits=c)))
+            print("  hc_mixes CUDA splits: " + "; ".join(f"{c}: {t:.1f}" for c, t in res.items()), flush=True)
 
         _row("rms_norm", n, timed(lambda i: rms_norm(ys[i], w, eps)), 4 * n * d + 2 * d,
              timed(lambda i: _rms_torch(ys[i], w, eps)), copy_bw)

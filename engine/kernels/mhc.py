@@ -50,6 +50,7 @@ import triton.language as tl
 from torch import Tensor
 
 from engine.kernels.fp8_linear import _bf16_bits, _cdiv, _MAX_TICKETS, _num_sms, _tickets
+from engine.kernels.mhc_cuda import hc_mixes_cuda, mixes_cuda_applies
 from engine.kernels.norm import _rms_normalize, row_warps
 from engine.kernels.sparse_attention import _round_bf16
 from engine.model import mhc as golden
@@ -332,11 +333,14 @@ def hc_mixes(x: Tensor, fn: Tensor, scale: Tensor, base: Tensor, hc: int, iters:
     """x bf16 [N, hc, D], fn fp32 [(2+hc)·hc, hc·D], scale fp32 [3], base fp32 [(2+hc)·hc] ->
     (pre fp32 [N, hc], post fp32 [N, hc], comb fp32 [N, hc, hc]).
 
-    launch = (block_m, block_k, splits) overrides mixes_launch_shape (tests, sweeps). Not safe to run
-    concurrently on two streams (the split-K tickets are shared with fp8_linear)."""
+    At decode on sm_90 (N <= 8, hc = 4, no launch given) the CUDA kernel of engine.kernels.mhc_cuda runs
+    instead. launch = (block_m, block_k, splits) overrides mixes_launch_shape (tests, sweeps) and keeps the Triton
+    kernel. Not safe to run concurrently on two streams (the split-K tickets are shared with fp8_linear)."""
     n, d = _check_stream(x, hc, "x")
     k = hc * d
     _check_mix_params(fn, scale, base, hc, d, iters, x.device)
+    if launch is None and mixes_cuda_applies(x, hc):
+        return hc_mixes_cuda(x, fn, scale, base, hc, iters, hc_eps, norm_eps)
     block_m, block_k, splits = launch or mixes_launch_shape(n, k, _num_sms(x.device))
     assert k % block_k == 0 and block_k >= 16, f"block_k = {block_k} must divide K = {k} (and be >= 16)"
     k_per_split = block_k * _cdiv(k // block_k, max(1, splits))
