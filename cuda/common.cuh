@@ -108,6 +108,17 @@ __device__ __forceinline__ uint32_t e2m1_pair(uint32_t w) {
   return s | m;
 }
 
+// cp.async of 4 bytes (L1-allocating), and the commit / wait of cp.async groups.
+__device__ __forceinline__ void cp_async4(void* dst, const void* src) {
+  const uint32_t d = static_cast<uint32_t>(__cvta_generic_to_shared(dst));
+  asm volatile("cp.async.ca.shared.global [%0], [%1], 4;" ::"r"(d), "l"(src) : "memory");
+}
+
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
+
+template <int N>
+__device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_group %0;" ::"n"(N) : "memory"); }
+
 // The position of element e (0..7) of an 8-group in the permuted activation order (the order in which e2m1_pair
 // produces f16 pairs: stored [0, 4, 1, 5, 2, 6, 3, 7]).
 __host__ __device__ __forceinline__ int perm8(int e) { return 2 * (e & 3) + (e >> 2); }

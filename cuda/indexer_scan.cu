@@ -90,15 +90,9 @@ __host__ __device__ __forceinline__ size_t smem_layout(int rows, int warps, int 
   return b + size_t(warps) * stages * nb * kGroupWords * 4;
 }
 
-__device__ __forceinline__ void cp_async4(void* dst, const void* src) {
-  const uint32_t d = static_cast<uint32_t>(__cvta_generic_to_shared(dst));
-  asm volatile("cp.async.ca.shared.global [%0], [%1], 4;" ::"r"(d), "l"(src) : "memory");
-}
-
-__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
-
-template <int N>
-__device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_group %0;" ::"n"(N) : "memory"); }
+using dsv41::cp_async4;
+using dsv41::cp_async_commit;
+using dsv41::cp_async_wait;
 
 using dsv41::e2m1_pair;  // nibbles -> f16x2 (element J, element J + 4), value · 2^-14
 

@@ -32,6 +32,7 @@ from engine.kernels.indexer_cuda import (MAX_ROWS, RECORD_BYTES, ScanParams, gri
 from engine.presets import full_config
 from engine.quant import _fp4_byte_table
 from tests.kernels.test_indexer import _problem
+from tests.kernels.test_moe_fp4 import _e2m1_pair  # dsv41::e2m1_pair<J> of cuda/common.cuh (bits low, high)
 
 gpu = pytest.mark.gpu
 needs_nvcc = pytest.mark.skipif(cuda_build.nvcc_path() is None, reason="needs nvcc")
@@ -112,15 +113,6 @@ def test_shape_rules():
 
 
 # ------------------------------------------------------------------------------------------------ CPU: emulation
-
-def _e2m1_pair(w: int, j: int) -> tuple[int, int]:
-    """e2m1_pair<J>(w) of cuda/indexer_scan.cu: the f16 bits (low, high)."""
-    sign, mag = 12 - 4 * j, 9 - 4 * j
-    s = ((w << sign) if sign >= 0 else (w >> -sign)) & 0x80008000
-    m = ((w << mag) if mag >= 0 else (w >> -mag)) & 0x0E000E00
-    v = (s | m) & 0xFFFFFFFF
-    return v & 0xFFFF, v >> 16
-
 
 _F16 = torch.arange(1 << 16, dtype=torch.int32).to(torch.int16).view(torch.float16).double()  # bits -> value
 

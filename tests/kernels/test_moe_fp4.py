@@ -76,7 +76,8 @@ def test_picked_shapes_are_launchable():
 
 
 def _e2m1_pair(w: int, j: int) -> tuple[int, int]:
-    """cuda/moe_fp4.cu e2m1_pair<J>: the f16 bits (low, high) made from 32-bit word w."""
+    """dsv41::e2m1_pair<J> (cuda/common.cuh; moe_fp4.cu and indexer_scan.cu): the f16 bits (low, high) made from
+    32-bit word w."""
     sign, mag = 12 - 4 * j, 9 - 4 * j
     s = ((w << sign) if sign >= 0 else (w >> -sign)) & 0x80008000
     m = ((w << mag) if mag >= 0 else (w >> -mag)) & 0x0E000E00
