@@ -366,7 +366,7 @@ INDEXER_CONFIGS = ((64, 4, 2), (64, 4, 8), (64, 4, 16), (32, 4, 16), (128, 4, 8)
                    (64, 4, 1000))  # block_t, warps, programs/SM
 
 
-def _indexer_torch(q, w, pool, slots, visible, dtype):
+def indexer_torch(q, w, pool, slots, visible, dtype):
     """Baseline: gather + unpack the records, einsum in `dtype`, the golden's relu * w head sum."""
     k = unpack_index_k(pool[slots.long()], q.size(-1)).to(dtype)  # [T, D]
     score = torch.einsum("mhd,td->mht", q.to(dtype), k).bfloat16()
@@ -400,8 +400,8 @@ def bench_indexer(copy_bw: float) -> None:
             us = graph_time_us(calls_of(lambda i: lambda: index_scores(*args(i)), copies))
             nbytes = t * (rec + 4) + 2 * m * h * d + 2 * m * h + 2 * m * t
             few = min(copies, 8)
-            f32 = graph_time_us(calls_of(lambda i: lambda: _indexer_torch(*args(i), torch.float32), few), replays=3)
-            b16 = graph_time_us(calls_of(lambda i: lambda: _indexer_torch(*args(i), torch.bfloat16), few), replays=3)
+            f32 = graph_time_us(calls_of(lambda i: lambda: indexer_torch(*args(i), torch.float32), few), replays=3)
+            b16 = graph_time_us(calls_of(lambda i: lambda: indexer_torch(*args(i), torch.bfloat16), few), replays=3)
             _, best = sweep(INDEXER_CONFIGS, f"T={t} M={m}", lambda c: graph_time_us(calls_of(
                 lambda i: lambda: index_scores(*args(i), block_t=c[0], num_warps=c[1], programs_per_sm=c[2]),
                 copies)))

@@ -13,7 +13,7 @@ slots, copies past 4x L2: the records stream from HBM).
 - CUDA: index_scores_cuda with pick_params (PDL on); "no PDL": the same shape without it;
 - Triton: engine.kernels.indexer.index_scores at its defaults;
 - torch: gather + unpack the records, bf16 einsum (cuBLAS), the golden's relu · w head sum (benchmarks/kernels.py
-  _indexer_torch's bf16 baseline).
+  indexer_torch in bf16).
 Bytes = the floor T·(68 + 4) + 2·M·H·D + 2·M·H + 2·M·T; TB/s and % copy BW on those bytes. "tensor floor" =
 the time of the M·H·D·2 flops per entry at the dense f16 mma.sync rate assumed here (MMA_TFLOPS; the kernel
 is tensor-bound where it exceeds the memory floor). "!= golden" counts the scores (of M·T, one copy) that differ
@@ -37,7 +37,7 @@ if __name__ == "__main__":
     sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from benchmarks.gpu_timing import calls_of, copies_for, copy_bandwidth, graph_time_us, sweep  # noqa: E402
-from engine.kernels.cache_records import unpack_index_k  # noqa: E402
+from benchmarks.kernels import indexer_torch  # noqa: E402
 from engine.kernels.indexer import index_scores, index_scores_ref  # noqa: E402
 from engine.kernels.indexer_cuda import (ScanParams, index_scores_cuda, pick_params, smem_bytes,  # noqa: E402
                                          valid_params)
@@ -48,15 +48,6 @@ T_VALUES = (1 << 16, 1 << 20)
 M_VALUES = (1, 6, 8)
 MMA_TFLOPS = 660.0  # dense f16 mma.sync on an H200 (~2/3 of the wgmma peak): the "tensor floor" column only
 SWEEP = [ScanParams(w, g, s, c) for w, g, s, c in itertools.product((4, 8), (1, 2, 4), (2, 3, 4, 6), (1, 2, 3, 4))]
-
-
-def _indexer_torch(q, w, pool, slots, visible):
-    """Baseline: gather + unpack the records, bf16 einsum, the golden's relu · w head sum."""
-    k = unpack_index_k(pool[slots.long()], q.size(-1))  # bf16 [T, D]
-    score = torch.einsum("mhd,td->mht", q, k)
-    score = (score.relu() * w.unsqueeze(-1)).float().sum(1).bfloat16()
-    t = torch.arange(k.size(0), device=q.device)
-    return score.masked_fill(t >= visible.unsqueeze(-1), float("-inf"))
 
 
 def _inputs(t: int, rec: int, d: int, copies: int):
@@ -103,7 +94,7 @@ def bench(copy_bw: float, t_values=T_VALUES, m_values=M_VALUES, do_sweep: bool =
             us_np = graph_time_us(calls_of(lambda i: lambda: index_scores_cuda(*args(i), params=nopdl), copies))
             tri = graph_time_us(calls_of(lambda i: lambda: index_scores(*args(i)), copies))
             few = min(copies, 8)
-            tor = graph_time_us(calls_of(lambda i: lambda: _indexer_torch(*args(i)), few), replays=3)
+            tor = graph_time_us(calls_of(lambda i: lambda: indexer_torch(*args(i), torch.bfloat16), few), replays=3)
             gold = index_scores_ref(*args(0))
             off_cuda = int((index_scores_cuda(*args(0), params=p) != gold).sum())
             off_tri = int((index_scores(*args(0)) != gold).sum())

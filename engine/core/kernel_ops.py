@@ -190,7 +190,8 @@ def op_backends() -> dict[str, str]:
 def linear(lin: Linear, x: Tensor) -> Tensor:
     """A dense Linear on the kernel path: FP8 through fp8_linear; bf16 as the reference computes it (a
     bf16 GEMM with fp32 accumulation on CUDA, fp32 math on the CPU; fp32 out where the module computes
-    in fp32: bf16_gemv / cuBLAS bf16 -> fp32 on CUDA, a cached fp32 copy of the weight on the CPU); FP4 dequantised (torch)."""
+    in fp32: bf16_gemv / cuBLAS bf16 -> fp32 on CUDA, a cached fp32 copy of the weight on the CPU); FP4
+    dequantised (torch)."""
     if lin.fmt == "fp8":
         return OPS.fp8_linear(x.contiguous(), lin.weight, lin.scale)
     if lin.fmt == "fp4":

@@ -110,9 +110,8 @@ def grid_size(t: int, p: ScanParams, sms: int) -> int:
     return max(1, min(p.ctas_per_sm * sms, _cdiv(_cdiv(t, p.entries_per_step()), p.warps)))
 
 
-@lru_cache(maxsize=None)
-def _lib() -> ctypes.CDLL:
-    lib = load("indexer_scan")
+def declare(lib: ctypes.CDLL) -> ctypes.CDLL:
+    """The C signatures of cuda/indexer_scan.cu's entry points on a loaded library (also used by the CPU tests)."""
     lib.dsv41_indexer_scan.restype = ctypes.c_int
     lib.dsv41_indexer_scan.argtypes = ([ctypes.c_void_p] * 4 + [ctypes.c_int] + [ctypes.c_void_p] * 2
                                        + [ctypes.c_int] * 8 + [ctypes.c_void_p])
@@ -121,6 +120,11 @@ def _lib() -> ctypes.CDLL:
     lib.dsv41_indexer_scan_error_string.restype = ctypes.c_char_p
     lib.dsv41_indexer_scan_error_string.argtypes = [ctypes.c_int]
     return lib
+
+
+@lru_cache(maxsize=None)
+def _lib() -> ctypes.CDLL:
+    return declare(load("indexer_scan"))
 
 
 def shape_supported(m: int, h: int, d: int, t: int) -> bool:

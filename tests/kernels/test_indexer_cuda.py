@@ -27,7 +27,7 @@ import torch
 
 from engine.kernels import cuda_build
 from engine.kernels.indexer import index_scores, index_scores_ref
-from engine.kernels.indexer_cuda import (MAX_ROWS, RECORD_BYTES, ScanParams, grid_size, index_scores_cuda,
+from engine.kernels.indexer_cuda import (MAX_ROWS, RECORD_BYTES, ScanParams, declare, grid_size, index_scores_cuda,
                                          pick_params, scan_applies, shape_supported, smem_bytes, valid_params)
 from engine.presets import full_config
 from engine.quant import _fp4_byte_table
@@ -42,13 +42,7 @@ PERM8 = [0, 4, 1, 5, 2, 6, 3, 7]  # element stored at each position of an 8-grou
 
 
 def _lib(tmp_path) -> ctypes.CDLL:
-    lib = ctypes.CDLL(str(cuda_build.build("indexer_scan", tmp_path)))
-    lib.dsv41_indexer_scan.restype = ctypes.c_int
-    lib.dsv41_indexer_scan.argtypes = ([ctypes.c_void_p] * 4 + [ctypes.c_int] + [ctypes.c_void_p] * 2
-                                       + [ctypes.c_int] * 8 + [ctypes.c_void_p])
-    lib.dsv41_indexer_scan_smem.restype = ctypes.c_size_t
-    lib.dsv41_indexer_scan_smem.argtypes = [ctypes.c_int] * 5
-    return lib
+    return declare(ctypes.CDLL(str(cuda_build.build("indexer_scan", tmp_path))))
 
 
 # ------------------------------------------------------------------------------------------------ CPU: launcher
