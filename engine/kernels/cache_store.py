@@ -105,6 +105,19 @@ def _e2m1_value(c):
 
 
 @triton.jit
+def _mxfp4_codes(e, o, D: tl.constexpr, R: tl.constexpr):
+    """Rows as pairs -> MXFP4 per 32 (16 pairs): (biased UE8M0 exponents [R, D/32], E2M1 codes of the even and
+    the odd elements [R, D/32, 16])."""
+    e3 = tl.reshape(e, (R, D // 32, 16))
+    o3 = tl.reshape(o, (R, D // 32, 16))
+    amax = tl.maximum(tl.maximum(tl.max(tl.abs(e3), axis=2), tl.max(tl.abs(o3), axis=2)), _MXFP4_AMIN)
+    ex, inv_s = _ue8m0(amax, _INV_FP4_MAX)
+    ce = _e2m1_code(tl.minimum(tl.maximum(e3 * inv_s[:, :, None], -6.0), 6.0))
+    co = _e2m1_code(tl.minimum(tl.maximum(o3 * inv_s[:, :, None], -6.0), 6.0))
+    return ex, ce, co
+
+
+@triton.jit
 def _write_rows(e, o, out_ptr, rec, mask, D: tl.constexpr, R: tl.constexpr, FMT: tl.constexpr):
     """Rows as pairs -> FMT at out_ptr + rec [R, 1] (record byte offset; element offset for FMT_BF16)."""
     j = tl.arange(0, D // 2)[None, :]
@@ -131,22 +144,12 @@ def _write_rows(e, o, out_ptr, rec, mask, D: tl.constexpr, R: tl.constexpr, FMT:
         tl.store(out_ptr + rec + j, tl.reshape(ce | (co << 4), (R, D // 2)).to(tl.uint8), mask=mask)
         tl.store(out_ptr + rec + D // 2 + tl.arange(0, D // 16)[None, :], _e4m3_code(s), mask=mask)
     elif FMT == 4:  # MXFP4 QDQ values as bf16 [N, D] (int16 view): e2m1(x / s) · s, exact in bf16
-        e3 = tl.reshape(e, (R, D // 32, 16))
-        o3 = tl.reshape(o, (R, D // 32, 16))
-        amax = tl.maximum(tl.maximum(tl.max(tl.abs(e3), axis=2), tl.max(tl.abs(o3), axis=2)), _MXFP4_AMIN)
-        ex, inv_s = _ue8m0(amax, _INV_FP4_MAX)
+        ex, ce, co = _mxfp4_codes(e, o, D, R)
         s = (ex << 23).to(tl.float32, bitcast=True)[:, :, None]
-        ve = _e2m1_value(_e2m1_code(tl.minimum(tl.maximum(e3 * inv_s[:, :, None], -6.0), 6.0))) * s
-        vo = _e2m1_value(_e2m1_code(tl.minimum(tl.maximum(o3 * inv_s[:, :, None], -6.0), 6.0))) * s
-        tl.store(out_ptr + rec + 2 * j, _bf16_bits(tl.reshape(ve, (R, D // 2))), mask=mask)
-        tl.store(out_ptr + rec + 2 * j + 1, _bf16_bits(tl.reshape(vo, (R, D // 2))), mask=mask)
+        tl.store(out_ptr + rec + 2 * j, _bf16_bits(tl.reshape(_e2m1_value(ce) * s, (R, D // 2))), mask=mask)
+        tl.store(out_ptr + rec + 2 * j + 1, _bf16_bits(tl.reshape(_e2m1_value(co) * s, (R, D // 2))), mask=mask)
     else:  # index K (MXFP4): E2M1 pairs, then UE8M0 scale per 32 (16 pairs)
-        e3 = tl.reshape(e, (R, D // 32, 16))
-        o3 = tl.reshape(o, (R, D // 32, 16))
-        amax = tl.maximum(tl.maximum(tl.max(tl.abs(e3), axis=2), tl.max(tl.abs(o3), axis=2)), _MXFP4_AMIN)
-        ex, inv_s = _ue8m0(amax, _INV_FP4_MAX)
-        ce = _e2m1_code(tl.minimum(tl.maximum(e3 * inv_s[:, :, None], -6.0), 6.0))
-        co = _e2m1_code(tl.minimum(tl.maximum(o3 * inv_s[:, :, None], -6.0), 6.0))
+        ex, ce, co = _mxfp4_codes(e, o, D, R)
         tl.store(out_ptr + rec + j, tl.reshape(ce | (co << 4), (R, D // 2)).to(tl.uint8), mask=mask)
         tl.store(out_ptr + rec + D // 2 + tl.arange(0, D // 32)[None, :], ex.to(tl.uint8), mask=mask)
 
