@@ -192,7 +192,7 @@ def sweep_fp8_linear() -> None:
                                           (256, 128, 64, 8, 3), (128, 256, 64, 8, 3)):
             cfg = Fp8LinearConfig(bn, bm, bk, 1, warps, stages, False)
             try:
-                res[_cfg_name(cfg)] = us = _time_fp8(m, n, k, wts, cfg)
+                res[_cfg_name(cfg)] = _time_fp8(m, n, k, wts, cfg)
             except Exception as e:  # noqa: BLE001 - reported
                 print(f"  wq_b M={m} {cfg}: {type(e).__name__}: {str(e).splitlines()[0][:120]}")
         print(f"- wq_b M={m} (prefill): " + "; ".join(
@@ -375,6 +375,18 @@ def indexer_torch(q, w, pool, slots, visible, dtype):
     return score.masked_fill(t >= visible.unsqueeze(-1), float("-inf"))
 
 
+def index_key_pools(t: int, d: int, copies: int) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """`copies` random MXFP4 index-key pools of t records (random E2M1 codes, UE8M0 scales 2^-7..2^3) on the GPU,
+    each with a random permutation of its slots (int32)."""
+    pools, slots = [], []
+    for _ in range(copies):
+        p = torch.randint(0, 256, (t, d // 2 + d // 32), dtype=torch.uint8, device="cuda")
+        p[:, d // 2:] = torch.randint(120, 131, (t, d // 32), dtype=torch.uint8, device="cuda")
+        pools.append(p)
+        slots.append(torch.randperm(t, device="cuda").to(torch.int32))
+    return pools, slots
+
+
 def bench_indexer(copy_bw: float) -> None:
     cfg = full_config()
     h, d = cfg.index_n_heads, cfg.index_head_dim
@@ -388,10 +400,7 @@ def bench_indexer(copy_bw: float) -> None:
     print("|" + "---|" * (head.count("|") - 1))
     for t in INDEXER_T:
         copies = copies_for(t * (rec + 4))
-        pools = [torch.randint(0, 256, (t, rec), dtype=torch.uint8, device="cuda") for _ in range(copies)]
-        for p in pools:
-            p[:, d // 2:] = torch.randint(120, 131, (t, d // 32), dtype=torch.uint8, device="cuda")
-        slots = [torch.randperm(t, device="cuda").to(torch.int32) for _ in range(copies)]
+        pools, slots = index_key_pools(t, d, copies)
         for m in INDEXER_M:
             q = (torch.randn(m, h, d, device="cuda")).bfloat16()
             w = (torch.randn(m, h, device="cuda") * 0.02).bfloat16()

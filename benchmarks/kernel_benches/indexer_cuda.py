@@ -37,7 +37,7 @@ if __name__ == "__main__":
     sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from benchmarks.gpu_timing import calls_of, copies_for, copy_bandwidth, graph_time_us, sweep  # noqa: E402
-from benchmarks.kernels import indexer_torch  # noqa: E402
+from benchmarks.kernels import index_key_pools, indexer_torch  # noqa: E402
 from engine.kernels.indexer import index_scores, index_scores_ref  # noqa: E402
 from engine.kernels.indexer_cuda import (ScanParams, index_scores_cuda, pick_params, smem_bytes,  # noqa: E402
                                          valid_params)
@@ -48,16 +48,6 @@ T_VALUES = (1 << 16, 1 << 20)
 M_VALUES = (1, 6, 8)
 MMA_TFLOPS = 660.0  # dense f16 mma.sync on an H200 (~2/3 of the wgmma peak): the "tensor floor" column only
 SWEEP = [ScanParams(w, g, s, c) for w, g, s, c in itertools.product((4, 8), (1, 2, 4), (2, 3, 4, 6), (1, 2, 3, 4))]
-
-
-def _inputs(t: int, rec: int, d: int, copies: int):
-    pools, slots = [], []
-    for _ in range(copies):
-        p = torch.randint(0, 256, (t, rec), dtype=torch.uint8, device="cuda")
-        p[:, d // 2:] = torch.randint(120, 131, (t, d // 32), dtype=torch.uint8, device="cuda")
-        pools.append(p)
-        slots.append(torch.randperm(t, device="cuda").to(torch.int32))
-    return pools, slots
 
 
 def _queries(m: int, h: int, d: int):
@@ -81,7 +71,7 @@ def bench(copy_bw: float, t_values=T_VALUES, m_values=M_VALUES, do_sweep: bool =
     sweeps = []
     for t, layout in itertools.product(t_values, layouts):
         copies = copies_for(t * (rec + 4))
-        pools, slots = _inputs(t, rec, d, copies)
+        pools, slots = index_key_pools(t, d, copies)
         if layout == "in order":
             slots = [torch.arange(t, dtype=torch.int32, device="cuda") for _ in slots]
         for m in m_values:
