@@ -29,7 +29,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from engine.core.kernel_ops import OPS, engram_table, linear, mm_fp32, rms_norm_torch
+from engine.core.kernel_ops import OPS, engram_table, linear, mm_fp32, rms_norm_torch, stacked_fp8
 from engine.core.kv_cache import PagedKVCache
 from engine.core.plan import ChunkPlan, StepPlan
 from engine.core.step_rows import (Segment, StepLogits, decoder_rows, engram_hashes, head_rows, no_logits, segments,
@@ -96,7 +96,7 @@ class GlobalWrite:
 class AttnMeta:
     pos: Tensor  # long [R] positions of the input rows
     swa_write: Tensor  # long [R] their window slots
-    q_rows: Tensor  # long [R'] input rows that query
+    q_rows: Tensor | None  # long [R'] input rows that query; None: every input row, in order (no gather)
     qpos: Tensor  # long [R']
     swa_idx: Tensor  # int32 [R', W] window slots each query attends (-1 = none)
     requests: list[RequestRows]
@@ -243,20 +243,31 @@ class KernelRunner:
         layer = role.layer_id
         meta = self._meta(step, phase, role.ratio)
         table = self._table(attn.rope)
-        OPS.store_window(linear(attn.wkv, x), attn.kv_norm.weight, attn.kv_norm.eps, meta.pos, table, kv.swa[layer],
+        # every row queries (decode): wkv and wq_a read the same x, as one launch over their stacked rows
+        both = stacked_fp8(attn.wkv, attn.wq_a) if meta.q_rows is None else None
+        qa = None
+        if both is None:
+            kv_rows = linear(attn.wkv, x)
+        else:
+            kv_q = linear(both, x)
+            kv_rows, qa = kv_q[:, :attn.wkv.out_features].contiguous(), kv_q[:, attn.wkv.out_features:]
+        OPS.store_window(kv_rows, attn.kv_norm.weight, attn.kv_norm.eps, meta.pos, table, kv.swa[layer],
                          meta.swa_write)
         if attn.compressor is not None:
             self._store_global(attn, x, meta, table)
         if meta.qpos.numel() == 0:
             return x.new_zeros(0, x.size(-1))
-        xq = x[meta.q_rows]
-        qr = OPS.rms_norm(linear(attn.wq_a, xq), attn.q_norm.weight, attn.q_norm.eps)  # [M, q_lora]
+        xq = x if meta.q_rows is None else x[meta.q_rows]
+        if qa is None:
+            qa = linear(attn.wq_a, xq)
+        qr = OPS.rms_norm(qa, attn.q_norm.weight, attn.q_norm.eps)  # [M, q_lora]
         q = OPS.rope(linear(attn.wq_b, qr).unflatten(-1, (attn.n_heads, attn.head_dim)), meta.qpos, table)
         main_pool, main_idx = self._no_main, meta.swa_idx.new_empty(meta.qpos.numel(), 0)
         if role.ratio > 0:
             main_pool = kv.main_kv[role.kv_source]
-            main_idx = torch.full((meta.qpos.numel(), max((r.max_k for r in meta.requests), default=0)), -1,
-                                  dtype=torch.int32, device=x.device)
+            # every query row belongs to one request, whose topk_slots writes all its columns (-1 past its K)
+            main_idx = torch.empty((meta.qpos.numel(), max((r.max_k for r in meta.requests), default=0)),
+                                   dtype=torch.int32, device=x.device)
             for r in meta.requests:
                 topk = self._topk(attn, xq[r.rows], qr[r.rows], meta.qpos[r.rows], r, step.shared[r.chunk], table)
                 OPS.topk_slots(topk, r.entries, main_idx[r.rows])  # their slots, -1 = none
@@ -410,5 +421,7 @@ class KernelRunner:
         if 0 < ratio <= 2:
             writes = GlobalWrite(cat(g_rows).to(dev), cat(g_entries).to(dev), cat(g_pos).to(dev),
                                  plan_ratio2(r2_chunks, dev) if ratio == 2 else None)
-        return AttnMeta(pos.to(dev), write.to(dev), cat(q_rows).to(dev), cat(qpos).to(dev),
+        q_rows = cat(q_rows)
+        every_row = 0 < q_rows.numel() == pos.numel() and bool((q_rows == torch.arange(pos.numel())).all())
+        return AttnMeta(pos.to(dev), write.to(dev), None if every_row else q_rows.to(dev), cat(qpos).to(dev),
                         torch.cat(swa_idx or [empty.view(0, W)]).to(dev, torch.int32), requests, writes, groups)

@@ -85,6 +85,29 @@ def moe_kernels(x: Tensor, moe: MoE) -> Tensor:
     return moe_forward(x.contiguous(), moe, hit[1])
 
 
+_STACKED: dict[tuple[int, int], tuple[Linear, Linear, Linear]] = {}  # (id(a), id(b)) -> (a, b, stacked)
+
+
+def stacked_fp8(a: Linear, b: Linear) -> Linear | None:
+    """One FP8 Linear whose rows are a's then b's (a.out_features % 32 == 0, the same in_features), so that two
+    linears of the same x run as one launch; a's and b's buffers become views of the stack (the weights exist once;
+    the modules still work). None where the two do not stack (another format, rows that split a scale block)."""
+    if a.fmt != "fp8" or b.fmt != "fp8" or a.in_features != b.in_features or a.out_features % 32:
+        return None
+    hit = _STACKED.get((id(a), id(b)))
+    if hit is None or hit[0] is not a or hit[1] is not b:
+        def cat(x: Tensor, y: Tensor) -> Tensor:  # through uint8: cat of 8-bit float types is not on every device
+            return torch.cat([x.view(torch.uint8), y.view(torch.uint8)]).view(x.dtype)
+
+        fused = Linear(a.in_features, a.out_features + b.out_features, "fp8")
+        fused.weight, fused.scale = cat(a.weight, b.weight), cat(a.scale, b.scale)
+        na, sa = a.out_features, a.out_features // 32
+        a.weight, b.weight = fused.weight[:na], fused.weight[na:]
+        a.scale, b.scale = fused.scale[:sa], fused.scale[sa:]
+        hit = _STACKED[(id(a), id(b))] = (a, b, fused)
+    return hit[2]
+
+
 _ENGRAM: dict[int, tuple[EngramEmbedding, HostEngramTable]] = {}  # id(table module) -> where the gather reads it
 
 
