@@ -320,6 +320,6 @@ def layer_shapes(cfg: ModelConfig) -> dict[str, tuple[int, int]]:
         "wq_b": (cfg.n_heads * cfg.head_dim, cfg.q_lora_rank),
         "wkv": (cfg.head_dim, cfg.dim),
         "wo_b": (cfg.dim, cfg.o_groups * cfg.o_lora_rank),
-        "shared_w1_w3": (cfg.moe_inter_dim, cfg.dim),
+        "shared_w13": (2 * cfg.moe_inter_dim, cfg.dim),  # W1 and W3 stacked: one launch (moe.shared_expert)
         "shared_w2": (cfg.dim, cfg.moe_inter_dim),
     }
