@@ -266,6 +266,13 @@ def quant_fp4_weight(w: Tensor) -> tuple[Tensor, Tensor]:
     return pack_fp4(codes.flatten(-2)), s.to(torch.float8_e8m0fnu)
 
 
+def cat_8bit(a: Tensor, b: Tensor) -> Tensor:
+    """torch.cat([a, b]) of two tensors of one 8-bit dtype (FP8, E8M0, packed FP4) along dim 0, through uint8
+    views: cat of the 8-bit float types is not implemented on every device."""
+    assert a.dtype == b.dtype and a.element_size() == 1, f"one 8-bit dtype, got {a.dtype} and {b.dtype}"
+    return torch.cat([a.view(torch.uint8), b.view(torch.uint8)]).view(a.dtype)
+
+
 def exact_matmul(a: Tensor, b: Tensor) -> Tensor:
     """a @ b computed in float64 and returned in float32 (callers round further as they need).
 

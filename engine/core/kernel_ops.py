@@ -30,7 +30,7 @@ from engine.kernels.topk import candidate_blocks, entry_slots, index_topk
 from engine.model.engram import Engram, EngramEmbedding
 from engine.model.layers import Linear
 from engine.model.moe import MoE
-from engine.quant import act_quant_qdq, dequant_fp4_weight
+from engine.quant import act_quant_qdq, cat_8bit, dequant_fp4_weight
 
 INDEXER_MAX_M = 16  # index_scores keeps all M*H query rows in registers: queries go in groups of 16
 
@@ -96,11 +96,8 @@ def stacked_fp8(a: Linear, b: Linear) -> Linear | None:
         return None
     hit = _STACKED.get((id(a), id(b)))
     if hit is None or hit[0] is not a or hit[1] is not b:
-        def cat(x: Tensor, y: Tensor) -> Tensor:  # through uint8: cat of 8-bit float types is not on every device
-            return torch.cat([x.view(torch.uint8), y.view(torch.uint8)]).view(x.dtype)
-
         fused = Linear(a.in_features, a.out_features + b.out_features, "fp8")
-        fused.weight, fused.scale = cat(a.weight, b.weight), cat(a.scale, b.scale)
+        fused.weight, fused.scale = cat_8bit(a.weight, b.weight), cat_8bit(a.scale, b.scale)
         na, sa = a.out_features, a.out_features // 32
         a.weight, b.weight = fused.weight[:na], fused.weight[na:]
         a.scale, b.scale = fused.scale[:sa], fused.scale[sa:]
