@@ -1,5 +1,6 @@
 // Routed-expert FP4 GEMVs for decode (engine/kernels/moe_fp4.py): the grouped W1|W3 + SwiGLU ("up") and W2
-// ("down") products of a MoE layer over tiles of at most 8 (token, expert) pairs of one expert.
+// ("down") products of a MoE layer over tiles of at most 8 (token, expert) pairs of one expert; before them the
+// router's top-k (route_kernel) and the grouping plan with the activations' quantisation (plan_quant_kernel).
 //
 //   up:    g, u = bf16(A(x) · W1_e^T), bf16(A(x) · W3_e^T);  h = bf16(w · silu(min(g, L)) · clamp(u, ±L))
 //          written act-quantised (E4M3 codes as f16 + one UE8M0 scale per 32), the input of down
@@ -218,6 +219,91 @@ __global__ void __launch_bounds__(256) plan_quant_kernel(const int* __restrict__
   const int idx = (blockIdx.x - 1) * blockDim.x + threadIdx.x;
   const int blocks = K / 32;
   if (idx < rows * blocks) quant_block32(x, xq, xs, idx / blocks, idx % blocks, K);
+}
+
+constexpr int kRouteMaxExperts = 1024;  // one thread per expert
+constexpr int kRouteMaxTopk = 32;
+constexpr int kRouteLoads = 32;         // split partials in flight per thread before they are summed in order
+
+// An order-preserving key of a biased score: larger scores give larger keys; 0 (below every key of a number) for
+// -inf and NaN, which are never picked.
+__device__ __forceinline__ uint32_t route_key(float b) {
+  if (!(b > -INFINITY)) return 0u;
+  const uint32_t u = __float_as_uint(b);
+  return (u & 0x80000000u) ? ~u : (u | 0x80000000u);
+}
+
+// The best (key, expert) of a warp: the largest key, the lowest expert among equal keys (two redux.sync).
+__device__ __forceinline__ void route_warp_best(uint32_t& key, int& e) {
+  const uint32_t best = __reduce_max_sync(0xFFFFFFFFu, key);
+  e = int(__reduce_min_sync(0xFFFFFFFFu, key == best ? uint32_t(e) : 0xFFFFFFFFu));
+  key = best;
+}
+
+// The router after the gate (engine.kernels.moe.route_scores' math), one CTA per token, one thread per expert, so
+// that every split partial is loaded at once. z[e] = the gate's split partials summed in split order;
+// score = sqrt(softplus(z)); top-k of score + bias by repeated argmax (the lowest expert id among exact ties): per
+// round a warp argmax (redux.sync on order-preserving keys), the warps' winners through 2 x 32 slots of shared
+// memory (alternating, one barrier per round) and a second warp argmax; weights = the selected raw scores,
+// normalised by their sum (slot order) + 1e-20 when norm, times route_scale.
+__global__ void __launch_bounds__(kRouteMaxExperts) route_kernel(const float* __restrict__ part,
+                                                                 const float* __restrict__ bias,
+                                                                 float* __restrict__ w_out, int* __restrict__ ids_out,
+                                                                 int splits, int T, int E, int topk,
+                                                                 float route_scale, int norm) {
+  __shared__ uint32_t win_key[2][32];
+  __shared__ int win_e[2][32];
+  __shared__ float sel_s[kRouteMaxTopk];
+  const int t = blockIdx.x, e = threadIdx.x, lane = e & 31, warp = e >> 5, warps = blockDim.x >> 5;
+  const size_t split_stride = size_t(T) * E;
+  const float* p = part + size_t(t) * E + e;
+  float z = 0.f;
+  if (e < E) {
+    for (int s0 = 0; s0 < splits; s0 += kRouteLoads) {  // kRouteLoads loads issued, then added in split order
+      float v[kRouteLoads];
+#pragma unroll
+      for (int i = 0; i < kRouteLoads; ++i) v[i] = s0 + i < splits ? p[size_t(s0 + i) * split_stride] : 0.f;
+#pragma unroll
+      for (int i = 0; i < kRouteLoads; ++i)
+        if (s0 + i < splits) z = __fadd_rn(z, v[i]);
+    }
+  }
+  const float score = sqrtf(fmaxf(z, 0.f) + log1pf(expf(-fabsf(z))));  // sqrt(softplus(z)), IEEE sqrt
+  uint32_t key = e < E ? route_key(__fadd_rn(score, bias[e])) : 0u;
+  int sel_id = 0;  // thread i < topk: slot i's expert
+  for (int i = 0; i < topk; ++i) {
+    uint32_t k = key;
+    int best = e;
+    route_warp_best(k, best);
+    if (lane == 0) {
+      win_key[i & 1][warp] = k;
+      win_e[i & 1][warp] = best;
+    }
+    __syncthreads();
+    k = lane < warps ? win_key[i & 1][lane] : 0u;
+    best = lane < warps ? win_e[i & 1][lane] : E;
+    route_warp_best(k, best);
+    if (k == 0u) best = 0;  // every remaining biased score is -inf or NaN (E < topk cannot happen): expert 0
+    if (e == best) {
+      key = 0u;
+      sel_s[i] = score;
+    }
+    if (e == i) sel_id = best;
+  }
+  __syncthreads();  // sel_s
+  if (warp != 0) return;  // the slots are threads 0 .. topk - 1 of warp 0
+  const float sel_w = lane < topk ? sel_s[lane] : 0.f;
+  float denom = 1.f;
+  if (norm) {
+    float sum = 0.f;
+    for (int i = 0; i < topk; ++i) sum = __fadd_rn(sum, __shfl_sync(0xFFFFFFFFu, sel_w, i));  // slot order
+    denom = __fadd_rn(sum, 1e-20f);
+  }
+  if (lane < topk) {
+    const float wv = norm ? __fdiv_rn(sel_w, denom) : sel_w;
+    w_out[size_t(t) * topk + lane] = __fmul_rn(wv, route_scale);
+    ids_out[size_t(t) * topk + lane] = sel_id;
+  }
 }
 
 template <bool UP, int STAGES>
@@ -443,6 +529,20 @@ size_t dsv41_moe_fp4_smem(int kc, int x_rows, int warps_n, int warps_k, int stag
     return 0;
   size_t a, b, c;
   return smem_layout(kc, x_rows, warps_n, warps_k, stages, &a, &b, &c);
+}
+
+// The router after the gate: part fp32 [splits, T, E] (the gate's split-K partials), bias fp32 [E] -> weights fp32
+// [T, topk], ids int32 [T, topk] (route_kernel). E <= 1024, topk <= min(E, 32). Returns a cudaError_t.
+int dsv41_moe_route(const void* part, const void* bias, void* weights, void* ids, int splits, int T, int E, int topk,
+                    float route_scale, int norm, void* stream) {
+  if (splits < 1 || T < 0 || E < 1 || E > kRouteMaxExperts || topk < 1 || topk > kRouteMaxTopk || topk > E ||
+      (norm != 0 && norm != 1))
+    return int(cudaErrorInvalidValue);
+  if (T == 0) return 0;
+  route_kernel<<<T, (E + 31) / 32 * 32, 0, static_cast<cudaStream_t>(stream)>>>(
+      static_cast<const float*>(part), static_cast<const float*>(bias), static_cast<float*>(weights),
+      static_cast<int*>(ids), splits, T, E, topk, route_scale, norm);
+  return int(cudaGetLastError());
 }
 
 // x bf16 [rows, K] -> xq f16 [rows, K] (E4M3 codes, permuted order), xs f32 [rows, K/32]. K % 32 == 0.

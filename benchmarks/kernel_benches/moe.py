@@ -12,6 +12,7 @@ One MoE layer of DeepSeek-V4.1-Flash: 384 FP4 experts (W1, W3 [2304 x 5120], W2 
   (T <= 8) route every token to 6 distinct experts, distinct across the batch; consecutive calls take the
   next experts, so the 7.2 GB expert stack streams from HBM. T = 64, 512: random top-6 per token.
 - moe_forward: router + the above + shared expert + combine (router picks from a fresh x per call).
+- the router alone: gate_scores, then the Triton or the CUDA route (T = 1, 6, 64).
 - baseline: what a naive implementation does: per used expert (host-side list), index_select of its tokens,
   F.linear on dequantised bf16 [W1; W3] and W2 (cuBLAS), the clamped SwiGLU and weight in torch, index_add.
 Bytes (the floor): each used expert's FP4 weights + scales once (U x 18.8 MB) + x (2 T D) + the fp32 expert
@@ -26,9 +27,10 @@ import torch
 import torch.nn.functional as F
 
 from benchmarks.gpu_timing import graph_time_us, sweep
-from engine.kernels.moe import (ExpertWeights, MoeGemmConfig, moe_down, moe_forward, moe_plan, moe_route, moe_up,
-                                pick_block_m)
-from engine.kernels.moe_fp4 import Fp4Params, fp4_applies, moe_down_fp4, moe_up_fp4, plan_and_quant, quant_rows
+from engine.kernels.moe import (ExpertWeights, MoeGemmConfig, gate_scores, moe_down, moe_forward, moe_plan, moe_route,
+                                moe_up, pick_block_m, route_scores)
+from engine.kernels.moe_fp4 import (Fp4Params, fp4_applies, moe_down_fp4, moe_up_fp4, plan_and_quant, quant_rows,
+                                    route_cuda)
 from engine.presets import full_config
 from engine.tools.random_moe import random_moe
 from engine.quant import dequant_fp4_weight
@@ -114,6 +116,23 @@ def _rate(nbytes: int, us: float, copy_bw: float) -> str:
     return f"{nbytes / us / 1e6:.2f} | {100 * nbytes / (us * 1e-6) / copy_bw:.0f}%"
 
 
+def router(moe) -> None:
+    """The router alone: the gate's split-K partials (gate_scores), then the Triton route (route_scores) or the
+    CUDA route that moe_forward runs at decode (moe_fp4.route_cuda), each in its own CUDA graph."""
+    g = moe.gate
+    print("\n## moe: the router (sqrt-softplus + biased top-k), us per call in a CUDA graph\n")
+    print("| T | gate splits | gate_scores us | + route_scores (Triton) us | + route_cuda us |")
+    print("|---|---|---|---|---|")
+    for t in (1, 6, 64):
+        xs = [torch.randn(t, g.weight.size(1), device="cuda").bfloat16() for _ in range(DECODE_COPIES)]
+        parts = [gate_scores(x, g.weight) for x in xs]
+        gate_us = graph_time_us([lambda i=i: gate_scores(xs[i], g.weight) for i in range(DECODE_COPIES)])
+        times = [graph_time_us([lambda i=i: route(gate_scores(xs[i], g.weight), g.bias, g.topk, g.route_scale,
+                                                  g.norm_topk) for i in range(DECODE_COPIES)])
+                 for route in (route_scores, route_cuda)]
+        print(f"| {t} | {parts[0].size(0)} | {gate_us:.1f} | {times[0]:.1f} | {times[1]:.1f} |", flush=True)
+
+
 def bench(copy_bw: float) -> None:
     cfg = full_config()
     d, inter, k, e = cfg.dim, cfg.moe_inter_dim, cfg.n_activated_experts, cfg.n_routed_experts
@@ -152,6 +171,8 @@ def bench(copy_bw: float) -> None:
               flush=True)
         del routes, xs, groups
     del base
+
+    router(moe)
 
     print("\n## moe: launch shapes of the CUDA FP4 GEMVs (Fp4Params warps_n, warps_k, splits, stages), us per call "
           "of plan + quant_rows + up + down; up swept with down on auto, then down with up on auto")

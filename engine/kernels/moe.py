@@ -19,8 +19,9 @@ Launches of moe_forward:
   3. `_plan_kernel` (one program): a stable counting sort of the T·k (token, slot) pairs by expert and the
      tile list (expert, first sorted row, rows) with BLOCK_M rows per tile; the grid is sized by the bound
      max_tiles = min(E, T·k) + T·k // BLOCK_M, so nothing is read back to the host (graph-capturable);
-  (decode on CUDA, T <= 64: steps 3-5 are engine/kernels/moe_fp4.py instead: plan_and_quant (this plan, bit for
-  bit, with 8-pair tiles, and x's act_quant, one launch), then the CUDA FP4 GEMVs up and down)
+  (decode on CUDA, T <= 64: step 2 is moe_fp4.route_cuda (one CTA per token) and steps 3-5 are
+  engine/kernels/moe_fp4.py: plan_and_quant (this plan, bit for bit, with 8-pair tiles, and x's act_quant, one
+  launch), then the CUDA FP4 GEMVs up and down)
   4. `_expert_gemm_kernel` UP: for each tile, BLOCK_N rows of W1 and of W3 (swap-AB: weight rows on the MMA's
      M side, the tile's tokens on N; x act-quantised in registers at 16-token tiles, by one fp8_act_qdq
      launch before it for larger tiles), SwiGLU + clamps + routing weight, bf16, then
@@ -52,7 +53,9 @@ from torch import Tensor
 
 from engine.kernels.fp8_linear import (_MAX_TICKETS, _bf16_bits, _cdiv, _num_sms, _quant_blocks,
                                        _tickets, fp8_act_qdq, fp8_linear)
-from engine.kernels.moe_fp4 import MAX_PAIRS_PER_TILE, fp4_applies, moe_down_fp4, moe_up_fp4, plan_and_quant
+from engine.kernels.moe_fp4 import (MAX_PAIRS_PER_TILE, fp4_applies, moe_down_fp4, moe_up_fp4, plan_and_quant,
+                                    route_cuda)
+from engine.kernels.side_stream import fork
 from engine.kernels.sparse_attention import _round_bf16
 from engine.model.moe import MoE
 from engine.quant import BLOCK, _act_dequant, act_quant, act_quant_qdq, cat_8bit, dequant_fp4_weight, exact_matmul
@@ -575,18 +578,6 @@ def _combine_kernel(o_ptr, ids_ptr, shared_ptr, y_ptr, D, topk, BLOCK: tl.conste
     tl.store(y_ptr + t * D + offs, _bf16_bits(acc), mask=ok)
 
 
-_SIDE_STREAMS: dict[torch.device, torch.cuda.Stream] = {}
-
-
-def _side_stream(device: torch.device) -> torch.cuda.Stream:
-    """One side stream per device for the shared expert, created on first use (a CUDA-graph capture of a layer
-    warms it up first, as benchmarks/gpu_timing.py does)."""
-    stream = _SIDE_STREAMS.get(device)
-    if stream is None:
-        stream = _SIDE_STREAMS[device] = torch.cuda.Stream(device)
-    return stream
-
-
 def moe_forward(x: Tensor, moe: MoE, experts: ExpertWeights, ids: Tensor | None = None,
                 weights: Tensor | None = None) -> Tensor:
     """The MoE layer on the kernels: x bf16 [T, D] -> bf16 [T, D]. ids int32 / weights fp32 [T, k] override
@@ -601,12 +592,10 @@ def moe_forward(x: Tensor, moe: MoE, experts: ExpertWeights, ids: Tensor | None 
     if decode:  # the shared expert (three small launches) runs on a side stream, beside the router and the expert
         # GEMVs. Forked after the gate: launched before it, the shared GEMV's CTAs held the SMs and the gate's
         # small grid waited for them (H200, layer 21 at T = 1: gate 16.8 -> 2.9 us, layer 245 -> 221-225 us).
-        current, side = torch.cuda.current_stream(x.device), _side_stream(x.device)
-        side.wait_stream(current)
-        with torch.cuda.stream(side):
-            shared = shared_expert(x, experts, moe.shared_experts.limit)
-    if routed:
-        weights, ids = route_scores(part, gate.bias, gate.topk, gate.route_scale, gate.norm_topk)
+        shared = fork("shared_expert", x.device, lambda: shared_expert(x, experts, moe.shared_experts.limit))
+    if routed:  # on the decode path the CUDA route (one CTA per token), else the Triton one
+        route = route_cuda if decode else route_scores
+        weights, ids = route(part, gate.bias, gate.topk, gate.route_scale, gate.norm_topk)
     limit = moe.experts[0].limit
     if decode:  # on CUDA: the FP4 GEMVs of cuda/moe_fp4.cu (tiles of <= 8 pairs)
         sorted_pairs, tiles, xq, xs = plan_and_quant(x, ids, experts.w13.size(0), MAX_PAIRS_PER_TILE)
@@ -618,8 +607,7 @@ def moe_forward(x: Tensor, moe: MoE, experts: ExpertWeights, ids: Tensor | None 
         plan = moe_plan(ids, experts.w13.size(0), pick_block_m(ids.numel(), experts.w13.size(0)))
         o = moe_down(moe_up(x, experts, plan, weights, limit), experts, plan)
     if decode:
-        current.wait_stream(side)  # rejoin (also inside a CUDA-graph capture)
-        shared.record_stream(current)
+        shared = shared.join()
     else:
         shared = shared_expert(x, experts, moe.shared_experts.limit)
     y = torch.empty_like(x)

@@ -3,6 +3,7 @@
 The same math and contract as engine.kernels.moe's moe_up / moe_down (whose docstring states it), for plans
 with tiles of at most 8 pairs (moe_plan(ids, E, block_m=8)):
 
+    route_cuda(part, bias)   -> the router's top-k from the gate's partials (engine.kernels.moe.route_scores)
     quant_rows(x)            -> A(x): E4M3 codes (as f16, each group of 8 stored in the order 0 4 1 5 2 6 3 7)
                                 and one power-of-two scale per 32 (act_quant bit for bit)
     plan_and_quant(x, ids)   -> moe_plan(ids, E, 8) bit for bit and quant_rows(x), in one launch
@@ -70,6 +71,9 @@ def declare(lib: ctypes.CDLL) -> ctypes.CDLL:
                                          + [ctypes.c_void_p] * 5 + [ctypes.c_int] * 2 + [ctypes.c_void_p])
     lib.dsv41_moe_quant_rows.restype = ctypes.c_int
     lib.dsv41_moe_quant_rows.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int] * 2 + [ctypes.c_void_p]
+    lib.dsv41_moe_route.restype = ctypes.c_int
+    lib.dsv41_moe_route.argtypes = ([ctypes.c_void_p] * 4 + [ctypes.c_int] * 4 + [ctypes.c_float, ctypes.c_int]
+                                    + [ctypes.c_void_p])
     lib.dsv41_moe_fp4_error_string.restype = ctypes.c_char_p
     lib.dsv41_moe_fp4_error_string.argtypes = [ctypes.c_int]
     return lib
@@ -128,6 +132,31 @@ def quant_rows(x: Tensor) -> tuple[Tensor, Tensor]:
         _check(_lib().dsv41_moe_quant_rows(x.data_ptr(), xq.data_ptr(), xs.data_ptr(), r, k, _stream(x)),
                "quant_rows")
     return xq, xs
+
+
+ROUTE_MAX_EXPERTS = 1024  # route_kernel: one thread per expert
+ROUTE_MAX_TOPK = 32
+
+
+def route_cuda(part: Tensor, bias: Tensor, topk: int, route_scale: float, norm_topk: bool) -> tuple[Tensor, Tensor]:
+    """engine.kernels.moe.route_scores on CUDA, one CTA per token and one thread per expert (the Triton route is
+    one long chain of block reductions, 5.5 us alone and 13 us beside the shared expert's GEMV at decode): part fp32 [splits, T, E] (the
+    gate's split partials), bias fp32 [E] -> (weights fp32 [T, k], ids int32 [T, k]). The same math: the splits
+    summed in order, sqrt-softplus (log1p and sqrt to within an ulp of route_scores'), top-k of score + bias by
+    repeated argmax with the lowest id among exact ties, weights normalised in slot order."""
+    assert part.dtype == torch.float32 and part.dim() == 3 and part.is_contiguous() and part.is_cuda, (
+        f"part: {part.dtype} {tuple(part.shape)}")
+    splits, t, e = part.shape
+    assert bias.dtype == torch.float32 and bias.shape == (e,) and bias.is_contiguous() and bias.device == part.device, (
+        f"bias: {bias.dtype} {tuple(bias.shape)}")
+    assert 1 <= e <= ROUTE_MAX_EXPERTS and 1 <= topk <= min(e, ROUTE_MAX_TOPK), f"E = {e}, topk = {topk}"
+    weights = torch.empty(t, topk, dtype=torch.float32, device=part.device)
+    ids = torch.empty(t, topk, dtype=torch.int32, device=part.device)
+    with torch.cuda.device(part.device):
+        _check(_lib().dsv41_moe_route(part.data_ptr(), bias.data_ptr(), weights.data_ptr(), ids.data_ptr(), splits,
+                                      t, e, topk, float(route_scale), int(bool(norm_topk) and topk > 1), _stream(part)),
+               "route_cuda")
+    return weights, ids
 
 
 def plan_and_quant(x: Tensor, ids: Tensor, num_experts: int, block_m: int = MAX_PAIRS_PER_TILE

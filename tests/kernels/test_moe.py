@@ -29,10 +29,11 @@ import torch
 import torch.nn.functional as F
 
 from engine.kernels.fp8_linear import _tickets
-from engine.kernels.moe import (ExpertWeights, MoeGemmConfig, moe_down, moe_down_ref, moe_forward,
+from engine.kernels.moe import (ExpertWeights, MoeGemmConfig, gate_scores, moe_down, moe_down_ref, moe_forward,
                                 moe_forward_ref, moe_plan, moe_route, moe_route_ref, moe_up, moe_up_ref,
-                                pick_block_m, pick_gemm_config, stack_experts)
-from engine.kernels.moe_fp4 import Fp4Params, dequant_rows, moe_down_fp4, moe_up_fp4, plan_and_quant, quant_rows
+                                pick_block_m, pick_gemm_config, route_scores, stack_experts)
+from engine.kernels.moe_fp4 import (Fp4Params, dequant_rows, moe_down_fp4, moe_up_fp4, plan_and_quant, quant_rows,
+                                    route_cuda)
 from engine.model.layers import Linear
 from engine.model.moe import MoE
 from engine.presets import full_config, tiny_config
@@ -429,6 +430,55 @@ def test_route_real_shapes_gpu(full_moe, t):
     same = (ids.long() == ids_ref).all(1)
     rel = ((w.double() - w_ref) / w_ref).abs()[same].max().item()
     assert rel <= 2.0**-16, f"weights relative error {rel:.3g}"
+
+
+@gpu
+@needs_cuda
+@pytest.mark.parametrize("t", [1, 6, 64])
+@pytest.mark.parametrize("norm", [True, False])
+def test_route_cuda_matches_triton_and_golden_gpu(full_moe, t, norm):
+    """moe_fp4.route_cuda (the decode router) against the Triton route on the same gate partials and against the
+    golden: the same ids wherever the golden has no near-tie, weights within 2^-16 of the golden's."""
+    moe, _ = full_moe
+    x = _gpu_tokens(t, 200 + t)
+    g = moe.gate
+    part = gate_scores(x, g.weight)
+    w, ids = route_cuda(part, g.bias, g.topk, g.route_scale, norm)
+    w_tri, ids_tri = route_scores(part, g.bias, g.topk, g.route_scale, norm)
+    w_ref, ids_ref = moe_route_ref(x, g.weight, g.bias, g.topk, g.route_scale, norm)
+    assert ids.dtype == torch.int32 and w.dtype == torch.float32 and ids.shape == w.shape == (t, g.topk)
+    clear = _router_gaps(x, moe) > TIE_GAP
+    assert clear.sum().item() >= max(1, t // 2), "too many near-ties to test"
+    assert torch.equal(ids[clear], ids_tri[clear]) and torch.equal(ids.long()[clear], ids_ref[clear])
+    same = (ids.long() == ids_ref).all(1)
+    rel = ((w.double() - w_ref) / w_ref).abs()[same].max().item()
+    assert rel <= 2.0**-16, f"weights relative error {rel:.3g}"
+    assert ((w - w_tri).abs() <= 2.0**-20 * w_tri.abs())[same].all(), "weights differ from the Triton route's"
+
+
+@gpu
+@needs_cuda
+def test_route_cuda_tiny_and_ties_gpu():
+    """Tiny router (8 experts, top-2) and exact ties: equal biased scores pick the lowest expert id, as the Triton
+    route does."""
+    moe, _ = _tiny_moe(seed=21)
+    g = moe.gate
+    x = _tokens(5, moe, seed=22).cuda()
+    part = gate_scores(x, g.weight.cuda())
+    bias = g.bias.cuda()
+    w, ids = route_cuda(part, bias, g.topk, g.route_scale, g.norm_topk)
+    w_tri, ids_tri = route_scores(part, bias, g.topk, g.route_scale, g.norm_topk)
+    assert torch.equal(ids, ids_tri) and torch.allclose(w, w_tri, rtol=2.0**-20, atol=0)
+    tied = torch.zeros(1, 1, 8, device="cuda")  # one split, one token: every score sqrt(softplus(0)), no bias
+    w, ids = route_cuda(tied, torch.zeros(8, device="cuda"), 3, 1.0, True)
+    assert ids.tolist() == [[0, 1, 2]] and torch.allclose(w, torch.full((1, 3), 1 / 3, device="cuda"))
+    gen = torch.Generator(device="cuda").manual_seed(23)  # 1000 experts: 32 warps, the last one partly empty
+    part = torch.randn(21, 3, 1000, device="cuda", generator=gen)
+    bias = torch.randn(1000, device="cuda", generator=gen) * 0.1
+    for k in (1, 6, 32):
+        w, ids = route_cuda(part, bias, k, 2.5, True)
+        w_tri, ids_tri = route_scores(part, bias, k, 2.5, True)
+        assert torch.equal(ids, ids_tri) and torch.allclose(w, w_tri, rtol=2.0**-20, atol=0), f"E = 1000, k = {k}"
 
 
 @gpu

@@ -50,6 +50,12 @@ def test_launchers_reject_parameters_outside_the_contract(tmp_path):
                                        a["k"], None)
         assert err == CUDA_INVALID_VALUE, f"plan {change}: launcher returned {err}"
     assert lib.dsv41_moe_quant_rows(None, None, None, 1, 48, None) == CUDA_INVALID_VALUE
+    for change in (dict(splits=0), dict(t=-1), dict(e=0), dict(e=1025), dict(k=0), dict(k=33), dict(e=4, k=5),
+                   dict(norm=2)):
+        a = dict(splits=20, t=1, e=384, k=6, norm=1) | change
+        err = lib.dsv41_moe_route(None, None, None, None, a["splits"], a["t"], a["e"], a["k"], 1.5, a["norm"], None)
+        assert err == CUDA_INVALID_VALUE, f"route {change}: launcher returned {err}"
+    assert lib.dsv41_moe_route(None, None, None, None, 20, 0, 384, 6, 1.5, 1, None) == 0  # no tokens: no launch
 
 
 @needs_nvcc
