@@ -16,6 +16,7 @@ from torch import Tensor
 from engine.kernels import cache_store, paged
 from engine.kernels.bf16_gemv import linear_fp32
 from engine.kernels.compressor import compress_ratio2
+from engine.kernels.engram_gate import engram_gate
 from engine.kernels.engram_gather import HostEngramTable, engram_gather
 from engine.kernels.fp8_linear import fp8_linear
 from engine.kernels.indexer import index_scores
@@ -122,16 +123,10 @@ def engram_rows(eng: Engram, hash_ids: Tensor, device: torch.device) -> Tensor:
 
 
 def engram_mix(eng: Engram, h: Tensor, rows: Tensor) -> Tensor:
-    """h bf16 [N, hc, D], rows bf16 [N, cols, ehd] -> h + gate * value: wkv by fp8_linear, the gate (signed
-    sqrt of the normed key . stream product) in fp32 torch (engine.model.engram math)."""
+    """h bf16 [N, hc, D], rows bf16 [N, cols, ehd] -> h + gate * value: wkv by fp8_linear, then the gate (signed
+    sqrt of the normed key . stream product) and the update in one launch (engine.kernels.engram_gate)."""
     kv = linear(eng.wkv, rows.flatten(-2))  # [N, (hc+1)*D]
-    key, value = kv.split([eng.hc * eng.dim, eng.dim], dim=-1)
-    key, hf = key.float().unflatten(-1, (eng.hc, eng.dim)), h.float()
-    w = eng.q_weight.float() * eng.k_weight.float()
-    rstd = torch.rsqrt(hf.square().mean(-1) + eng.eps) * torch.rsqrt(key.square().mean(-1) + eng.eps)
-    dot = (hf * w * key).sum(-1) * rstd * eng.dim ** -0.5  # [N, hc]
-    gate = torch.sigmoid(torch.copysign(dot.abs().clamp_min(1e-6).sqrt(), dot))
-    return (hf + gate.unsqueeze(-1) * value.float().unsqueeze(1)).to(h.dtype)
+    return engram_gate(h, kv, eng.q_weight, eng.k_weight, eng.eps)
 
 
 def rms_norm_rows(x: Tensor, w: Tensor, eps: float) -> Tensor:

@@ -70,7 +70,8 @@ def smem_bytes(k: int, p: GemvParams) -> int:
 # Launch shapes of the V4.1 matrices from the H200 sweep (benchmarks/kernel_benches/fp8_gemv.py --sweep,
 # 2026-11-30), (N, K) -> (shape for M <= 4, shape for M > 4); us at M = 1 / 8 against the model's pick:
 # wq_a 6.1 / 6.4 (8.8 / 10.5), wq_b 15.9 / 17.0 (the model's), wo_b 18.0 / 19.5 (25.0 / 27.4),
-# shared w2 8.0 / 8.3 (11.3 / 12.0; 11.1 / 8.6 in a later run). Other shapes use the model. The shared expert's
+# shared w2 8.0 / 8.3 (11.3 / 12.0; 11.1 / 8.6 in a later run); the Engram layers' wkv 59.9 / 62.4 (67.9 / 71.3;
+# `--sweep --shapes engram_wkv --m 1,8`, 2026-11-30, later session). Other shapes use the model. The shared expert's
 # shapes (stacked W1|W3 4608 x 5120, w2) run on a side stream beside the routed-expert GEMVs, where their isolated
 # best (W1|W3 rt2 u8 4x2w s6: 11.7 / 12.6 us against the model's 17.2 / 18.7; w2 rt2 u4 1x4w s3: 8.1 us) made the
 # layer slower: their CTAs then hold the SMs the expert GEMV needs (layer 21 at T = 1: 223 -> 238-241 us, H200,
@@ -80,6 +81,7 @@ _TUNED: dict[tuple[int, int], tuple[GemvParams, GemvParams]] = {
     (32768, 1280): (GemvParams(2, 4, 8, 1, 2), GemvParams(2, 4, 8, 1, 2)),
     (5120, 8192): (GemvParams(1, 2, 8, 1, 8), GemvParams(1, 2, 8, 1, 8)),
     (5120, 2304): (GemvParams(2, 4, 2, 2, 6), GemvParams(2, 4, 4, 2, 4)),
+    (25600, 6144): (GemvParams(2, 4, 8, 1, 6), GemvParams(2, 4, 8, 1, 4)),
 }
 
 

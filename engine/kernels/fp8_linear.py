@@ -314,7 +314,8 @@ def fp8_linear_ref(x: Tensor, weight: Tensor, scale: Tensor) -> Tensor:
 
 
 def layer_shapes(cfg: ModelConfig) -> dict[str, tuple[int, int]]:
-    """(N, K) = (out, in) of one decoder layer's FP8 linears (tests and benchmarks use the same set)."""
+    """(N, K) = (out, in) of one decoder layer's FP8 linears, and the Engram layers' wkv (tests and benchmarks
+    use the same set)."""
     return {
         "wq_a": (cfg.q_lora_rank, cfg.dim),
         "wq_b": (cfg.n_heads * cfg.head_dim, cfg.q_lora_rank),
@@ -322,4 +323,5 @@ def layer_shapes(cfg: ModelConfig) -> dict[str, tuple[int, int]]:
         "wo_b": (cfg.dim, cfg.o_groups * cfg.o_lora_rank),
         "shared_w13": (2 * cfg.moe_inter_dim, cfg.dim),  # W1 and W3 stacked: one launch (moe.shared_expert)
         "shared_w2": (cfg.dim, cfg.moe_inter_dim),
+        "engram_wkv": (cfg.dim * (cfg.hc_mult + 1), cfg.n_hash_cols * cfg.engram_head_dim),  # Engram layers only
     }
