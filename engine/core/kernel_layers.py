@@ -38,7 +38,9 @@ from engine.kernels import paged
 from engine.kernels.compressor import Ratio2Chunk, Ratio2Plan, plan_ratio2
 from engine.kernels.engram_gather import EngramPrefetch
 from engine.kernels.fp8_gemv import fp8_gemv_grouped, grouped_gemv_applies
+from engine.kernels.mhc_cuda import mixes_cuda_applies
 from engine.kernels.rope import RopeTable, rope_table
+from engine.kernels.side_stream import fork
 from engine.model.attention import Attention, Compressor
 from engine.model.block import Block
 from engine.model.rope import RotaryTable
@@ -215,17 +217,36 @@ class KernelRunner:
                       ) -> tuple[Tensor, Tensor]:
         """h [N, hc, D], pre_mix fp32 [N, hc] -> (h [N', hc, D], the FFN sublayer's pre), as Block.forward."""
         c = self.cfg
-        y = self._attention(layer.attn, OPS.hc_pre_norm(h, pre_mix, layer.attn_norm.weight, layer.attn_norm.eps),
-                            step, phase)
+        x = OPS.hc_pre_norm(h, pre_mix, layer.attn_norm.weight, layer.attn_norm.eps)
         resid = h if phase.keep is None else h[phase.keep]
-        a_pre, a_post, a_comb = OPS.hc_mixes(resid, layer.hc_attn_fn, layer.hc_attn_scale, layer.hc_attn_base,
-                                             c.hc_mult, c.hc_sinkhorn_iters, c.hc_eps, c.norm_eps)
+        # At decode (the CUDA mixes: N <= 8 on sm_90) both sublayers' mHC mixes run on a side stream with few CTAs
+        # (beside=True), off the critical path of latency-bound kernels: the attention's beside the attention (they
+        # read only the layer input), the FFN's beside the MoE (only the last hc_post needs them). Only there: the
+        # Triton mixes share fp8_linear's split-K tickets, which the attention's Triton GEMMs use; the CUDA mixes
+        # have their own, and both calls are on the one side stream.
+        beside = mixes_cuda_applies(resid, c.hc_mult)
+
+        def mixes(stream: Tensor, fn: Tensor, scale: Tensor, base: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+            return OPS.hc_mixes(stream, fn, scale, base, c.hc_mult, c.hc_sinkhorn_iters, c.hc_eps, c.norm_eps,
+                                beside=beside)
+
+        def attn_mixes() -> tuple[Tensor, Tensor, Tensor]:
+            return mixes(resid, layer.hc_attn_fn, layer.hc_attn_scale, layer.hc_attn_base)
+
+        forked = fork("mhc_mixes", h.device, attn_mixes) if beside else None
+        y = self._attention(layer.attn, x, step, phase)
+        a_pre, a_post, a_comb = forked.join() if beside else attn_mixes()
         # hc_post then hc_mixes: the fused hc_post_mixes was slower on the H200 (benchmarks/RESULTS.md)
         h = OPS.hc_post(y, resid, a_post, a_comb)
-        f_pre, f_post, f_comb = OPS.hc_mixes(h, layer.hc_ffn_fn, layer.hc_ffn_scale, layer.hc_ffn_base, c.hc_mult,
-                                             c.hc_sinkhorn_iters, c.hc_eps, c.norm_eps)
+
+        def ffn_mixes() -> tuple[Tensor, Tensor, Tensor]:
+            return mixes(h, layer.hc_ffn_fn, layer.hc_ffn_scale, layer.hc_ffn_base)
+
         # the FFN collapses with the attention sublayer's pre (Block.forward)
-        y = OPS.moe(OPS.hc_pre_norm(h, a_pre, layer.ffn_norm.weight, layer.ffn_norm.eps), layer.ffn)
+        x = OPS.hc_pre_norm(h, a_pre, layer.ffn_norm.weight, layer.ffn_norm.eps)
+        forked = fork("mhc_mixes", h.device, ffn_mixes) if beside else None
+        y = OPS.moe(x, layer.ffn)
+        f_pre, f_post, f_comb = forked.join() if beside else ffn_mixes()
         return OPS.hc_post(y, h, f_post, f_comb), f_pre
 
     def _table(self, rope: RotaryTable) -> RopeTable:

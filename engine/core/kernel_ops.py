@@ -153,7 +153,8 @@ class OpTable:
     fp8_linear: Callable  # (x bf16 [..., K], weight fp8 [N, K], scale e8m0) -> bf16 [..., N]
     rms_norm: Callable  # (x [N, D], w bf16 [D], eps) -> bf16
     hc_pre_norm: Callable  # (x [N, hc, D], pre fp32 [N, hc], w, eps) -> rms_norm(hc_pre(x, pre)) bf16 [N, D]
-    hc_mixes: Callable  # (x [N, hc, D], fn, scale, base, hc, iters, hc_eps, norm_eps) -> (pre, post, comb) fp32
+    hc_mixes: Callable  # (x [N, hc, D], fn, scale, base, hc, iters, hc_eps, norm_eps, beside=False) -> (pre, post,
+    #                      comb) fp32; beside: on a side stream, beside other kernels
     hc_post: Callable  # (y [N, D], residual [N, hc, D], post, comb) -> [N, hc, D]
     rope: Callable  # (x [N, (H,) d] contiguous, positions [N], RopeTable, inverse) -> rotated copy
     rope_mxfp4_qdq: Callable  # (x bf16 [N, H, d], positions [N], RopeTable) -> fp4_qdq(rope(x), 32, "ue8m0")

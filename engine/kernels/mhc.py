@@ -329,18 +329,21 @@ def _mixes_buffers(n: int, hc: int, tiles: int, num_splits: int, device: torch.d
 
 
 def hc_mixes(x: Tensor, fn: Tensor, scale: Tensor, base: Tensor, hc: int, iters: int, hc_eps: float,
-             norm_eps: float, launch: tuple[int, int, int] | None = None) -> tuple[Tensor, Tensor, Tensor]:
+             norm_eps: float, launch: tuple[int, int, int] | None = None, beside: bool = False
+             ) -> tuple[Tensor, Tensor, Tensor]:
     """x bf16 [N, hc, D], fn fp32 [(2+hc)·hc, hc·D], scale fp32 [3], base fp32 [(2+hc)·hc] ->
     (pre fp32 [N, hc], post fp32 [N, hc], comb fp32 [N, hc, hc]).
 
     At decode on sm_90 (N <= 8, hc = 4, no launch given) the CUDA kernel of engine.kernels.mhc_cuda runs
-    instead. launch = (block_m, block_k, splits) overrides mixes_launch_shape (tests, sweeps) and keeps the Triton
-    kernel. Not safe to run concurrently on two streams (the split-K tickets are shared with fp8_linear)."""
+    instead, with fewer CTAs when the call runs beside other kernels (beside=True, on a side stream). launch =
+    (block_m, block_k, splits) overrides mixes_launch_shape (tests, sweeps) and keeps the Triton kernel. Not safe
+    to run concurrently on two streams (the split-K tickets are shared with fp8_linear; the CUDA kernel's, with
+    every other CUDA mixes call)."""
     n, d = _check_stream(x, hc, "x")
     k = hc * d
     _check_mix_params(fn, scale, base, hc, d, iters, x.device)
     if launch is None and mixes_cuda_applies(x, hc):
-        return hc_mixes_cuda(x, fn, scale, base, hc, iters, hc_eps, norm_eps)
+        return hc_mixes_cuda(x, fn, scale, base, hc, iters, hc_eps, norm_eps, beside=beside)
     block_m, block_k, splits = launch or mixes_launch_shape(n, k, _num_sms(x.device))
     assert k % block_k == 0 and block_k >= 16, f"block_k = {block_k} must divide K = {k} (and be >= 16)"
     k_per_split = block_k * _cdiv(k // block_k, max(1, splits))

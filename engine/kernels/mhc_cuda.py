@@ -42,11 +42,19 @@ def _lib() -> ctypes.CDLL:
     return declare(load("hc_mixes"))
 
 
-def pick_launch(k: int, n: int = 1) -> int:
+# Splits per token of a call beside other kernels (on a side stream): fewer, longer CTAs. Beside the attention and
+# the MoE at decode, 16 took the mixes off the critical path (H200, layer bench at 8K, T = 1: every layer kind
+# 10-19 us faster); the 160 of pick_launch slowed the kernels beside them as much as the mixes took alone.
+SIDE_SPLITS = 16
+
+
+def pick_launch(k: int, n: int = 1, beside: bool = False) -> int:
     """Splits per token: 32 column quads per CTA for one token (160 CTAs at K = 20480), 64 for more (80 per
-    token), fewer where K does not divide. From the H200 sweep (2026-11-30, K = 20480): N = 1 7.5 us at 160
-    splits, 8.5 at 80; N = 6 / 8 8.7 / 9.0 us at 80, 10.0 / 10.8 at 160 (Triton: 10.0 / 10.9 / 11.0)."""
-    splits = max(1, min(MAX_SPLITS, k // (128 if n == 1 else 256)))
+    token), SIDE_SPLITS beside other kernels, fewer where K does not divide. From the H200 sweep (2026-11-30,
+    K = 20480): N = 1 7.5 us at 160 splits, 8.5 at 80; N = 6 / 8 8.7 / 9.0 us at 80, 10.0 / 10.8 at 160 (Triton:
+    10.0 / 10.9 / 11.0)."""
+    splits = SIDE_SPLITS if beside else k // (128 if n == 1 else 256)
+    splits = max(1, min(MAX_SPLITS, splits))
     while splits > 1 and k % (4 * splits):
         splits -= 1
     return splits
@@ -65,9 +73,10 @@ def mixes_cuda_applies(x: Tensor, hc: int) -> bool:
 
 
 def hc_mixes_cuda(x: Tensor, fn: Tensor, scale: Tensor, base: Tensor, hc: int, iters: int, hc_eps: float,
-                  norm_eps: float, splits: int | None = None) -> tuple[Tensor, Tensor, Tensor]:
+                  norm_eps: float, splits: int | None = None, beside: bool = False) -> tuple[Tensor, Tensor, Tensor]:
     """x bf16 [N, 4, D] (contiguous, 1 <= N <= MAX_ROWS), fn fp32 [24, 4·D], scale fp32 [3], base fp32 [24] ->
-    (pre fp32 [N, 4], post fp32 [N, 4], comb fp32 [N, 4, 4]). splits overrides pick_launch (tests, sweeps)."""
+    (pre fp32 [N, 4], post fp32 [N, 4], comb fp32 [N, 4, 4]). splits overrides pick_launch (tests, sweeps);
+    beside: the call runs beside other kernels (pick_launch's SIDE_SPLITS)."""
     assert hc == HC, f"hc = {hc}: the CUDA mixes take {HC}"
     assert x.dtype == torch.bfloat16 and x.dim() == 3 and x.size(1) == hc and x.is_contiguous() and x.is_cuda, (
         f"x: {x.dtype} {tuple(x.shape)}")
@@ -77,7 +86,7 @@ def hc_mixes_cuda(x: Tensor, fn: Tensor, scale: Tensor, base: Tensor, hc: int, i
     for t, shape, what in ((fn, (mix, k), "fn"), (scale, (3,), "scale"), (base, (mix,), "base")):
         assert t.dtype == torch.float32 and tuple(t.shape) == shape and t.is_contiguous() and t.device == x.device, (
             f"{what}: want fp32 {shape} contiguous on {x.device}, got {t.dtype} {tuple(t.shape)}")
-    splits = splits or pick_launch(k, n)
+    splits = splits or pick_launch(k, n, beside)
     assert 1 <= splits <= MAX_SPLITS and k % (4 * splits) == 0, f"splits = {splits} for K = {k}"
     part = torch.empty(n, splits, mix + 1, dtype=torch.float32, device=x.device)
     pre = torch.empty(n, hc, dtype=torch.float32, device=x.device)

@@ -14,7 +14,8 @@ import torch
 
 from engine.kernels import cuda_build
 from engine.kernels.mhc import hc_mixes
-from engine.kernels.mhc_cuda import MAX_SPLITS, THREADS, declare, hc_mixes_cuda, mixes_cuda_applies, pick_launch
+from engine.kernels.mhc_cuda import (MAX_SPLITS, SIDE_SPLITS, THREADS, declare, hc_mixes_cuda, mixes_cuda_applies,
+                                     pick_launch)
 from engine.presets import full_config
 from tests.kernels.test_norm_mhc import HC, HC_EPS, ITERS, NORM_EPS, _mix_params, _stream, check_mixes_bounds
 
@@ -48,10 +49,12 @@ def test_pick_launch_divides_k():
         splits = pick_launch(k)
         assert 1 <= splits <= MAX_SPLITS and k % (4 * splits) == 0, (k, splits)
     assert pick_launch(20480) == 160 and pick_launch(20480, 6) == 80
+    assert pick_launch(20480, 1, beside=True) == pick_launch(20480, 6, beside=True) == SIDE_SPLITS
+    assert pick_launch(12, 1, beside=True) == 3, "beside: still a divisor of the column quads"
     assert not mixes_cuda_applies(_stream(1, 256), HC), "CPU tensors never go to the CUDA kernel"
 
 
-LAUNCHES = [80, 160, 40, 128, 5, 1]  # 128: 10 column quads a CTA (lanes 10..31 idle)
+LAUNCHES = [80, 160, 40, 128, 5, 1, SIDE_SPLITS]  # 128: 10 column quads a CTA (lanes 10..31 idle)
 
 
 @gpu
@@ -88,6 +91,9 @@ def test_hc_mixes_routes_decode_to_cuda_and_is_graph_capturable():
     want = hc_mixes_cuda(x, *params, HC, ITERS, HC_EPS, NORM_EPS)
     first = hc_mixes(x, *params, HC, ITERS, HC_EPS, NORM_EPS)
     assert all(torch.equal(a, b) for a, b in zip(first, want)), "hc_mixes did not take the CUDA kernel"
+    side = hc_mixes(x, *params, HC, ITERS, HC_EPS, NORM_EPS, beside=True)
+    want = hc_mixes_cuda(x, *params, HC, ITERS, HC_EPS, NORM_EPS, SIDE_SPLITS)
+    assert all(torch.equal(a, b) for a, b in zip(side, want)), "beside=True did not take SIDE_SPLITS"
     for _ in range(3):
         assert all(torch.equal(a, b) for a, b in zip(hc_mixes(x, *params, HC, ITERS, HC_EPS, NORM_EPS), first))
     graph = torch.cuda.CUDAGraph()
