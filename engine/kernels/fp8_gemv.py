@@ -115,6 +115,10 @@ def _lib() -> ctypes.CDLL:
     lib.dsv41_fp8_gemv_grouped.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int] * 11 + [ctypes.c_void_p]
     lib.dsv41_fp8_gemv_smem.restype = ctypes.c_size_t
     lib.dsv41_fp8_gemv_smem.argtypes = [ctypes.c_int] * 5
+    lib.dsv41_fp8_gemv_ring.restype = ctypes.c_int
+    lib.dsv41_fp8_gemv_ring.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int] * 11 + [ctypes.c_void_p]
+    lib.dsv41_fp8_gemv_ring_smem.restype = ctypes.c_size_t
+    lib.dsv41_fp8_gemv_ring_smem.argtypes = [ctypes.c_int] * 6
     lib.dsv41_cuda_error_string.restype = ctypes.c_char_p
     lib.dsv41_cuda_error_string.argtypes = [ctypes.c_int]
     return lib
@@ -203,6 +207,37 @@ def fp8_gemv_grouped(x: Tensor, weight: Tensor, scale: Tensor, groups: int, quan
     if m == 0:
         return y
     _launch(x, weight, scale, y, m, n, k, groups, bool(quant_x), params)
+    return y
+
+
+def ring_smem_bytes(k: int, p: GemvParams, stages: int) -> int:
+    """Shared memory of one CTA of the ring form: smem_bytes (128-byte aligned) + the warps' rings."""
+    return _cdiv(smem_bytes(k, p), 128) * 128 + p.warps_n * p.warps_k * stages * p.row_tiles * 16 * 128
+
+
+def fp8_gemv_ring(x: Tensor, weight: Tensor, scale: Tensor, groups: int, quant_x: bool, params: GemvParams,
+                  stages: int) -> Tensor:
+    """fp8_gemv_grouped with the weights staged through a per-warp shared-memory ring of `stages` stages (2..4)
+    of 4 blocks each (fp8_gemv_ring_kernel): the same results, bit for bit, for the same params."""
+    check_fp8_linear_args(x, weight, scale)
+    rows, k = weight.shape
+    n = rows // groups
+    m = x.numel() // (groups * k)
+    assert rows % groups == 0 and m <= MAX_M and x.is_cuda and x.data_ptr() % 16 == 0 and weight.data_ptr() % 16 == 0
+    p = params.normalised(k)
+    assert 2 <= stages <= 4 and p.row_tiles in (1, 2), f"no ring instance for {p}, {stages} stages"
+    assert ring_smem_bytes(k, p, stages) <= _MAX_SMEM, f"{p} x {stages} stages: {ring_smem_bytes(k, p, stages)} B"
+    y = torch.empty(*x.shape[:-1], n, dtype=torch.bfloat16, device=x.device)
+    if m == 0:
+        return y
+    lib = _lib()
+    with torch.cuda.device(x.device):
+        err = lib.dsv41_fp8_gemv_ring(x.data_ptr(), weight.data_ptr(), scale.data_ptr(), y.data_ptr(), m, n, k,
+                                      groups, int(quant_x), p.row_tiles, stages, p.warps_n, p.warps_k, p.splits,
+                                      int(p.pdl), torch.cuda.current_stream(x.device).cuda_stream)
+    if err:
+        raise RuntimeError(f"fp8_gemv_ring {p} x {stages} for M={m} N={n} K={k} failed: "
+                           f"{lib.dsv41_cuda_error_string(err).decode()}")
     return y
 
 

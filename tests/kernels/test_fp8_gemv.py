@@ -30,7 +30,8 @@ import torch
 import engine.kernels.fp8_linear as fp8_linear_mod
 from engine.kernels import cuda_build
 from engine.kernels.fp8_gemv import (MAX_K, MAX_M, GemvParams, bf16_exact_stage, fp8_gemv, fp8_gemv_bf16_ref,
-                                     fp8_gemv_grouped, gemv_applies, grouped_gemv_applies, pick_params, smem_bytes)
+                                     fp8_gemv_grouped, fp8_gemv_ring, gemv_applies, grouped_gemv_applies, pick_params,
+                                     ring_smem_bytes, smem_bytes)
 from engine.kernels.fp8_linear import fp8_linear, fp8_linear_ref
 from engine.presets import full_config
 from engine.quant import act_quant_qdq, dequant_fp8_weight, quant_fp8_weight
@@ -84,11 +85,23 @@ def test_cuda_source_compiles_and_launcher_checks_its_contract(tmp_path):
     # the Python model of the shared memory agrees with the launcher's
     lib.dsv41_fp8_gemv_smem.restype = ctypes.c_size_t
     lib.dsv41_fp8_gemv_smem.argtypes = [ctypes.c_int] * 5
+    lib.dsv41_fp8_gemv_ring_smem.restype = ctypes.c_size_t
+    lib.dsv41_fp8_gemv_ring_smem.argtypes = [ctypes.c_int] * 6
     for k in (64, 1056, 1280, 2304, 5120, 8192):
         for p in ODD_PARAMS + [pick_params(1, 4096, k)]:
             p = p.normalised(k)
             c_smem = lib.dsv41_fp8_gemv_smem(k, p.row_tiles, p.warps_n, p.warps_k, p.splits)
             assert c_smem == smem_bytes(k, p), f"K={k} {p}: launcher {c_smem} B, Python {smem_bytes(k, p)} B"
+            for stages in (2, 3, 4):
+                c_ring = lib.dsv41_fp8_gemv_ring_smem(k, p.row_tiles, p.warps_n, p.warps_k, p.splits, stages)
+                assert c_ring == ring_smem_bytes(k, p, stages), f"K={k} {p} x {stages}: {c_ring} B"
+    ring = lib.dsv41_fp8_gemv_ring
+    ring.restype = ctypes.c_int
+    ring.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int] * 11 + [ctypes.c_void_p]
+    for change in (dict(stages=1), dict(stages=5), dict(rt=3), dict(m=9), dict(k=48), dict(s=9)):
+        a = dict(m=1, n=64, k=1024, rt=2, stages=3, s=2) | change
+        err = ring(None, None, None, None, a["m"], a["n"], a["k"], 1, 1, a["rt"], a["stages"], 4, 1, a["s"], 1, None)
+        assert err == CUDA_INVALID_VALUE, f"ring {change}: launcher returned {err}"
 
 
 @needs_nvcc
@@ -301,6 +314,32 @@ def test_fp8_gemv_every_instance_on_odd_shapes_gpu(m, n, k, p):
     what = f"M={m} N={n} K={k} {p.normalised(k)}"
     assert_fp8_linear_close(y, fp8_linear_ref(x, qw, sw), x, qw, sw, GPU_EPS, what)
     assert torch.equal(y, fp8_gemv(x, qw, sw, p)), f"{what}: not deterministic"
+
+
+@gpu
+@needs_cuda
+@pytest.mark.parametrize("stages", [2, 3, 4])
+@pytest.mark.parametrize("p", ODD_PARAMS, ids=str)
+@pytest.mark.parametrize("m,n,k", [(3, 1000, 1056), (8, 72, 64), (7, 4111, 2304), (1, 32768, 1280)])
+def test_ring_form_is_bitwise_the_register_form_gpu(m, n, k, p, stages):
+    """fp8_gemv_ring (weights through the shared-memory ring) against fp8_gemv with the same launch shape: the
+    same products, sums and order, so equal bit for bit (odd K ranges leave partial ring stages)."""
+    x, qw, sw = _problem(m, n, k, "cuda", seed=n + stages)
+    if ring_smem_bytes(k, p.normalised(k), stages) > 200 * 1024:
+        pytest.skip("over the shared-memory opt-in")
+    assert torch.equal(fp8_gemv_ring(x, qw, sw, 1, True, p, stages), fp8_gemv(x, qw, sw, p)), (
+        f"M={m} N={n} K={k} {p.normalised(k)} x {stages}")
+
+
+@gpu
+@needs_cuda
+@pytest.mark.parametrize("stages", [2, 4])
+def test_ring_form_grouped_bf16_exact_gpu(stages):
+    g, r, k = wo_a_shape()
+    _, qw, sw = _problem(1, g * r, k, "cuda", seed=3)
+    x = torch.randn(5, g, k, device="cuda", generator=torch.Generator(device="cuda").manual_seed(4)).bfloat16()
+    p = pick_params(5, r, k, groups=g)
+    assert torch.equal(fp8_gemv_ring(x, qw, sw, g, False, p, stages), fp8_gemv_grouped(x, qw, sw, g, False, p))
 
 
 @gpu
