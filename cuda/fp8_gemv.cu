@@ -105,6 +105,31 @@ __device__ __forceinline__ float stage_block_exact(const __nv_bfloat16* src, __h
   return __uint_as_float(sb << 23);
 }
 
+// The CTA's K range of x into shared memory, by all its threads: kMaxM rows of f16 (rows past M zero), each
+// 32-block act-quantised (QUANT) or bf16-exact staged, its scale at sa_s[block][row].
+template <bool QUANT>
+__device__ __forceinline__ void stage_x(const __nv_bfloat16* x, __half* x_s, float* sa_s, int M, size_t x_row,
+                                        int k0, int kb_valid, int kbc, int stride) {
+  for (int p = threadIdx.x; p < kMaxM * kbc; p += blockDim.x) {
+    const int m = p / kbc, blk = p % kbc;
+    __half* dst = x_s + m * stride + blk * 32;
+    float s = 0.f;
+    if (m < M && blk < kb_valid) {
+      const __nv_bfloat16* src = x + size_t(m) * x_row + k0 + blk * 32;
+      if constexpr (QUANT) {
+        s = quant_block(src, dst);
+      } else {
+        s = stage_block_exact(src, dst);
+      }
+    } else {
+      uint4* d4 = reinterpret_cast<uint4*>(dst);
+#pragma unroll
+      for (int i = 0; i < 4; ++i) d4[i] = make_uint4(0, 0, 0, 0);
+    }
+    sa_s[blk * kMaxM + m] = s;
+  }
+}
+
 // The epilogue of both forms: each warp's C fragments (row g, tokens 2t, 2t + 1; row g + 8, the same) through
 // shared memory, summed in warp-column order, then (splits > 1) the cluster's CTAs summed in rank order through
 // DSMEM; bf16 out.
@@ -206,24 +231,7 @@ __global__ void __launch_bounds__(32 * kMaxWarps) fp8_gemv_kernel(
   // is read, and y written, after the previous grid has completed (a no-op without the launch attribute).
   asm volatile("griddepcontrol.wait;" ::: "memory");  // (x is not __restrict__: no load moves above this)
 
-  for (int p = tid; p < kMaxM * kbc; p += blockDim.x) {
-    const int m = p / kbc, blk = p % kbc;
-    __half* dst = x_s + m * stride + blk * 32;
-    float s = 0.f;
-    if (m < M && blk < kb_valid) {
-      const __nv_bfloat16* src = x + size_t(m) * x_row + k0 + blk * 32;
-      if constexpr (QUANT) {
-        s = quant_block(src, dst);
-      } else {
-        s = stage_block_exact(src, dst);
-      }
-    } else {
-      uint4* d4 = reinterpret_cast<uint4*>(dst);
-#pragma unroll
-      for (int i = 0; i < 4; ++i) d4[i] = make_uint4(0, 0, 0, 0);
-    }
-    sa_s[blk * kMaxM + m] = s;
-  }
+  stage_x<QUANT>(x, x_s, sa_s, M, x_row, k0, kb_valid, kbc, stride);
   __syncthreads();
 
   float acc[RT][4];
@@ -348,24 +356,7 @@ __global__ void __launch_bounds__(32 * kMaxWarps) fp8_gemv_ring_kernel(
 
   asm volatile("griddepcontrol.wait;" ::: "memory");  // x is the previous kernel's output
 
-  for (int p = tid; p < kMaxM * kbc; p += blockDim.x) {
-    const int m = p / kbc, blk = p % kbc;
-    __half* dst = x_s + m * stride + blk * 32;
-    float s = 0.f;
-    if (m < M && blk < kb_valid) {
-      const __nv_bfloat16* src = x + size_t(m) * x_row + k0 + blk * 32;
-      if constexpr (QUANT) {
-        s = quant_block(src, dst);
-      } else {
-        s = stage_block_exact(src, dst);
-      }
-    } else {
-      uint4* d4 = reinterpret_cast<uint4*>(dst);
-#pragma unroll
-      for (int i = 0; i < 4; ++i) d4[i] = make_uint4(0, 0, 0, 0);
-    }
-    sa_s[blk * kMaxM + m] = s;
-  }
+  stage_x<QUANT>(x, x_s, sa_s, M, x_row, k0, kb_valid, kbc, stride);
   __syncthreads();
 
   float acc[RT][4];

@@ -30,8 +30,7 @@ import torch
 import engine.kernels.fp8_linear as fp8_linear_mod
 from engine.kernels import cuda_build
 from engine.kernels.fp8_gemv import (MAX_K, MAX_M, GemvParams, bf16_exact_stage, fp8_gemv, fp8_gemv_bf16_ref,
-                                     fp8_gemv_grouped, fp8_gemv_ring, gemv_applies, grouped_gemv_applies, pick_params,
-                                     ring_smem_bytes, smem_bytes)
+                                     fp8_gemv_grouped, gemv_applies, grouped_gemv_applies, pick_params, smem_bytes)
 from engine.kernels.fp8_linear import fp8_linear, fp8_linear_ref
 from engine.presets import full_config
 from engine.quant import act_quant_qdq, dequant_fp8_weight, quant_fp8_weight
@@ -94,7 +93,7 @@ def test_cuda_source_compiles_and_launcher_checks_its_contract(tmp_path):
             assert c_smem == smem_bytes(k, p), f"K={k} {p}: launcher {c_smem} B, Python {smem_bytes(k, p)} B"
             for stages in (2, 3, 4):
                 c_ring = lib.dsv41_fp8_gemv_ring_smem(k, p.row_tiles, p.warps_n, p.warps_k, p.splits, stages)
-                assert c_ring == ring_smem_bytes(k, p, stages), f"K={k} {p} x {stages}: {c_ring} B"
+                assert c_ring == smem_bytes(k, replace(p, ring=stages)), f"K={k} {p} x {stages}: {c_ring} B"
     ring = lib.dsv41_fp8_gemv_ring
     ring.restype = ctypes.c_int
     ring.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int] * 11 + [ctypes.c_void_p]
@@ -325,10 +324,10 @@ def test_ring_form_is_bitwise_the_register_form_gpu(m, n, k, p, stages):
     """fp8_gemv_ring (weights through the shared-memory ring) against fp8_gemv with the same launch shape: the
     same products, sums and order, so equal bit for bit (odd K ranges leave partial ring stages)."""
     x, qw, sw = _problem(m, n, k, "cuda", seed=n + stages)
-    if ring_smem_bytes(k, p.normalised(k), stages) > 200 * 1024:
+    ring = replace(p, ring=stages)
+    if smem_bytes(k, ring.normalised(k)) > 200 * 1024:
         pytest.skip("over the shared-memory opt-in")
-    assert torch.equal(fp8_gemv_ring(x, qw, sw, 1, True, p, stages), fp8_gemv(x, qw, sw, p)), (
-        f"M={m} N={n} K={k} {p.normalised(k)} x {stages}")
+    assert torch.equal(fp8_gemv(x, qw, sw, ring), fp8_gemv(x, qw, sw, p)), f"M={m} N={n} K={k} {ring.normalised(k)}"
 
 
 @gpu
@@ -339,7 +338,8 @@ def test_ring_form_grouped_bf16_exact_gpu(stages):
     _, qw, sw = _problem(1, g * r, k, "cuda", seed=3)
     x = torch.randn(5, g, k, device="cuda", generator=torch.Generator(device="cuda").manual_seed(4)).bfloat16()
     p = pick_params(5, r, k, groups=g)
-    assert torch.equal(fp8_gemv_ring(x, qw, sw, g, False, p, stages), fp8_gemv_grouped(x, qw, sw, g, False, p))
+    assert torch.equal(fp8_gemv_grouped(x, qw, sw, g, False, replace(p, ring=stages)),
+                       fp8_gemv_grouped(x, qw, sw, g, False, p))
 
 
 @gpu
