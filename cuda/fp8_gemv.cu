@@ -105,6 +105,74 @@ __device__ __forceinline__ float stage_block_exact(const __nv_bfloat16* src, __h
   return __uint_as_float(sb << 23);
 }
 
+// The CTA's K range of x into shared memory, by all its threads: kMaxM rows of f16 (rows past M zero), each
+// 32-block act-quantised (QUANT) or bf16-exact staged, its scale at sa_s[block][row].
+template <bool QUANT>
+__device__ __forceinline__ void stage_x(const __nv_bfloat16* x, __half* x_s, float* sa_s, int M, size_t x_row,
+                                        int k0, int kb_valid, int kbc, int stride) {
+  for (int p = threadIdx.x; p < kMaxM * kbc; p += blockDim.x) {
+    const int m = p / kbc, blk = p % kbc;
+    __half* dst = x_s + m * stride + blk * 32;
+    float s = 0.f;
+    if (m < M && blk < kb_valid) {
+      const __nv_bfloat16* src = x + size_t(m) * x_row + k0 + blk * 32;
+      if constexpr (QUANT) {
+        s = quant_block(src, dst);
+      } else {
+        s = stage_block_exact(src, dst);
+      }
+    } else {
+      uint4* d4 = reinterpret_cast<uint4*>(dst);
+#pragma unroll
+      for (int i = 0; i < 4; ++i) d4[i] = make_uint4(0, 0, 0, 0);
+    }
+    sa_s[blk * kMaxM + m] = s;
+  }
+}
+
+// The epilogue of both forms: each warp's C fragments (row g, tokens 2t, 2t + 1; row g + 8, the same) through
+// shared memory, summed in warp-column order, then (splits > 1) the cluster's CTAs summed in rank order through
+// DSMEM; bf16 out.
+template <int RT>
+__device__ __forceinline__ void reduce_store(const float (&acc)[RT][4], float* red, __nv_bfloat16* __restrict__ y,
+                                             int M, int N, int row0, int rows_cta, size_t y_row, int wn, int wk,
+                                             int warps_k, int splits, int tid) {
+  const int lane = tid & 31, g = lane >> 2, t = lane & 3;
+  float* red_w = red + wk * kMaxM * rows_cta;
+#pragma unroll
+  for (int rt = 0; rt < RT; ++rt) {
+    const int r = wn * RT * 16 + rt * 16 + g;
+    red_w[(2 * t) * rows_cta + r] = acc[rt][0];
+    red_w[(2 * t + 1) * rows_cta + r] = acc[rt][1];
+    red_w[(2 * t) * rows_cta + r + 8] = acc[rt][2];
+    red_w[(2 * t + 1) * rows_cta + r + 8] = acc[rt][3];
+  }
+  __syncthreads();
+  const int outs = M * rows_cta;  // [token][row] elements of this CTA that are stored
+  for (int e = tid; e < outs; e += blockDim.x) {
+    float s = red[e];
+    for (int j = 1; j < warps_k; ++j) s = __fadd_rn(s, red[j * kMaxM * rows_cta + e]);
+    if (splits == 1) {
+      const int m = e / rows_cta, r = row0 + e % rows_cta;
+      if (r < N) y[size_t(m) * y_row + r] = __float2bfloat16_rn(s);
+    } else {
+      red[e] = s;
+    }
+  }
+  if (splits > 1) {
+    cg::cluster_group cluster = cg::this_cluster();
+    cluster.sync();  // every CTA's K-range partial is in its shared memory
+    const int rank = int(cluster.block_rank());
+    for (int e = rank * blockDim.x + tid; e < outs; e += splits * blockDim.x) {
+      float s = cluster.map_shared_rank(red, 0)[e];
+      for (int j = 1; j < splits; ++j) s = __fadd_rn(s, cluster.map_shared_rank(red, j)[e]);
+      const int m = e / rows_cta, r = row0 + e % rows_cta;
+      if (r < N) y[size_t(m) * y_row + r] = __float2bfloat16_rn(s);
+    }
+    cluster.sync();  // no CTA leaves while another still reads its shared memory
+  }
+}
+
 template <int RT, int U, bool QUANT>
 __global__ void __launch_bounds__(32 * kMaxWarps) fp8_gemv_kernel(
     const __nv_bfloat16* x, const uint8_t* __restrict__ w, const uint8_t* __restrict__ ws,
@@ -163,24 +231,7 @@ __global__ void __launch_bounds__(32 * kMaxWarps) fp8_gemv_kernel(
   // is read, and y written, after the previous grid has completed (a no-op without the launch attribute).
   asm volatile("griddepcontrol.wait;" ::: "memory");  // (x is not __restrict__: no load moves above this)
 
-  for (int p = tid; p < kMaxM * kbc; p += blockDim.x) {
-    const int m = p / kbc, blk = p % kbc;
-    __half* dst = x_s + m * stride + blk * 32;
-    float s = 0.f;
-    if (m < M && blk < kb_valid) {
-      const __nv_bfloat16* src = x + size_t(m) * x_row + k0 + blk * 32;
-      if constexpr (QUANT) {
-        s = quant_block(src, dst);
-      } else {
-        s = stage_block_exact(src, dst);
-      }
-    } else {
-      uint4* d4 = reinterpret_cast<uint4*>(dst);
-#pragma unroll
-      for (int i = 0; i < 4; ++i) d4[i] = make_uint4(0, 0, 0, 0);
-    }
-    sa_s[blk * kMaxM + m] = s;
-  }
+  stage_x<QUANT>(x, x_s, sa_s, M, x_row, k0, kb_valid, kbc, stride);
   __syncthreads();
 
   float acc[RT][4];
@@ -220,40 +271,141 @@ __global__ void __launch_bounds__(32 * kMaxWarps) fp8_gemv_kernel(
   }
 
   asm volatile("griddepcontrol.launch_dependents;" ::: "memory");  // the next kernel may start its prologue
-  // C fragment: (row g, tokens 2t, 2t + 1), (row g + 8, tokens 2t, 2t + 1)
-  float* red_w = red + wk * kMaxM * rows_cta;
+  reduce_store<RT>(acc, red, y, M, N, row0, rows_cta, y_row, wn, wk, warps_k, splits, tid);
+}
+
+using dsv41::cp_async_commit;
+using dsv41::cp_async_wait;
+
+// Ring form (fp8_gemv_ring_kernel): the same products, sums and order as fp8_gemv_kernel, with the weights staged
+// through a per-warp shared-memory ring instead of registers. Each stage holds 4 blocks (128 bytes) of the warp's
+// RT·16 rows, copied by cp.async (16 bytes a lane, L2::256B, rows XOR-swizzled by 16-byte chunk so that the
+// fragment reads are conflict-free; blocks past the warp's K range zero-filled); STAGES - 1 stages are in flight
+// while one is computed, so the bytes in flight no longer depend on registers or on the MMA phases. A thread reads
+// the same 8 bytes per (row, block) that the register form loads (lds.64), so the results are bitwise equal.
+constexpr int kRingBlocks = 4;                  // 32-blocks per ring stage
+constexpr int kRingRowBytes = kRingBlocks * 32;  // 128
+
+__host__ __device__ __forceinline__ size_t ring_offset(int kc, int warps_n, int warps_k, int row_tiles) {
+  const size_t b = size_t(kMaxM) * x_stride(kc) * 2 + size_t(kc / 32) * kMaxM * 4 +
+                   size_t(warps_k) * kMaxM * warps_n * row_tiles * 16 * 4;
+  return (b + 127) / 128 * 128;
+}
+
+__device__ __forceinline__ void cp_async16_zfill(void* dst, const void* src, int src_bytes) {
+  const uint32_t d = static_cast<uint32_t>(__cvta_generic_to_shared(dst));
+  asm volatile("cp.async.cg.shared.global.L2::256B [%0], [%1], 16, %2;" ::"r"(d), "l"(src), "r"(src_bytes)
+               : "memory");
+}
+
+template <int RT, int STAGES, bool QUANT>
+__global__ void __launch_bounds__(32 * kMaxWarps) fp8_gemv_ring_kernel(
+    const __nv_bfloat16* x, const uint8_t* __restrict__ w, const uint8_t* __restrict__ ws,
+    __nv_bfloat16* __restrict__ y, int M, int N, int K, int groups, int kc, int warps_n, int warps_k,
+    int splits) {
+  constexpr int kRows = RT * 16;
+  constexpr int kStageBytes = kRows * kRingRowBytes;
+  extern __shared__ __align__(16) unsigned char smem[];
+  const int stride = x_stride(kc);
+  const int kbc = kc / 32;
+  const int rows_cta = warps_n * RT * 16;
+  __half* x_s = reinterpret_cast<__half*>(smem);                                  // [8][stride]
+  float* sa_s = reinterpret_cast<float*>(smem + kMaxM * stride * 2);              // [kbc][8]
+  float* red = sa_s + kbc * kMaxM;                                                // [warps_k][8][rows_cta]
+
+  const int grp = blockIdx.z;
+  const size_t x_row = size_t(groups) * K, y_row = size_t(groups) * N;
+  x += size_t(grp) * K;
+  y += size_t(grp) * N;
+  w += size_t(grp) * N * K;
+  ws += size_t(grp) * (N / 32) * (K / 32);
+  const int split = blockIdx.x;
+  const int k0 = split * kc;
+  const int kb_valid = min(kc, K - k0) / 32;
+  const int row0 = blockIdx.y * rows_cta;
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  const int g = lane >> 2, t = lane & 3;
+  const int wn = warp % warps_n, wk = warp / warps_n;
+  const int per = (kb_valid + warps_k - 1) / warps_k;
+  const int kb_lo = min(wk * per, kb_valid), kb_hi = min(kb_lo + per, kb_valid);
+  const int wrow = row0 + wn * RT * 16;
+  const uint8_t* ws_row = ws + size_t(min(wrow, N - 1) / 32) * (K / 32) + k0 / 32;
+  unsigned char* ring = smem + ring_offset(kc, warps_n, warps_k, RT) + size_t(warp) * STAGES * kStageBytes;
+  const int nch = (kb_hi - kb_lo + kRingBlocks - 1) / kRingBlocks;
+
+  // Lane l copies 16-byte pieces l, l + 32, ... of a stage: piece p = row p / 8, chunk p % 8 (bytes 16·chunk of
+  // the stage's 128 per row), stored at chunk (p % 8) ^ (row % 8).
+  auto issue = [&](int c) {
+    if (c < nch) {
+      unsigned char* st = ring + (c % STAGES) * kStageBytes;
 #pragma unroll
-  for (int rt = 0; rt < RT; ++rt) {
-    const int r = wn * RT * 16 + rt * 16 + g;
-    red_w[(2 * t) * rows_cta + r] = acc[rt][0];
-    red_w[(2 * t + 1) * rows_cta + r] = acc[rt][1];
-    red_w[(2 * t) * rows_cta + r + 8] = acc[rt][2];
-    red_w[(2 * t + 1) * rows_cta + r + 8] = acc[rt][3];
-  }
+      for (int i = 0; i < kRows * 8 / 32; ++i) {
+        const int p = lane + 32 * i, r = p >> 3, ch = p & 7;
+        const int kb = kb_lo + c * kRingBlocks + (ch >> 1);
+        const uint8_t* src = w + size_t(min(wrow + r, N - 1)) * K + k0;
+        const bool ok = kb < kb_hi;
+        cp_async16_zfill(st + r * kRingRowBytes + ((ch ^ (r & 7)) << 4), ok ? src + kb * 32 + (ch & 1) * 16 : src,
+                         ok ? 16 : 0);
+      }
+    }
+    cp_async_commit();  // (an empty group past the end keeps the wait count uniform)
+  };
+#pragma unroll
+  for (int s = 0; s < STAGES - 1; ++s) issue(s);
+  uint32_t sw_next = kb_lo < kb_hi ? __ldg(ws_row + kb_lo) : 0u;  // the first scale line is in flight too
+
+  asm volatile("griddepcontrol.wait;" ::: "memory");  // x is the previous kernel's output
+
+  stage_x<QUANT>(x, x_s, sa_s, M, x_row, k0, kb_valid, kbc, stride);
   __syncthreads();
-  const int outs = M * rows_cta;  // [token][row] elements of this CTA that are stored
-  for (int e = tid; e < outs; e += blockDim.x) {
-    float s = red[e];
-    for (int j = 1; j < warps_k; ++j) s = __fadd_rn(s, red[j * kMaxM * rows_cta + e]);
-    if (splits == 1) {
-      const int m = e / rows_cta, r = row0 + e % rows_cta;
-      if (r < N) y[size_t(m) * y_row + r] = __float2bfloat16_rn(s);
-    } else {
-      red[e] = s;
+
+  float acc[RT][4];
+#pragma unroll
+  for (int rt = 0; rt < RT; ++rt)
+#pragma unroll
+    for (int i = 0; i < 4; ++i) acc[rt][i] = 0.f;
+
+  for (int c = 0; c < nch; ++c) {
+    issue(c + STAGES - 1);
+    cp_async_wait<STAGES - 1>();
+    __syncwarp();
+    const unsigned char* st = ring + (c % STAGES) * kStageBytes;
+#pragma unroll
+    for (int b = 0; b < kRingBlocks; ++b) {
+      const int kb = kb_lo + c * kRingBlocks + b;
+      if (kb < kb_hi) {
+        const uint32_t swb = sw_next;
+        if (kb + 1 < kb_hi) sw_next = __ldg(ws_row + kb + 1);
+        const uint4 q = *reinterpret_cast<const uint4*>(x_s + g * stride + kb * 32 + 8 * t);
+        const float2 sa = *reinterpret_cast<const float2*>(sa_s + kb * kMaxM + 2 * t);
+        const float sw = __uint_as_float(swb << 23);
+        const float s0 = __fmul_rn(sa.x, sw), s1 = __fmul_rn(sa.y, sw);  // tokens 2t, 2t + 1
+        const int col = ((2 * b + (t >> 1)) ^ g) << 4 | (t & 1) << 3;     // bytes 32b + 8t of rows ≡ g (mod 8)
+#pragma unroll
+        for (int rt = 0; rt < RT; ++rt) {
+          const uint2 w0 = *reinterpret_cast<const uint2*>(st + (rt * 16 + g) * kRingRowBytes + col);
+          const uint2 w1 = *reinterpret_cast<const uint2*>(st + (rt * 16 + 8 + g) * kRingRowBytes + col);
+          float cc[4] = {0.f, 0.f, 0.f, 0.f};
+          uint32_t a[4];
+          dsv41::e4m3x4_to_f16x4(w0.x, a[0], a[2]);
+          dsv41::e4m3x4_to_f16x4(w1.x, a[1], a[3]);
+          dsv41::mma_f16_16816(cc, a[0], a[1], a[2], a[3], q.x, q.y);
+          dsv41::e4m3x4_to_f16x4(w0.y, a[0], a[2]);
+          dsv41::e4m3x4_to_f16x4(w1.y, a[1], a[3]);
+          dsv41::mma_f16_16816(cc, a[0], a[1], a[2], a[3], q.z, q.w);
+          acc[rt][0] = __fadd_rn(acc[rt][0], __fmul_rn(cc[0], s0));
+          acc[rt][1] = __fadd_rn(acc[rt][1], __fmul_rn(cc[1], s1));
+          acc[rt][2] = __fadd_rn(acc[rt][2], __fmul_rn(cc[2], s0));
+          acc[rt][3] = __fadd_rn(acc[rt][3], __fmul_rn(cc[3], s1));
+        }
+      }
     }
+    __syncwarp();  // every lane is done with this stage before it is refilled
   }
-  if (splits > 1) {
-    cg::cluster_group cluster = cg::this_cluster();
-    cluster.sync();  // every CTA's K-range partial is in its shared memory
-    const int rank = int(cluster.block_rank());
-    for (int e = rank * blockDim.x + tid; e < outs; e += splits * blockDim.x) {
-      float s = cluster.map_shared_rank(red, 0)[e];
-      for (int j = 1; j < splits; ++j) s = __fadd_rn(s, cluster.map_shared_rank(red, j)[e]);
-      const int m = e / rows_cta, r = row0 + e % rows_cta;
-      if (r < N) y[size_t(m) * y_row + r] = __float2bfloat16_rn(s);
-    }
-    cluster.sync();  // no CTA leaves while another still reads its shared memory
-  }
+  cp_async_wait<0>();
+
+  asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+  reduce_store<RT>(acc, red, y, M, N, row0, rows_cta, y_row, wn, wk, warps_k, splits, tid);
 }
 
 template <int RT, int U, bool QUANT>
@@ -262,6 +414,18 @@ cudaError_t launch(const void* x, const void* w, const void* ws, void* y, int M,
   static uint64_t smem_set = 0;  // this instance's shared-memory opt-in, per device
   const int rows_cta = warps_n * RT * 16;
   return dsv41::launch_ex(fp8_gemv_kernel<RT, U, QUANT>, &smem_set, kMaxSmem,
+                          dim3(splits, (N + rows_cta - 1) / rows_cta, groups), dim3(32 * warps_n * warps_k, 1, 1),
+                          smem, stream, splits > 1 ? splits : 0, pdl, static_cast<const __nv_bfloat16*>(x),
+                          static_cast<const uint8_t*>(w), static_cast<const uint8_t*>(ws),
+                          static_cast<__nv_bfloat16*>(y), M, N, K, groups, kc, warps_n, warps_k, splits);
+}
+
+template <int RT, int STAGES, bool QUANT>
+cudaError_t launch_ring(const void* x, const void* w, const void* ws, void* y, int M, int N, int K, int groups,
+                        int kc, int warps_n, int warps_k, int splits, bool pdl, size_t smem, cudaStream_t stream) {
+  static uint64_t smem_set = 0;
+  const int rows_cta = warps_n * RT * 16;
+  return dsv41::launch_ex(fp8_gemv_ring_kernel<RT, STAGES, QUANT>, &smem_set, kMaxSmem,
                           dim3(splits, (N + rows_cta - 1) / rows_cta, groups), dim3(32 * warps_n * warps_k, 1, 1),
                           smem, stream, splits > 1 ? splits : 0, pdl, static_cast<const __nv_bfloat16*>(x),
                           static_cast<const uint8_t*>(w), static_cast<const uint8_t*>(ws),
@@ -317,6 +481,39 @@ int dsv41_fp8_gemv(const void* x, const void* w, const void* ws, void* y, int M,
                    int unroll, int warps_n, int warps_k, int splits, int pdl, void* stream) {
   return dsv41_fp8_gemv_grouped(x, w, ws, y, M, N, K, 1, 1, row_tiles, unroll, warps_n, warps_k, splits, pdl,
                                 stream);
+}
+
+// Shared memory bytes of one CTA of the ring form with `stages` stages (0 when the parameters are invalid).
+size_t dsv41_fp8_gemv_ring_smem(int K, int row_tiles, int warps_n, int warps_k, int splits, int stages) {
+  if (dsv41_fp8_gemv_smem(K, row_tiles, warps_n, warps_k, splits) == 0 || stages < 2 || stages > 4) return 0;
+  const int kb = K / 32, kbc = (kb + splits - 1) / splits, kc = kbc * 32;
+  return ring_offset(kc, warps_n, warps_k, row_tiles) +
+         size_t(warps_n) * warps_k * stages * row_tiles * 16 * kRingRowBytes;
+}
+
+// dsv41_fp8_gemv_grouped's contract and results (bitwise), weights staged through the shared-memory ring
+// (fp8_gemv_ring_kernel) with `stages` stages of 4 blocks (2..4).
+int dsv41_fp8_gemv_ring(const void* x, const void* w, const void* ws, void* y, int M, int N, int K, int groups,
+                        int quant_x, int row_tiles, int stages, int warps_n, int warps_k, int splits, int pdl,
+                        void* stream) {
+  const size_t smem = dsv41_fp8_gemv_ring_smem(K, row_tiles, warps_n, warps_k, splits, stages);
+  if (M < 1 || M > kMaxM || N < 1 || smem == 0 || smem > kMaxSmem) return int(cudaErrorInvalidValue);
+  if (groups < 1 || groups > 65535 || (groups > 1 && N % 32 != 0) || (quant_x != 0 && quant_x != 1))
+    return int(cudaErrorInvalidValue);
+  const int kb = K / 32, kbc = (kb + splits - 1) / splits;
+  if ((kb + kbc - 1) / kbc != splits) return int(cudaErrorInvalidValue);
+  const int kc = kbc * 32;
+  const cudaStream_t s = static_cast<cudaStream_t>(stream);
+#define DSV41_RING_CASE(RT, S)                                                                                 \
+  if (row_tiles == RT && stages == S)                                                                          \
+    return int(quant_x ? launch_ring<RT, S, true>(x, w, ws, y, M, N, K, groups, kc, warps_n, warps_k, splits,  \
+                                                  pdl != 0, smem, s)                                           \
+                       : launch_ring<RT, S, false>(x, w, ws, y, M, N, K, groups, kc, warps_n, warps_k, splits, \
+                                                   pdl != 0, smem, s));
+  DSV41_RING_CASE(1, 2) DSV41_RING_CASE(1, 3) DSV41_RING_CASE(1, 4)
+  DSV41_RING_CASE(2, 2) DSV41_RING_CASE(2, 3) DSV41_RING_CASE(2, 4)
+#undef DSV41_RING_CASE
+  return int(cudaErrorInvalidValue);
 }
 
 const char* dsv41_cuda_error_string(int err) { return cudaGetErrorString(static_cast<cudaError_t>(err)); }

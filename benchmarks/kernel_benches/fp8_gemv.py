@@ -59,7 +59,8 @@ def _fp8_bytes(m: int, n: int, k: int) -> int:
 
 
 def _name(p: GemvParams) -> str:
-    return f"rt{p.row_tiles} u{p.unroll} {p.warps_n}x{p.warps_k}w s{p.splits}" + ("" if p.pdl else " no-pdl")
+    form = f"ring{p.ring}" if p.ring else f"u{p.unroll}"
+    return f"rt{p.row_tiles} {form} {p.warps_n}x{p.warps_k}w s{p.splits}" + ("" if p.pdl else " no-pdl")
 
 
 def _time_gemv(xs, wts, p: GemvParams | None) -> float:
@@ -186,6 +187,10 @@ def sweep_gemv(shapes: dict[str, tuple[int, int]], m_values: tuple[int, ...]) ->
                 stage2 = [GemvParams(rt, u, best.warps_n, best.warps_k, best.splits)
                           for rt in (1, 2) for u in (2, 4, 8)]
                 res |= sweep(stage2, f"{name} M={m}", lambda p: _time_gemv(xs, wts, p))[0]
+            ring = {GemvParams(rt, 4, wn, wk, s, ring=st).normalised(k) for rt in (1, 2) for st in (2, 3, 4)
+                    for wn, wk in ((8, 1), (4, 2)) for s in (1, 2, 4, 8)}  # the shared-memory ring form
+            ring = sorted((p for p in ring if smem_bytes(k, p) <= 200 * 1024), key=_name)
+            res |= sweep(ring, f"{name} M={m} ring", lambda p: _time_gemv(xs, wts, p))[0]
             auto_us = res.get(auto) or _time_gemv(xs, wts, auto)
             top = sorted(res.items(), key=lambda kv: kv[1])[:6]
             print(f"- {name} M={m}: auto ({_name(auto)}) {auto_us:.1f} us; best "

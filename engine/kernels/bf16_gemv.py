@@ -102,7 +102,7 @@ def bf16_gemv(x: Tensor, w: Tensor, params: GemvParams | None = None) -> Tensor:
     if m == 0:
         return y
     p = (params or pick_params(m, n, k, num_sms(x.device.index or 0))).normalised(k)
-    assert (p.row_tiles, p.unroll) in INSTANCES, f"no kernel instance for {p}"
+    assert (p.row_tiles, p.unroll) in INSTANCES and p.ring == 0, f"no kernel instance for {p}"
     assert p.warps_n * p.warps_k <= _MAX_WARPS and 1 <= p.splits <= _MAX_SPLITS, f"bad launch shape {p}"
     assert smem_bytes(k, p) <= _MAX_SMEM, f"{p} needs {smem_bytes(k, p)} B of shared memory for K = {k}"
     lib = _lib()

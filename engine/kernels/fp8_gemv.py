@@ -33,8 +33,11 @@ Memory traffic (the floor): N·K weight bytes + N·K/1024 scale bytes + 2·M·K 
 also re-reads its K range of x from L2 (2·M·K·N / rows per CTA bytes of L2 traffic).
 
 Launch shape (GemvParams): a warp owns row_tiles x 16 rows; a CTA has warps_n x warps_k warps (warps_k
-split the CTA's K range), a cluster of `splits` CTAs splits K further. unroll = 32-blocks of weight loaded
-per warp per step (8 bytes per thread per row per block).
+split the CTA's K range), a cluster of `splits` CTAs splits K further. Two forms of the weight path, with the
+same products, sums and order (bitwise equal results): ring = 0, unroll = 32-blocks of weight loaded into
+registers per warp per step (8 bytes per thread per row per block); ring = 2..4, the weights staged through a
+per-warp shared-memory ring of that many stages of 4 blocks (cp.async), so that ring - 1 stages are in flight
+while one is computed.
 """
 
 from __future__ import annotations
@@ -60,11 +63,15 @@ _CTA_OVERHEAD_BYTES = 4096  # pick_params: a CTA's start-up (x quantisation, red
 
 
 def smem_bytes(k: int, p: GemvParams) -> int:
-    """Shared memory of one CTA: x as f16 [8, kc (+32 pad)], sa [kc/32, 8], fp32 partials [warps_k, 8, rows]."""
+    """Shared memory of one CTA: x as f16 [8, kc (+32 pad)], sa [kc/32, 8], fp32 partials [warps_k, 8, rows]; the
+    ring form adds, 128-byte aligned, each warp's ring of p.ring stages of 128 bytes per row."""
     kbc = _cdiv(k // BLOCK, p.splits)
     kc = kbc * BLOCK
     stride = kc + 32 if kc % 64 == 0 else kc
-    return MAX_M * stride * 2 + kbc * MAX_M * 4 + p.warps_k * MAX_M * p.rows_per_cta * 4
+    b = MAX_M * stride * 2 + kbc * MAX_M * 4 + p.warps_k * MAX_M * p.rows_per_cta * 4
+    if p.ring:
+        b = _cdiv(b, 128) * 128 + p.warps_n * p.warps_k * p.ring * p.row_tiles * 16 * 4 * BLOCK
+    return b
 
 
 # Launch shapes of the V4.1 matrices from the H200 sweep (benchmarks/kernel_benches/fp8_gemv.py --sweep,
@@ -115,6 +122,10 @@ def _lib() -> ctypes.CDLL:
     lib.dsv41_fp8_gemv_grouped.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int] * 11 + [ctypes.c_void_p]
     lib.dsv41_fp8_gemv_smem.restype = ctypes.c_size_t
     lib.dsv41_fp8_gemv_smem.argtypes = [ctypes.c_int] * 5
+    lib.dsv41_fp8_gemv_ring.restype = ctypes.c_int
+    lib.dsv41_fp8_gemv_ring.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int] * 11 + [ctypes.c_void_p]
+    lib.dsv41_fp8_gemv_ring_smem.restype = ctypes.c_size_t
+    lib.dsv41_fp8_gemv_ring_smem.argtypes = [ctypes.c_int] * 6
     lib.dsv41_cuda_error_string.restype = ctypes.c_char_p
     lib.dsv41_cuda_error_string.argtypes = [ctypes.c_int]
     return lib
@@ -141,14 +152,16 @@ def _launch(x: Tensor, weight: Tensor, scale: Tensor, y: Tensor, m: int, n: int,
             quant_x: bool, params: GemvParams | None) -> None:
     """Launch the kernel on contract-checked tensors (n = rows per group); raises RuntimeError on failure."""
     p = (params or pick_params(m, n, k, num_sms(x.device.index or 0), groups)).normalised(k)
-    assert p.row_tiles in (1, 2) and p.unroll in (2, 4, 8), f"no kernel instance for {p}"
+    assert p.row_tiles in (1, 2) and (p.unroll in (2, 4, 8) if p.ring == 0 else 2 <= p.ring <= 4), (
+        f"no kernel instance for {p}")
     assert p.warps_n * p.warps_k <= _MAX_WARPS and 1 <= p.splits <= _MAX_SPLITS, f"bad launch shape {p}"
     assert smem_bytes(k, p) <= _MAX_SMEM, f"{p} needs {smem_bytes(k, p)} B of shared memory for K = {k}"
     lib = _lib()
     with torch.cuda.device(x.device):
-        err = lib.dsv41_fp8_gemv_grouped(x.data_ptr(), weight.data_ptr(), scale.data_ptr(), y.data_ptr(), m, n,
-                                         k, groups, int(quant_x), p.row_tiles, p.unroll, p.warps_n, p.warps_k,
-                                         p.splits, int(p.pdl), torch.cuda.current_stream(x.device).cuda_stream)
+        launch = lib.dsv41_fp8_gemv_ring if p.ring else lib.dsv41_fp8_gemv_grouped
+        err = launch(x.data_ptr(), weight.data_ptr(), scale.data_ptr(), y.data_ptr(), m, n, k, groups, int(quant_x),
+                     p.row_tiles, p.ring or p.unroll, p.warps_n, p.warps_k, p.splits, int(p.pdl),
+                     torch.cuda.current_stream(x.device).cuda_stream)
     if err:
         raise RuntimeError(f"fp8_gemv launch {p} for M={m} N={n} K={k} G={groups} quant_x={quant_x} failed: "
                            f"{lib.dsv41_cuda_error_string(err).decode()}")

@@ -8,7 +8,7 @@ a thread-block cluster of `splits` CTAs splits K further; `unroll` 32-column blo
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 BLOCK = 32  # K columns per block (one scale block; two m16n8k16 MMAs)
 MAX_WARPS = 8  # per CTA
@@ -31,11 +31,13 @@ class GemvParams:
     warps_k: int
     splits: int  # cluster size, 1..8
     pdl: bool = True  # programmatic dependent launch: weight loads overlap the previous kernel's tail
+    ring: int = 0  # the FP8 GEMV only: 0 = weights loaded into registers (unroll blocks a step); 2..4 = weights
+    #                staged through a per-warp shared-memory ring of that many stages of 4 blocks (unroll unused)
 
     def normalised(self, k: int) -> GemvParams:
         kb = k // BLOCK
         kbc = cdiv(kb, min(self.splits, kb))
-        return GemvParams(self.row_tiles, self.unroll, self.warps_n, self.warps_k, cdiv(kb, kbc), self.pdl)
+        return replace(self, splits=cdiv(kb, kbc))
 
     @property
     def rows_per_cta(self) -> int:

@@ -84,11 +84,23 @@ def test_cuda_source_compiles_and_launcher_checks_its_contract(tmp_path):
     # the Python model of the shared memory agrees with the launcher's
     lib.dsv41_fp8_gemv_smem.restype = ctypes.c_size_t
     lib.dsv41_fp8_gemv_smem.argtypes = [ctypes.c_int] * 5
+    lib.dsv41_fp8_gemv_ring_smem.restype = ctypes.c_size_t
+    lib.dsv41_fp8_gemv_ring_smem.argtypes = [ctypes.c_int] * 6
     for k in (64, 1056, 1280, 2304, 5120, 8192):
         for p in ODD_PARAMS + [pick_params(1, 4096, k)]:
             p = p.normalised(k)
             c_smem = lib.dsv41_fp8_gemv_smem(k, p.row_tiles, p.warps_n, p.warps_k, p.splits)
             assert c_smem == smem_bytes(k, p), f"K={k} {p}: launcher {c_smem} B, Python {smem_bytes(k, p)} B"
+            for stages in (2, 3, 4):
+                c_ring = lib.dsv41_fp8_gemv_ring_smem(k, p.row_tiles, p.warps_n, p.warps_k, p.splits, stages)
+                assert c_ring == smem_bytes(k, replace(p, ring=stages)), f"K={k} {p} x {stages}: {c_ring} B"
+    ring = lib.dsv41_fp8_gemv_ring
+    ring.restype = ctypes.c_int
+    ring.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int] * 11 + [ctypes.c_void_p]
+    for change in (dict(stages=1), dict(stages=5), dict(rt=3), dict(m=9), dict(k=48), dict(s=9)):
+        a = dict(m=1, n=64, k=1024, rt=2, stages=3, s=2) | change
+        err = ring(None, None, None, None, a["m"], a["n"], a["k"], 1, 1, a["rt"], a["stages"], 4, 1, a["s"], 1, None)
+        assert err == CUDA_INVALID_VALUE, f"ring {change}: launcher returned {err}"
 
 
 @needs_nvcc
@@ -301,6 +313,33 @@ def test_fp8_gemv_every_instance_on_odd_shapes_gpu(m, n, k, p):
     what = f"M={m} N={n} K={k} {p.normalised(k)}"
     assert_fp8_linear_close(y, fp8_linear_ref(x, qw, sw), x, qw, sw, GPU_EPS, what)
     assert torch.equal(y, fp8_gemv(x, qw, sw, p)), f"{what}: not deterministic"
+
+
+@gpu
+@needs_cuda
+@pytest.mark.parametrize("stages", [2, 3, 4])
+@pytest.mark.parametrize("p", ODD_PARAMS, ids=str)
+@pytest.mark.parametrize("m,n,k", [(3, 1000, 1056), (8, 72, 64), (7, 4111, 2304), (1, 32768, 1280)])
+def test_ring_form_is_bitwise_the_register_form_gpu(m, n, k, p, stages):
+    """fp8_gemv_ring (weights through the shared-memory ring) against fp8_gemv with the same launch shape: the
+    same products, sums and order, so equal bit for bit (odd K ranges leave partial ring stages)."""
+    x, qw, sw = _problem(m, n, k, "cuda", seed=n + stages)
+    ring = replace(p, ring=stages)
+    if smem_bytes(k, ring.normalised(k)) > 200 * 1024:
+        pytest.skip("over the shared-memory opt-in")
+    assert torch.equal(fp8_gemv(x, qw, sw, ring), fp8_gemv(x, qw, sw, p)), f"M={m} N={n} K={k} {ring.normalised(k)}"
+
+
+@gpu
+@needs_cuda
+@pytest.mark.parametrize("stages", [2, 4])
+def test_ring_form_grouped_bf16_exact_gpu(stages):
+    g, r, k = wo_a_shape()
+    _, qw, sw = _problem(1, g * r, k, "cuda", seed=3)
+    x = torch.randn(5, g, k, device="cuda", generator=torch.Generator(device="cuda").manual_seed(4)).bfloat16()
+    p = pick_params(5, r, k, groups=g)
+    assert torch.equal(fp8_gemv_grouped(x, qw, sw, g, False, replace(p, ring=stages)),
+                       fp8_gemv_grouped(x, qw, sw, g, False, p))
 
 
 @gpu
