@@ -85,10 +85,10 @@ def smem_bytes(k: int, p: GemvParams) -> int:
 # 2026-11-30). They keep the shapes above.
 _TUNED: dict[tuple[int, int], tuple[GemvParams, GemvParams]] = {
     (1280, 5120): (GemvParams(2, 4, 2, 4, 8), GemvParams(2, 2, 2, 4, 8)),
-    (32768, 1280): (GemvParams(2, 4, 8, 1, 2), GemvParams(2, 4, 8, 1, 2)),
-    (5120, 8192): (GemvParams(1, 2, 8, 1, 8), GemvParams(1, 2, 8, 1, 8)),
+    (32768, 1280): (GemvParams(2, 4, 8, 1, 1, ring=3), GemvParams(2, 4, 8, 1, 1, ring=3)),
+    (5120, 8192): (GemvParams(1, 2, 8, 1, 8, ring=3), GemvParams(1, 2, 8, 1, 8, ring=3)),
     (5120, 2304): (GemvParams(2, 4, 2, 2, 6), GemvParams(2, 4, 4, 2, 4)),
-    (25600, 6144): (GemvParams(2, 4, 8, 1, 6), GemvParams(2, 4, 8, 1, 4)),
+    (25600, 6144): (GemvParams(2, 4, 8, 1, 2, ring=4), GemvParams(2, 4, 8, 1, 2, ring=4)),
 }
 
 
