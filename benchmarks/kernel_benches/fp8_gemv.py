@@ -63,6 +63,13 @@ def _name(p: GemvParams) -> str:
     return f"rt{p.row_tiles} {form} {p.warps_n}x{p.warps_k}w s{p.splits}" + ("" if p.pdl else " no-pdl")
 
 
+def _ring_shapes(k: int) -> list[GemvParams]:
+    """The shared-memory ring form's launch shapes that the sweeps try (the register form's are staged)."""
+    ring = {GemvParams(rt, 4, wn, wk, s, ring=st).normalised(k) for rt in (1, 2) for st in (2, 3, 4)
+            for wn, wk in ((8, 1), (4, 2), (2, 4)) for s in (1, 2, 4, 6, 8)}
+    return sorted((p for p in ring if smem_bytes(k, p) <= 200 * 1024), key=_name)
+
+
 def _time_gemv(xs, wts, p: GemvParams | None) -> float:
     return graph_time_us(calls_of(lambda i: lambda: fp8_gemv(xs[i % 4], *wts[i], p), len(wts)))
 
@@ -130,6 +137,7 @@ def bench_wo_a(copy_bw: float, m_values: tuple[int, ...] = M_VALUES, sweep_param
                 stage2 = [GemvParams(rt, u, best.warps_n, best.warps_k, best.splits)
                           for rt in (1, 2) for u in (2, 4, 8)]
                 res |= sweep(stage2, f"wo_a M={m}", lambda p: _time_grouped(xs, wts, groups, p))[0]
+            res |= sweep(_ring_shapes(k), f"wo_a M={m} ring", lambda p: _time_grouped(xs, wts, groups, p))[0]
             auto_us = res.get(auto) or _time_grouped(xs, wts, groups, auto)
             top = sorted(res.items(), key=lambda kv: kv[1])[:6]
             print(f"- wo_a M={m}: auto ({_name(auto)}) {auto_us:.1f} us; best "
@@ -187,10 +195,7 @@ def sweep_gemv(shapes: dict[str, tuple[int, int]], m_values: tuple[int, ...]) ->
                 stage2 = [GemvParams(rt, u, best.warps_n, best.warps_k, best.splits)
                           for rt in (1, 2) for u in (2, 4, 8)]
                 res |= sweep(stage2, f"{name} M={m}", lambda p: _time_gemv(xs, wts, p))[0]
-            ring = {GemvParams(rt, 4, wn, wk, s, ring=st).normalised(k) for rt in (1, 2) for st in (2, 3, 4)
-                    for wn, wk in ((8, 1), (4, 2)) for s in (1, 2, 4, 8)}  # the shared-memory ring form
-            ring = sorted((p for p in ring if smem_bytes(k, p) <= 200 * 1024), key=_name)
-            res |= sweep(ring, f"{name} M={m} ring", lambda p: _time_gemv(xs, wts, p))[0]
+            res |= sweep(_ring_shapes(k), f"{name} M={m} ring", lambda p: _time_gemv(xs, wts, p))[0]
             auto_us = res.get(auto) or _time_gemv(xs, wts, auto)
             top = sorted(res.items(), key=lambda kv: kv[1])[:6]
             print(f"- {name} M={m}: auto ({_name(auto)}) {auto_us:.1f} us; best "

@@ -78,11 +78,14 @@ def smem_bytes(k: int, p: GemvParams) -> int:
 # 2026-11-30), (N, K) -> (shape for M <= 4, shape for M > 4); us at M = 1 / 8 against the model's pick:
 # wq_a 6.1 / 6.4 (8.8 / 10.5), wq_b 15.9 / 17.0 (the model's), wo_b 18.0 / 19.5 (25.0 / 27.4),
 # shared w2 8.0 / 8.3 (11.3 / 12.0; 11.1 / 8.6 in a later run); the Engram layers' wkv 59.9 / 62.4 (67.9 / 71.3;
-# `--sweep --shapes engram_wkv --m 1,8`, 2026-11-30, later session). Other shapes use the model. The shared expert's
+# `--sweep --shapes engram_wkv --m 1,8`, 2026-11-30, later session). The ring form (the same sweep with ring
+# shapes, 2026-11-30, fourth and fifth sessions) then took wq_b 14.7 / 16.2, wo_b 17.1 / 17.3 and the Engram wkv 53.0 / 57.1, and every
+# layer 5-20 us at T = 1 (benchmarks/RESULTS.md, seventh pass). Other shapes use the model. The shared expert's
 # shapes (stacked W1|W3 4608 x 5120, w2) run on a side stream beside the routed-expert GEMVs, where their isolated
 # best (W1|W3 rt2 u8 4x2w s6: 11.7 / 12.6 us against the model's 17.2 / 18.7; w2 rt2 u4 1x4w s3: 8.1 us) made the
 # layer slower: their CTAs then hold the SMs the expert GEMV needs (layer 21 at T = 1: 223 -> 238-241 us, H200,
-# 2026-11-30). They keep the shapes above.
+# 2026-11-30). Their best ring shapes (W1|W3 rt2 ring2 8x1w s8: 11.1 us) did not help the layer either (W1|W3
+# alone: 5-9 us slower at T = 1; with w2 too: equal). They keep the shapes above.
 _TUNED: dict[tuple[int, int], tuple[GemvParams, GemvParams]] = {
     (1280, 5120): (GemvParams(2, 4, 2, 4, 8), GemvParams(2, 2, 2, 4, 8)),
     (32768, 1280): (GemvParams(2, 4, 8, 1, 1, ring=3), GemvParams(2, 4, 8, 1, 1, ring=3)),
@@ -93,10 +96,11 @@ _TUNED: dict[tuple[int, int], tuple[GemvParams, GemvParams]] = {
 
 
 # Grouped shapes, (groups, N per group, K) -> (shape for M <= 4, shape for M > 4), from the H200 sweep
-# (`benchmarks/kernel_benches/fp8_gemv.py --sweep --shapes wo_a --m 1,8`, 2026-11-30): wo_a 14.6 / 15.7 us
-# at M = 1 / 8 (the model's rt2 u4 8x1w s8: 20.4 / 21.2 us).
+# (`benchmarks/kernel_benches/fp8_gemv.py --sweep --shapes wo_a --m 1,8`, 2026-11-30): wo_a in the ring form
+# 12.7 / 13.8 us at M = 1 / 6 (the register form's best, rt2 u2 8x1w s6: 14.5 / 15.1; the model's rt2 u4 8x1w s8:
+# 20.4 / 21.2); every layer 4-10 us faster at T = 1 (benchmarks/RESULTS.md, seventh pass).
 _TUNED_GROUPED: dict[tuple[int, int, int], tuple[GemvParams, GemvParams]] = {
-    (8, 1024, 4096): (GemvParams(2, 2, 8, 1, 6), GemvParams(2, 2, 8, 1, 6)),
+    (8, 1024, 4096): (GemvParams(2, 4, 4, 2, 2, ring=4), GemvParams(2, 4, 4, 2, 2, ring=3)),
 }
 
 
