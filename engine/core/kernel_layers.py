@@ -23,6 +23,7 @@ and joined just before each Engram layer.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -40,7 +41,7 @@ from engine.kernels.engram_gather import EngramPrefetch
 from engine.kernels.fp8_gemv import fp8_gemv_grouped, grouped_gemv_applies
 from engine.kernels.mhc_cuda import mixes_cuda_applies
 from engine.kernels.rope import RopeTable, rope_table
-from engine.kernels.side_stream import fork
+from engine.kernels.side_stream import Forked, fork
 from engine.model.attention import Attention, Compressor
 from engine.model.block import Block
 from engine.model.rope import RotaryTable
@@ -221,9 +222,13 @@ class KernelRunner:
         resid = h if phase.keep is None else h[phase.keep]
         # At decode (the CUDA mixes: N <= 8 on sm_90) both sublayers' mHC mixes run on a side stream with few CTAs
         # (beside=True), off the critical path of latency-bound kernels: the attention's beside the attention (they
-        # read only the layer input), the FFN's beside the MoE (only the last hc_post needs them). Only there: the
-        # Triton mixes share fp8_linear's split-K tickets, which the attention's Triton GEMMs use; the CUDA mixes
-        # have their own, and both calls are on the one side stream.
+        # read only the layer input), the FFN's beside the MoE (only the last hc_post needs them). The attention's
+        # are forked just after the wkv | wq_a GEMV's launch (`after_first_gemv`): forked before it, their CTAs
+        # slowed that GEMV 7 -> 14-18 us (a single-wave grid ends with its slowest SM), and every layer was 3-13 us
+        # slower at T = 1. The FFN's position did not matter (before the gate, after the plan or after the experts'
+        # up launch: equal; after the route: ~18 us slower; H200, benchmarks/RESULTS.md, seventh pass). Only there:
+        # the Triton mixes share fp8_linear's split-K tickets, which the attention's Triton GEMMs use; the CUDA
+        # mixes have their own, and both calls are on the one side stream.
         beside = mixes_cuda_applies(resid, c.hc_mult)
 
         def mixes(stream: Tensor, fn: Tensor, scale: Tensor, base: Tensor) -> tuple[Tensor, Tensor, Tensor]:
@@ -233,9 +238,11 @@ class KernelRunner:
         def attn_mixes() -> tuple[Tensor, Tensor, Tensor]:
             return mixes(resid, layer.hc_attn_fn, layer.hc_attn_scale, layer.hc_attn_base)
 
-        forked = fork("mhc_mixes", h.device, attn_mixes) if beside else None
-        y = self._attention(layer.attn, x, step, phase)
-        a_pre, a_post, a_comb = forked.join() if beside else attn_mixes()
+        forked: list[Forked] = []
+        y = self._attention(layer.attn, x, step, phase,
+                            after_first_gemv=(lambda: forked.append(fork("mhc_mixes", h.device, attn_mixes)))
+                            if beside else None)
+        a_pre, a_post, a_comb = forked.pop().join() if beside else attn_mixes()
         # hc_post then hc_mixes: the fused hc_post_mixes was slower on the H200 (benchmarks/RESULTS.md)
         h = OPS.hc_post(y, resid, a_post, a_comb)
 
@@ -244,9 +251,9 @@ class KernelRunner:
 
         # the FFN collapses with the attention sublayer's pre (Block.forward)
         x = OPS.hc_pre_norm(h, a_pre, layer.ffn_norm.weight, layer.ffn_norm.eps)
-        forked = fork("mhc_mixes", h.device, ffn_mixes) if beside else None
+        ffn_forked = fork("mhc_mixes", h.device, ffn_mixes) if beside else None
         y = OPS.moe(x, layer.ffn)
-        f_pre, f_post, f_comb = forked.join() if beside else ffn_mixes()
+        f_pre, f_post, f_comb = ffn_forked.join() if beside else ffn_mixes()
         return OPS.hc_post(y, h, f_post, f_comb), f_pre
 
     def _table(self, rope: RotaryTable) -> RopeTable:
@@ -258,8 +265,10 @@ class KernelRunner:
             self._tables[rope.args] = table
         return table
 
-    def _attention(self, attn: Attention, x: Tensor, step: Step, phase: Phase) -> Tensor:
-        """x bf16 [R, D] normed rows of phase.segs_in -> attention output [R', D] for phase.segs_out."""
+    def _attention(self, attn: Attention, x: Tensor, step: Step, phase: Phase,
+                   after_first_gemv: Callable[[], object] | None = None) -> Tensor:
+        """x bf16 [R, D] normed rows of phase.segs_in -> attention output [R', D] for phase.segs_out.
+        after_first_gemv (side work to start) is called once, just after the wkv (| wq_a) GEMV's launch."""
         kv, role = self.kv, attn.role
         layer = role.layer_id
         meta = self._meta(step, phase, role.ratio)
@@ -272,6 +281,8 @@ class KernelRunner:
         else:
             kv_q = linear(both, x)
             kv_rows, qa = kv_q[:, :attn.wkv.out_features].contiguous(), kv_q[:, attn.wkv.out_features:]
+        if after_first_gemv is not None:
+            after_first_gemv()
         OPS.store_window(kv_rows, attn.kv_norm.weight, attn.kv_norm.eps, meta.pos, table, kv.swa[layer],
                          meta.swa_write)
         if attn.compressor is not None:
