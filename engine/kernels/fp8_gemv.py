@@ -79,18 +79,21 @@ def smem_bytes(k: int, p: GemvParams) -> int:
 # wq_a 6.1 / 6.4 (8.8 / 10.5), wq_b 15.9 / 17.0 (the model's), wo_b 18.0 / 19.5 (25.0 / 27.4),
 # shared w2 8.0 / 8.3 (11.3 / 12.0; 11.1 / 8.6 in a later run); the Engram layers' wkv 59.9 / 62.4 (67.9 / 71.3;
 # `--sweep --shapes engram_wkv --m 1,8`, 2026-11-30, later session). The ring form (the same sweep with ring
-# shapes, 2026-11-30, fourth and fifth sessions) then took wq_b 14.7 / 16.2, wo_b 17.1 / 17.3 and the Engram wkv 53.0 / 57.1, and every
-# layer 5-20 us at T = 1 (benchmarks/RESULTS.md, seventh pass). Other shapes use the model. The shared expert's
-# shapes (stacked W1|W3 4608 x 5120, w2) run on a side stream beside the routed-expert GEMVs, where their isolated
-# best (W1|W3 rt2 u8 4x2w s6: 11.7 / 12.6 us against the model's 17.2 / 18.7; w2 rt2 u4 1x4w s3: 8.1 us) made the
-# layer slower: their CTAs then hold the SMs the expert GEMV needs (layer 21 at T = 1: 223 -> 238-241 us, H200,
-# 2026-11-30). Their best ring shapes (W1|W3 rt2 ring2 8x1w s8: 11.1 us) did not help the layer either (W1|W3
-# alone: 5-9 us slower at T = 1; with w2 too: equal). They keep the shapes above.
+# shapes, 2026-11-30, fourth and fifth sessions) then took wq_b 14.7 / 16.2, wo_b 17.1 / 17.3 and the Engram wkv
+# 53.0 / 57.1, and every layer 5-20 us at T = 1 (benchmarks/RESULTS.md, seventh pass). Other shapes use the model.
+# The shared expert's shapes (stacked W1|W3 4608 x 5120, w2) run on a side stream beside the router and the
+# routed-expert GEMVs, with ~90 us of slack at T = 1. They take narrow grids, so that the critical path's small
+# kernels (the route) and the expert GEMVs keep SMs: the ring form, W1|W3 rt2 ring2 8x1w s4 (72 CTAs; 13.7 us in
+# the layer), w2 rt2 ring2 8x1w s2 (40 CTAs). Every layer was 5-8 us faster at T = 1 than with the model's W1|W3
+# shape (252 CTAs) and w2's isolated best (480 CTAs); narrow register grids (36 or 108 CTAs) gained nothing (H200,
+# 2026-11-30, fifth session). Earlier, W1|W3's isolated best (rt2 u8 4x2w s6: 11.7 / 12.6 us) had made the layer
+# slower (223 -> 238-241 us at T = 1).
 _TUNED: dict[tuple[int, int], tuple[GemvParams, GemvParams]] = {
     (1280, 5120): (GemvParams(2, 4, 2, 4, 8), GemvParams(2, 2, 2, 4, 8)),
     (32768, 1280): (GemvParams(2, 4, 8, 1, 1, ring=3), GemvParams(2, 4, 8, 1, 1, ring=3)),
     (5120, 8192): (GemvParams(1, 2, 8, 1, 8, ring=3), GemvParams(1, 2, 8, 1, 8, ring=3)),
-    (5120, 2304): (GemvParams(2, 4, 2, 2, 6), GemvParams(2, 4, 4, 2, 4)),
+    (4608, 5120): (GemvParams(2, 4, 8, 1, 4, ring=2), GemvParams(2, 4, 8, 1, 4, ring=2)),
+    (5120, 2304): (GemvParams(2, 4, 8, 1, 2, ring=2), GemvParams(2, 4, 8, 1, 2, ring=2)),
     (25600, 6144): (GemvParams(2, 4, 8, 1, 2, ring=4), GemvParams(2, 4, 8, 1, 2, ring=4)),
 }
 
