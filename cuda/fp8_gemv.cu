@@ -173,105 +173,132 @@ __device__ __forceinline__ void reduce_store(const float (&acc)[RT][4], float* r
   }
 }
 
+// A CTA's share of the GEMV and the thread's place in it, for both forms. Group blockIdx.z: its weight rows
+// [g·N, g·N + N) (scale rows from g·N/32: N % 32 == 0 when G > 1), x[m, g, :] at m·G·K + g·K, y[m, g, :] at
+// m·G·N + g·N (G = 1: the plain GEMV, offsets 0). Split blockIdx.x: K columns [k0, k0 + kc), kb_valid blocks of
+// them inside K. Warp (wn, wk): RT·16 rows from wrow, blocks [kb_lo, kb_hi) of the split. Shared memory: x_s
+// [8][stride] f16, sa_s [kbc][8] x's block scales, red [warps_k][8][rows_cta] the epilogue's partials.
+template <int RT>
+struct Share {
+  const __nv_bfloat16* x;
+  const uint8_t* w;
+  const uint8_t* ws_row;  // the warp's scale row, from the split's first block
+  __nv_bfloat16* y;
+  size_t x_row, y_row;
+  int stride, kbc, rows_cta, k0, kb_valid, row0, tid, lane, warp, g, t, wn, wk, kb_lo, kb_hi, wrow;
+  __half* x_s;
+  float* sa_s;
+  float* red;
+
+  __device__ __forceinline__ Share(unsigned char* smem, const __nv_bfloat16* x_, const uint8_t* w_,
+                                   const uint8_t* ws, __nv_bfloat16* y_, int N, int K, int groups, int kc,
+                                   int warps_n, int warps_k) {
+    stride = x_stride(kc);
+    kbc = kc / 32;
+    rows_cta = warps_n * RT * 16;
+    x_s = reinterpret_cast<__half*>(smem);
+    sa_s = reinterpret_cast<float*>(smem + kMaxM * stride * 2);
+    red = sa_s + kbc * kMaxM;
+    const int grp = blockIdx.z;
+    x_row = size_t(groups) * K;
+    y_row = size_t(groups) * N;
+    x = x_ + size_t(grp) * K;
+    y = y_ + size_t(grp) * N;
+    w = w_ + size_t(grp) * N * K;
+    ws += size_t(grp) * (N / 32) * (K / 32);
+    k0 = blockIdx.x * kc;
+    kb_valid = min(kc, K - k0) / 32;
+    row0 = blockIdx.y * rows_cta;
+    tid = threadIdx.x;
+    lane = tid & 31;
+    warp = tid >> 5;
+    g = lane >> 2;
+    t = lane & 3;
+    wn = warp % warps_n;
+    wk = warp / warps_n;
+    const int per = (kb_valid + warps_k - 1) / warps_k;
+    kb_lo = min(wk * per, kb_valid);
+    kb_hi = min(kb_lo + per, kb_valid);
+    wrow = row0 + wn * RT * 16;
+    ws_row = ws + size_t(min(wrow, N - 1) / 32) * (K / 32) + k0 / 32;
+  }
+};
+
+// One 32-block of one 16-row tile, in both forms: w0 / w1 the 8 weight bytes 8t.. of rows g / g + 8, q the
+// tokens' f16 x fragment, s0 / s1 the scales of tokens 2t / 2t + 1 (x's block scale times the weight's). Two
+// m16n8k16 MMAs into a fresh accumulator, then scaled and added to acc (row g: tokens 2t, 2t + 1; row g + 8: the
+// same).
+__device__ __forceinline__ void block_mma(float (&acc)[4], uint2 w0, uint2 w1, uint4 q, float s0, float s1) {
+  float c[4] = {0.f, 0.f, 0.f, 0.f};
+  uint32_t a[4];
+  // A regs: (row g, k 2t..), (row g + 8, k 2t..), (row g, k 2t + 8..), (row g + 8, k 2t + 8..)
+  dsv41::e4m3x4_to_f16x4(w0.x, a[0], a[2]);
+  dsv41::e4m3x4_to_f16x4(w1.x, a[1], a[3]);
+  dsv41::mma_f16_16816(c, a[0], a[1], a[2], a[3], q.x, q.y);
+  dsv41::e4m3x4_to_f16x4(w0.y, a[0], a[2]);
+  dsv41::e4m3x4_to_f16x4(w1.y, a[1], a[3]);
+  dsv41::mma_f16_16816(c, a[0], a[1], a[2], a[3], q.z, q.w);
+  acc[0] = __fadd_rn(acc[0], __fmul_rn(c[0], s0));
+  acc[1] = __fadd_rn(acc[1], __fmul_rn(c[1], s1));
+  acc[2] = __fadd_rn(acc[2], __fmul_rn(c[2], s0));
+  acc[3] = __fadd_rn(acc[3], __fmul_rn(c[3], s1));
+}
+
 template <int RT, int U, bool QUANT>
 __global__ void __launch_bounds__(32 * kMaxWarps) fp8_gemv_kernel(
     const __nv_bfloat16* x, const uint8_t* __restrict__ w, const uint8_t* __restrict__ ws,
     __nv_bfloat16* __restrict__ y, int M, int N, int K, int groups, int kc, int warps_n, int warps_k,
     int splits) {
   extern __shared__ __align__(16) unsigned char smem[];
-  const int stride = x_stride(kc);
-  const int kbc = kc / 32;
-  const int rows_cta = warps_n * RT * 16;
-  __half* x_s = reinterpret_cast<__half*>(smem);                                  // [8][stride]
-  float* sa_s = reinterpret_cast<float*>(smem + kMaxM * stride * 2);              // [kbc][8]
-  float* red = sa_s + kbc * kMaxM;                                                // [warps_k][8][rows_cta]
-
-  // group blockIdx.z: its weight rows [g·N, g·N + N) (scale rows from g·N/32: N % 32 == 0 when G > 1),
-  // x[m, g, :] at m·G·K + g·K, y[m, g, :] at m·G·N + g·N (G = 1: the plain GEMV, offsets 0)
-  const int grp = blockIdx.z;
-  const size_t x_row = size_t(groups) * K, y_row = size_t(groups) * N;
-  x += size_t(grp) * K;
-  y += size_t(grp) * N;
-  w += size_t(grp) * N * K;
-  ws += size_t(grp) * (N / 32) * (K / 32);
-  const int split = blockIdx.x;
-  const int k0 = split * kc;
-  const int kb_valid = min(kc, K - k0) / 32;
-  const int row0 = blockIdx.y * rows_cta;
-  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
-  const int g = lane >> 2, t = lane & 3;
-  const int wn = warp % warps_n, wk = warp / warps_n;
-  const int per = (kb_valid + warps_k - 1) / warps_k;
-  const int kb_lo = min(wk * per, kb_valid), kb_hi = min(kb_lo + per, kb_valid);
-  const int wrow = row0 + wn * RT * 16;
-  const uint8_t* ws_row = ws + size_t(min(wrow, N - 1) / 32) * (K / 32) + k0 / 32;
+  const Share<RT> sh(smem, x, w, ws, y, N, K, groups, kc, warps_n, warps_k);
   const uint8_t* wp[RT][2];
 #pragma unroll
   for (int rt = 0; rt < RT; ++rt)
 #pragma unroll
     for (int h = 0; h < 2; ++h)
-      wp[rt][h] = w + size_t(min(wrow + rt * 16 + h * 8 + g, N - 1)) * K + k0 + 8 * t;
+      wp[rt][h] = sh.w + size_t(min(sh.wrow + rt * 16 + h * 8 + sh.g, N - 1)) * K + sh.k0 + 8 * sh.t;
 
   uint2 wr[U][RT][2];
   uint32_t swb[U];
   auto load = [&](int kb0) {
 #pragma unroll
     for (int u = 0; u < U; ++u) {
-      if (kb0 + u < kb_hi) {
+      if (kb0 + u < sh.kb_hi) {
 #pragma unroll
         for (int rt = 0; rt < RT; ++rt)
 #pragma unroll
           for (int h = 0; h < 2; ++h) wr[u][rt][h] = ldg_stream(wp[rt][h] + (kb0 + u) * 32);
-        swb[u] = __ldg(ws_row + kb0 + u);
+        swb[u] = __ldg(sh.ws_row + kb0 + u);
       }
     }
   };
-  load(kb_lo);  // the first weight bytes are in flight while x is quantised
+  load(sh.kb_lo);  // the first weight bytes are in flight while x is quantised
   // Programmatic dependent launch: everything above reads only weights; x (the previous kernel's output)
   // is read, and y written, after the previous grid has completed (a no-op without the launch attribute).
   asm volatile("griddepcontrol.wait;" ::: "memory");  // (x is not __restrict__: no load moves above this)
 
-  stage_x<QUANT>(x, x_s, sa_s, M, x_row, k0, kb_valid, kbc, stride);
+  stage_x<QUANT>(sh.x, sh.x_s, sh.sa_s, M, sh.x_row, sh.k0, sh.kb_valid, sh.kbc, sh.stride);
   __syncthreads();
 
-  float acc[RT][4];
-#pragma unroll
-  for (int rt = 0; rt < RT; ++rt)
-#pragma unroll
-    for (int i = 0; i < 4; ++i) acc[rt][i] = 0.f;
-
-  for (int kb0 = kb_lo; kb0 < kb_hi; kb0 += U) {
+  float acc[RT][4] = {};
+  for (int kb0 = sh.kb_lo; kb0 < sh.kb_hi; kb0 += U) {
 #pragma unroll
     for (int u = 0; u < U; ++u) {
       const int kb = kb0 + u;
-      if (kb < kb_hi) {
-        const uint4 q = *reinterpret_cast<const uint4*>(x_s + g * stride + kb * 32 + 8 * t);
-        const float2 sa = *reinterpret_cast<const float2*>(sa_s + kb * kMaxM + 2 * t);
+      if (kb < sh.kb_hi) {
+        const uint4 q = *reinterpret_cast<const uint4*>(sh.x_s + sh.g * sh.stride + kb * 32 + 8 * sh.t);
+        const float2 sa = *reinterpret_cast<const float2*>(sh.sa_s + kb * kMaxM + 2 * sh.t);
         const float sw = __uint_as_float(swb[u] << 23);
-        const float s0 = __fmul_rn(sa.x, sw), s1 = __fmul_rn(sa.y, sw);  // tokens 2t, 2t + 1
 #pragma unroll
-        for (int rt = 0; rt < RT; ++rt) {
-          float c[4] = {0.f, 0.f, 0.f, 0.f};
-          uint32_t a[4];
-          // A regs: (row g, k 2t..), (row g + 8, k 2t..), (row g, k 2t + 8..), (row g + 8, k 2t + 8..)
-          dsv41::e4m3x4_to_f16x4(wr[u][rt][0].x, a[0], a[2]);
-          dsv41::e4m3x4_to_f16x4(wr[u][rt][1].x, a[1], a[3]);
-          dsv41::mma_f16_16816(c, a[0], a[1], a[2], a[3], q.x, q.y);
-          dsv41::e4m3x4_to_f16x4(wr[u][rt][0].y, a[0], a[2]);
-          dsv41::e4m3x4_to_f16x4(wr[u][rt][1].y, a[1], a[3]);
-          dsv41::mma_f16_16816(c, a[0], a[1], a[2], a[3], q.z, q.w);
-          acc[rt][0] = __fadd_rn(acc[rt][0], __fmul_rn(c[0], s0));
-          acc[rt][1] = __fadd_rn(acc[rt][1], __fmul_rn(c[1], s1));
-          acc[rt][2] = __fadd_rn(acc[rt][2], __fmul_rn(c[2], s0));
-          acc[rt][3] = __fadd_rn(acc[rt][3], __fmul_rn(c[3], s1));
-        }
+        for (int rt = 0; rt < RT; ++rt)
+          block_mma(acc[rt], wr[u][rt][0], wr[u][rt][1], q, __fmul_rn(sa.x, sw), __fmul_rn(sa.y, sw));
       }
     }
     load(kb0 + U);
   }
 
   asm volatile("griddepcontrol.launch_dependents;" ::: "memory");  // the next kernel may start its prologue
-  reduce_store<RT>(acc, red, y, M, N, row0, rows_cta, y_row, wn, wk, warps_k, splits, tid);
+  reduce_store<RT>(acc, sh.red, sh.y, M, N, sh.row0, sh.rows_cta, sh.y_row, sh.wn, sh.wk, warps_k, splits, sh.tid);
 }
 
 using dsv41::cp_async_commit;
@@ -306,32 +333,9 @@ __global__ void __launch_bounds__(32 * kMaxWarps) fp8_gemv_ring_kernel(
   constexpr int kRows = RT * 16;
   constexpr int kStageBytes = kRows * kRingRowBytes;
   extern __shared__ __align__(16) unsigned char smem[];
-  const int stride = x_stride(kc);
-  const int kbc = kc / 32;
-  const int rows_cta = warps_n * RT * 16;
-  __half* x_s = reinterpret_cast<__half*>(smem);                                  // [8][stride]
-  float* sa_s = reinterpret_cast<float*>(smem + kMaxM * stride * 2);              // [kbc][8]
-  float* red = sa_s + kbc * kMaxM;                                                // [warps_k][8][rows_cta]
-
-  const int grp = blockIdx.z;
-  const size_t x_row = size_t(groups) * K, y_row = size_t(groups) * N;
-  x += size_t(grp) * K;
-  y += size_t(grp) * N;
-  w += size_t(grp) * N * K;
-  ws += size_t(grp) * (N / 32) * (K / 32);
-  const int split = blockIdx.x;
-  const int k0 = split * kc;
-  const int kb_valid = min(kc, K - k0) / 32;
-  const int row0 = blockIdx.y * rows_cta;
-  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
-  const int g = lane >> 2, t = lane & 3;
-  const int wn = warp % warps_n, wk = warp / warps_n;
-  const int per = (kb_valid + warps_k - 1) / warps_k;
-  const int kb_lo = min(wk * per, kb_valid), kb_hi = min(kb_lo + per, kb_valid);
-  const int wrow = row0 + wn * RT * 16;
-  const uint8_t* ws_row = ws + size_t(min(wrow, N - 1) / 32) * (K / 32) + k0 / 32;
-  unsigned char* ring = smem + ring_offset(kc, warps_n, warps_k, RT) + size_t(warp) * STAGES * kStageBytes;
-  const int nch = (kb_hi - kb_lo + kRingBlocks - 1) / kRingBlocks;
+  const Share<RT> sh(smem, x, w, ws, y, N, K, groups, kc, warps_n, warps_k);
+  unsigned char* ring = smem + ring_offset(kc, warps_n, warps_k, RT) + size_t(sh.warp) * STAGES * kStageBytes;
+  const int nch = (sh.kb_hi - sh.kb_lo + kRingBlocks - 1) / kRingBlocks;
 
   // Lane l copies 16-byte pieces l, l + 32, ... of a stage: piece p = row p / 8, chunk p % 8 (bytes 16·chunk of
   // the stage's 128 per row), stored at chunk (p % 8) ^ (row % 8).
@@ -340,10 +344,10 @@ __global__ void __launch_bounds__(32 * kMaxWarps) fp8_gemv_ring_kernel(
       unsigned char* st = ring + (c % STAGES) * kStageBytes;
 #pragma unroll
       for (int i = 0; i < kRows * 8 / 32; ++i) {
-        const int p = lane + 32 * i, r = p >> 3, ch = p & 7;
-        const int kb = kb_lo + c * kRingBlocks + (ch >> 1);
-        const uint8_t* src = w + size_t(min(wrow + r, N - 1)) * K + k0;
-        const bool ok = kb < kb_hi;
+        const int p = sh.lane + 32 * i, r = p >> 3, ch = p & 7;
+        const int kb = sh.kb_lo + c * kRingBlocks + (ch >> 1);
+        const uint8_t* src = sh.w + size_t(min(sh.wrow + r, N - 1)) * K + sh.k0;
+        const bool ok = kb < sh.kb_hi;
         cp_async16_zfill(st + r * kRingRowBytes + ((ch ^ (r & 7)) << 4), ok ? src + kb * 32 + (ch & 1) * 16 : src,
                          ok ? 16 : 0);
       }
@@ -352,19 +356,14 @@ __global__ void __launch_bounds__(32 * kMaxWarps) fp8_gemv_ring_kernel(
   };
 #pragma unroll
   for (int s = 0; s < STAGES - 1; ++s) issue(s);
-  uint32_t sw_next = kb_lo < kb_hi ? __ldg(ws_row + kb_lo) : 0u;  // the first scale line is in flight too
+  uint32_t sw_next = sh.kb_lo < sh.kb_hi ? __ldg(sh.ws_row + sh.kb_lo) : 0u;  // the first scale line is in flight too
 
   asm volatile("griddepcontrol.wait;" ::: "memory");  // x is the previous kernel's output
 
-  stage_x<QUANT>(x, x_s, sa_s, M, x_row, k0, kb_valid, kbc, stride);
+  stage_x<QUANT>(sh.x, sh.x_s, sh.sa_s, M, sh.x_row, sh.k0, sh.kb_valid, sh.kbc, sh.stride);
   __syncthreads();
 
-  float acc[RT][4];
-#pragma unroll
-  for (int rt = 0; rt < RT; ++rt)
-#pragma unroll
-    for (int i = 0; i < 4; ++i) acc[rt][i] = 0.f;
-
+  float acc[RT][4] = {};
   for (int c = 0; c < nch; ++c) {
     issue(c + STAGES - 1);
     cp_async_wait<STAGES - 1>();
@@ -372,32 +371,19 @@ __global__ void __launch_bounds__(32 * kMaxWarps) fp8_gemv_ring_kernel(
     const unsigned char* st = ring + (c % STAGES) * kStageBytes;
 #pragma unroll
     for (int b = 0; b < kRingBlocks; ++b) {
-      const int kb = kb_lo + c * kRingBlocks + b;
-      if (kb < kb_hi) {
+      const int kb = sh.kb_lo + c * kRingBlocks + b;
+      if (kb < sh.kb_hi) {
         const uint32_t swb = sw_next;
-        if (kb + 1 < kb_hi) sw_next = __ldg(ws_row + kb + 1);
-        const uint4 q = *reinterpret_cast<const uint4*>(x_s + g * stride + kb * 32 + 8 * t);
-        const float2 sa = *reinterpret_cast<const float2*>(sa_s + kb * kMaxM + 2 * t);
+        if (kb + 1 < sh.kb_hi) sw_next = __ldg(sh.ws_row + kb + 1);
+        const uint4 q = *reinterpret_cast<const uint4*>(sh.x_s + sh.g * sh.stride + kb * 32 + 8 * sh.t);
+        const float2 sa = *reinterpret_cast<const float2*>(sh.sa_s + kb * kMaxM + 2 * sh.t);
         const float sw = __uint_as_float(swb << 23);
-        const float s0 = __fmul_rn(sa.x, sw), s1 = __fmul_rn(sa.y, sw);  // tokens 2t, 2t + 1
-        const int col = ((2 * b + (t >> 1)) ^ g) << 4 | (t & 1) << 3;     // bytes 32b + 8t of rows ≡ g (mod 8)
+        const int col = ((2 * b + (sh.t >> 1)) ^ sh.g) << 4 | (sh.t & 1) << 3;  // bytes 32b + 8t of rows ≡ g (mod 8)
 #pragma unroll
-        for (int rt = 0; rt < RT; ++rt) {
-          const uint2 w0 = *reinterpret_cast<const uint2*>(st + (rt * 16 + g) * kRingRowBytes + col);
-          const uint2 w1 = *reinterpret_cast<const uint2*>(st + (rt * 16 + 8 + g) * kRingRowBytes + col);
-          float cc[4] = {0.f, 0.f, 0.f, 0.f};
-          uint32_t a[4];
-          dsv41::e4m3x4_to_f16x4(w0.x, a[0], a[2]);
-          dsv41::e4m3x4_to_f16x4(w1.x, a[1], a[3]);
-          dsv41::mma_f16_16816(cc, a[0], a[1], a[2], a[3], q.x, q.y);
-          dsv41::e4m3x4_to_f16x4(w0.y, a[0], a[2]);
-          dsv41::e4m3x4_to_f16x4(w1.y, a[1], a[3]);
-          dsv41::mma_f16_16816(cc, a[0], a[1], a[2], a[3], q.z, q.w);
-          acc[rt][0] = __fadd_rn(acc[rt][0], __fmul_rn(cc[0], s0));
-          acc[rt][1] = __fadd_rn(acc[rt][1], __fmul_rn(cc[1], s1));
-          acc[rt][2] = __fadd_rn(acc[rt][2], __fmul_rn(cc[2], s0));
-          acc[rt][3] = __fadd_rn(acc[rt][3], __fmul_rn(cc[3], s1));
-        }
+        for (int rt = 0; rt < RT; ++rt)
+          block_mma(acc[rt], *reinterpret_cast<const uint2*>(st + (rt * 16 + sh.g) * kRingRowBytes + col),
+                    *reinterpret_cast<const uint2*>(st + (rt * 16 + 8 + sh.g) * kRingRowBytes + col), q,
+                    __fmul_rn(sa.x, sw), __fmul_rn(sa.y, sw));
       }
     }
     __syncwarp();  // every lane is done with this stage before it is refilled
@@ -405,7 +391,7 @@ __global__ void __launch_bounds__(32 * kMaxWarps) fp8_gemv_ring_kernel(
   cp_async_wait<0>();
 
   asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
-  reduce_store<RT>(acc, red, y, M, N, row0, rows_cta, y_row, wn, wk, warps_k, splits, tid);
+  reduce_store<RT>(acc, sh.red, sh.y, M, N, sh.row0, sh.rows_cta, sh.y_row, sh.wn, sh.wk, warps_k, splits, sh.tid);
 }
 
 template <int RT, int U, bool QUANT>
@@ -432,6 +418,15 @@ cudaError_t launch_ring(const void* x, const void* w, const void* ws, void* y, i
                           static_cast<__nv_bfloat16*>(y), M, N, K, groups, kc, warps_n, warps_k, splits);
 }
 
+// The K columns of each split (kc) of a launch inside both entry points' contract (smem: its shared memory,
+// 0 for invalid launch parameters), else 0.
+int split_columns(int M, int N, int K, int groups, int quant_x, int splits, size_t smem) {
+  if (M < 1 || M > kMaxM || N < 1 || smem == 0 || smem > kMaxSmem) return 0;
+  if (groups < 1 || groups > 65535 || (groups > 1 && N % 32 != 0) || (quant_x != 0 && quant_x != 1)) return 0;
+  const int kb = K / 32, kbc = (kb + splits - 1) / splits;
+  return (kb + kbc - 1) / kbc == splits ? kbc * 32 : 0;
+}
+
 }  // namespace
 
 extern "C" {
@@ -456,12 +451,8 @@ int dsv41_fp8_gemv_grouped(const void* x, const void* w, const void* ws, void* y
                            int quant_x, int row_tiles, int unroll, int warps_n, int warps_k, int splits, int pdl,
                            void* stream) {
   const size_t smem = dsv41_fp8_gemv_smem(K, row_tiles, warps_n, warps_k, splits);
-  if (M < 1 || M > kMaxM || N < 1 || smem == 0 || smem > kMaxSmem) return int(cudaErrorInvalidValue);
-  if (groups < 1 || groups > 65535 || (groups > 1 && N % 32 != 0) || (quant_x != 0 && quant_x != 1))
-    return int(cudaErrorInvalidValue);
-  const int kb = K / 32, kbc = (kb + splits - 1) / splits;
-  if ((kb + kbc - 1) / kbc != splits) return int(cudaErrorInvalidValue);
-  const int kc = kbc * 32;
+  const int kc = split_columns(M, N, K, groups, quant_x, splits, smem);
+  if (kc == 0) return int(cudaErrorInvalidValue);
   const cudaStream_t s = static_cast<cudaStream_t>(stream);
 #define DSV41_GEMV_CASE(RT, U)                                                                                \
   if (row_tiles == RT && unroll == U)                                                                         \
@@ -497,12 +488,8 @@ int dsv41_fp8_gemv_ring(const void* x, const void* w, const void* ws, void* y, i
                         int quant_x, int row_tiles, int stages, int warps_n, int warps_k, int splits, int pdl,
                         void* stream) {
   const size_t smem = dsv41_fp8_gemv_ring_smem(K, row_tiles, warps_n, warps_k, splits, stages);
-  if (M < 1 || M > kMaxM || N < 1 || smem == 0 || smem > kMaxSmem) return int(cudaErrorInvalidValue);
-  if (groups < 1 || groups > 65535 || (groups > 1 && N % 32 != 0) || (quant_x != 0 && quant_x != 1))
-    return int(cudaErrorInvalidValue);
-  const int kb = K / 32, kbc = (kb + splits - 1) / splits;
-  if ((kb + kbc - 1) / kbc != splits) return int(cudaErrorInvalidValue);
-  const int kc = kbc * 32;
+  const int kc = split_columns(M, N, K, groups, quant_x, splits, smem);
+  if (kc == 0) return int(cudaErrorInvalidValue);
   const cudaStream_t s = static_cast<cudaStream_t>(stream);
 #define DSV41_RING_CASE(RT, S)                                                                                 \
   if (row_tiles == RT && stages == S)                                                                          \
