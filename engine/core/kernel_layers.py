@@ -30,7 +30,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from engine.core.kernel_ops import OPS, engram_table, linear, mm_fp32, rms_norm_torch, stacked_fp8
+from engine.core.kernel_ops import OPS, engram_table, linear, mm_fp32, rms_norm_torch
 from engine.core.kv_cache import PagedKVCache
 from engine.core.plan import ChunkPlan, StepPlan
 from engine.core.step_rows import (Segment, StepLogits, decoder_rows, engram_hashes, head_rows, no_logits, segments,
@@ -39,6 +39,7 @@ from engine.kernels import paged
 from engine.kernels.compressor import Ratio2Chunk, Ratio2Plan, plan_ratio2
 from engine.kernels.engram_gather import EngramPrefetch
 from engine.kernels.fp8_gemv import fp8_gemv_grouped, grouped_gemv_applies
+from engine.kernels.fp8_linear import stacked_fp8
 from engine.kernels.mhc_cuda import mixes_cuda_applies
 from engine.kernels.rope import RopeTable, rope_table
 from engine.kernels.side_stream import Forked, fork

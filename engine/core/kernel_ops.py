@@ -31,7 +31,7 @@ from engine.kernels.topk import candidate_blocks, entry_slots, index_topk
 from engine.model.engram import Engram, EngramEmbedding
 from engine.model.layers import Linear
 from engine.model.moe import MoE
-from engine.quant import act_quant_qdq, cat_8bit, dequant_fp4_weight
+from engine.quant import act_quant_qdq, dequant_fp4_weight
 
 INDEXER_MAX_M = 16  # index_scores keeps all M*H query rows in registers: queries go in groups of 16
 
@@ -84,26 +84,6 @@ def moe_kernels(x: Tensor, moe: MoE) -> Tensor:
     if hit is None or hit[0] is not moe:
         hit = _EXPERTS[id(moe)] = (moe, stack_experts(moe))
     return moe_forward(x.contiguous(), moe, hit[1])
-
-
-_STACKED: dict[tuple[int, int], tuple[Linear, Linear, Linear]] = {}  # (id(a), id(b)) -> (a, b, stacked)
-
-
-def stacked_fp8(a: Linear, b: Linear) -> Linear | None:
-    """One FP8 Linear whose rows are a's then b's (a.out_features % 32 == 0, the same in_features), so that two
-    linears of the same x run as one launch; a's and b's buffers become views of the stack (the weights exist once;
-    the modules still work). None where the two do not stack (another format, rows that split a scale block)."""
-    if a.fmt != "fp8" or b.fmt != "fp8" or a.in_features != b.in_features or a.out_features % 32:
-        return None
-    hit = _STACKED.get((id(a), id(b)))
-    if hit is None or hit[0] is not a or hit[1] is not b:
-        fused = Linear(a.in_features, a.out_features + b.out_features, "fp8")
-        fused.weight, fused.scale = cat_8bit(a.weight, b.weight), cat_8bit(a.scale, b.scale)
-        na, sa = a.out_features, a.out_features // 32
-        a.weight, b.weight = fused.weight[:na], fused.weight[na:]
-        a.scale, b.scale = fused.scale[:sa], fused.scale[sa:]
-        hit = _STACKED[(id(a), id(b))] = (a, b, fused)
-    return hit[2]
 
 
 _ENGRAM: dict[int, tuple[EngramEmbedding, HostEngramTable]] = {}  # id(table module) -> where the gather reads it

@@ -39,7 +39,8 @@ from torch import Tensor
 
 from engine.config import ModelConfig
 from engine.kernels.fp8_gemv import fp8_gemv, gemv_applies
-from engine.quant import BLOCK, act_quant, check_fp8_linear_args
+from engine.model.layers import Linear
+from engine.quant import BLOCK, act_quant, cat_8bit, check_fp8_linear_args
 
 _INV_FP8_MAX = tl.constexpr(1.0 / 448.0)  # rounded to fp32 where used, as engine.quant._fp32(1/448)
 _MAX_TICKETS = 1 << 16
@@ -311,6 +312,26 @@ def fp8_linear_ref(x: Tensor, weight: Tensor, scale: Tensor) -> Tensor:
     for kb in range(k // BLOCK):
         acc += (a[:, kb] @ w[:, kb].T).float() * (sa[:, kb, None] * sw[None, :, kb])
     return acc.to(torch.bfloat16).view(*x.shape[:-1], n)
+
+
+_STACKED: dict[tuple[int, int], tuple[Linear, Linear, Linear]] = {}  # (id(a), id(b)) -> (a, b, stacked)
+
+
+def stacked_fp8(a: Linear, b: Linear) -> Linear | None:
+    """One FP8 Linear whose rows are a's then b's (a.out_features % 32 == 0, the same in_features), so that two
+    linears of the same x run as one launch; a's and b's buffers become views of the stack (the weights exist once;
+    the modules still work). None where the two do not stack (another format, rows that split a scale block)."""
+    if a.fmt != "fp8" or b.fmt != "fp8" or a.in_features != b.in_features or a.out_features % 32:
+        return None
+    hit = _STACKED.get((id(a), id(b)))
+    if hit is None or hit[0] is not a or hit[1] is not b:
+        fused = Linear(a.in_features, a.out_features + b.out_features, "fp8")
+        fused.weight, fused.scale = cat_8bit(a.weight, b.weight), cat_8bit(a.scale, b.scale)
+        na, sa = a.out_features, a.out_features // 32
+        a.weight, b.weight = fused.weight[:na], fused.weight[na:]
+        a.scale, b.scale = fused.scale[:sa], fused.scale[sa:]
+        hit = _STACKED[(id(a), id(b))] = (a, b, fused)
+    return hit[2]
 
 
 def layer_shapes(cfg: ModelConfig) -> dict[str, tuple[int, int]]:

@@ -52,13 +52,13 @@ import triton.language as tl
 from torch import Tensor
 
 from engine.kernels.fp8_linear import (_MAX_TICKETS, _bf16_bits, _cdiv, _num_sms, _quant_blocks,
-                                       _tickets, fp8_act_qdq, fp8_linear)
+                                       _tickets, fp8_act_qdq, fp8_linear, stacked_fp8)
 from engine.kernels.moe_fp4 import (MAX_PAIRS_PER_TILE, fp4_applies, moe_down_fp4, moe_up_fp4, plan_and_quant,
                                     route_cuda)
 from engine.kernels.side_stream import fork
 from engine.kernels.sparse_attention import _round_bf16
 from engine.model.moe import MoE
-from engine.quant import BLOCK, _act_dequant, act_quant, act_quant_qdq, cat_8bit, dequant_fp4_weight, exact_matmul
+from engine.quant import BLOCK, _act_dequant, act_quant, act_quant_qdq, dequant_fp4_weight, exact_matmul
 
 _MAX_SCALE_CODE = 240  # E8M0 weight scales folded with 2^14 (see _fp4_pair) must stay below 2^127
 
@@ -507,10 +507,9 @@ def stack_experts(moe: MoE) -> ExpertWeights:
     for s in (s13, s2):
         assert int(s.view(torch.uint8).max()) <= _MAX_SCALE_CODE, "an E8M0 weight scale above 2^113"
     sh = moe.shared_experts
-    shared_w13, shared_s13 = cat_8bit(sh.w1.weight, sh.w3.weight), cat_8bit(sh.w1.scale, sh.w3.scale)
-    sh.w1.weight, sh.w3.weight = shared_w13[:inter], shared_w13[inter:]
-    sh.w1.scale, sh.w3.scale = shared_s13[: inter // 32], shared_s13[inter // 32:]
-    return ExpertWeights(w13, s13, w2, s2, shared_w13, shared_s13, sh.w2.weight, sh.w2.scale)
+    shared = stacked_fp8(sh.w1, sh.w3)  # W1|W3 as one matrix: one launch (shared_expert)
+    assert shared is not None, "the shared expert's W1 and W3 do not stack"
+    return ExpertWeights(w13, s13, w2, s2, shared.weight, shared.scale, sh.w2.weight, sh.w2.scale)
 
 
 def moe_up(x: Tensor, experts: ExpertWeights, plan: MoePlan, weights: Tensor, limit: float, qdq_out: bool = True,

@@ -11,7 +11,8 @@ benchmarks/gpu_timing.py run a step before capturing it), since a stream cannot 
 
 from __future__ import annotations
 
-from typing import Callable, Generic, TypeVar
+from collections.abc import Callable
+from typing import Generic, TypeVar
 
 import torch
 from torch import Tensor

@@ -1,13 +1,12 @@
-"""kernel_ops.stacked_fp8: two FP8 linears of the same input as one launch over their stacked rows (the runner's
-wkv | wq_a at decode). The stack holds the weights once (the modules' buffers become views of it), its product
-is the two products side by side, and formats that do not stack are refused."""
+"""fp8_linear.stacked_fp8: two FP8 linears of the same input as one launch over their stacked rows (the runner's
+wkv | wq_a at decode, the shared expert's W1 | W3). The stack holds the weights once (the modules' buffers become
+views of it), its product is the two products side by side, and formats that do not stack are refused."""
 
 from __future__ import annotations
 
 import torch
 
-from engine.core.kernel_ops import stacked_fp8
-from engine.kernels.fp8_linear import fp8_linear_ref
+from engine.kernels.fp8_linear import fp8_linear_ref, stacked_fp8
 from engine.model.layers import Linear
 from engine.quant import quant_fp8_weight
 
