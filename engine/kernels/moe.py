@@ -587,11 +587,11 @@ def moe_forward(x: Tensor, moe: MoE, experts: ExpertWeights, ids: Tensor | None 
     t, d = x.shape
     decode = fp4_applies(x, experts)
     routed = ids is None
-    part = gate_scores(x, gate.weight) if routed else None
-    if decode:  # the shared expert (three small launches) runs on a side stream, beside the router and the expert
-        # GEMVs. Forked after the gate: launched before it, the shared GEMV's CTAs held the SMs and the gate's
-        # small grid waited for them (H200, layer 21 at T = 1: gate 16.8 -> 2.9 us, layer 245 -> 221-225 us).
+    if decode:  # the shared expert (three small launches) runs on a side stream, beside the gate, the router and
+        # the expert GEMVs. Its GEMVs take narrow grids (72 / 40 CTAs), so the gate's grid finds free SMs: forked
+        # here every layer is ~4 us faster at T = 1 than forked after the gate (H200, RESULTS.md, eighth pass).
         shared = fork("shared_expert", x.device, lambda: shared_expert(x, experts, moe.shared_experts.limit))
+    part = gate_scores(x, gate.weight) if routed else None
     if routed:  # on the decode path the CUDA route (one CTA per token), else the Triton one
         route = route_cuda if decode else route_scores
         weights, ids = route(part, gate.bias, gate.topk, gate.route_scale, gate.norm_topk)
