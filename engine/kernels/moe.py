@@ -28,7 +28,7 @@ Launches of moe_forward:
      act_quant QDQ of h per 32 (the input of W2, fused here because the tile holds whole 32-blocks);
   5. the same kernel DOWN: W2 over the sorted rows of h, fp32 out [T·k, D] by pair;
   6-8. shared expert: fp8_linear on [W1; W3] (one launch), `_swiglu_kernel`, fp8_linear on W2 (at decode on
-     CUDA on a side stream, forked after the gate and joined before the combine);
+     CUDA on a side stream, forked before the gate and joined before the combine);
   9. `_combine_kernel`: y = bf16(Σ_j bf16(o_tj) + shared).
 K splits (decode, to fill the GPU) write fp32 partials; the last program of a tile (atomic ticket, as in
 fp8_linear) sums them in split order: deterministic, one launch.
