@@ -35,7 +35,7 @@ from engine.kernels.fp8_linear import (Fp8LinearConfig, fp8_linear, fp8_linear_r
                                       pick_config)
 from engine.kernels.gumbel import gumbel_argmax, gumbel_noise  # noqa: E402
 from engine.kernels.indexer import index_scores  # noqa: E402
-from engine.kernels.cache_records import unpack_index_k  # noqa: E402
+from engine.kernels.cache_records import fp4_record_bytes, swa_record_bytes, unpack_index_k  # noqa: E402
 from engine.kernels.sparse_attention import gather_rows_ref, sparse_attn_paged  # noqa: E402
 from engine.presets import full_config  # noqa: E402
 from benchmarks.gpu_timing import calls_of, copies_for, copy_bandwidth, graph_time_us, sweep  # noqa: E402
@@ -317,7 +317,7 @@ SPARSE_SLOTS = (1 << 18, 1 << 19)  # SWA, main records: 138 MB + 151 MB at D = 5
 def sparse_pools(d: int, swa_slots: int = SPARSE_SLOTS[0], main_slots: int = SPARSE_SLOTS[1]
                  ) -> tuple[torch.Tensor, torch.Tensor]:
     """Random packed SWA (FP8) and main-KV (FP4) record pools on the GPU, with finite moderate values."""
-    swa_rec, main_rec = d + d // 32, d // 2 + d // 16
+    swa_rec, main_rec = swa_record_bytes(d), fp4_record_bytes(d, 16)
     swa_pool = torch.randint(0, 256, (swa_slots, swa_rec), dtype=torch.uint8, device="cuda")
     swa_pool[:, :d] &= 0x77  # finite E4M3 codes, moderate magnitudes
     swa_pool[:, d:] = torch.randint(120, 131, (swa_slots, d // 32), dtype=torch.uint8, device="cuda")
@@ -346,7 +346,7 @@ def bench_sparse_attn(copy_bw: float) -> None:
         mn = [torch.randint(0, main_slots, (m, km), dtype=torch.int32, device="cuda") for _ in range(copies)]
         args = lambda i: (qs[i], swa_pool, sw[i], main_pool, mn[i], sink, scale)  # noqa: E731
         us = graph_time_us(calls_of(lambda i: lambda: sparse_attn_paged(*args(i)), copies))
-        nbytes = m * (kw * swa_rec + km * main_rec + 4 * (kw + km) + 4 * h * d)
+        nbytes = m * (kw * swa_record_bytes(d) + km * fp4_record_bytes(d, 16) + 4 * (kw + km) + 4 * h * d)
         base = graph_time_us(calls_of(lambda i: lambda: sparse_torch_fp32(*args(i)), copies))
         res, best = sweep(SPARSE_CONFIGS, f"M={m}", lambda c: graph_time_us(calls_of(
             lambda i: lambda: sparse_attn_paged(*args(i), block_h=c[0], block_n=c[1], rows_per_split=c[2],
