@@ -13,8 +13,8 @@ from __future__ import annotations
 import torch
 
 from benchmarks.gpu_timing import calls_of, copies_for, graph_time_us, sweep
-from engine.kernels.topk import (BLOCK_ROW_MAX_T, CHUNK, ROW_MAX_T, candidate_block_mask, candidate_blocks, candidate_blocks_ref, index_topk,
-                                 index_topk_ref)
+from engine.kernels.topk import (BIG_CHUNK, BIG_SCORES, BIG_WARPS, BLOCK_ROW_MAX_T, CHUNK, ROW_MAX_T,
+                                 candidate_block_mask, candidate_blocks, candidate_blocks_ref, index_topk, index_topk_ref)
 from engine.presets import full_config
 
 SHAPES_T = (1 << 14, 1 << 17, 1 << 20)
@@ -53,7 +53,8 @@ def bench(copy_bw: float) -> None:
     k, kb, blk = cfg.index_topk, cfg.candidate_topk_blocks, cfg.candidate_block_size
     print(f"\n## topk: exact indexer top-{k} and candidate blocks ({kb} blocks of {blk}); CUDA graph replay")
     print(f"copy bandwidth measured in this run: {copy_bw / 1e12:.2f} TB/s (read + write); defaults: chunk {CHUNK}, "
-          f"8 warps, one program per row up to {ROW_MAX_T:,} entries ({BLOCK_ROW_MAX_T:,} blocks for the candidates)\n")
+          f"8 warps (index_topk from {BIG_SCORES:,} scores: chunk {BIG_CHUNK}, {BIG_WARPS} warps), one program per "
+          f"row up to {ROW_MAX_T:,} entries ({BLOCK_ROW_MAX_T:,} blocks for the candidates)\n")
     head = ("| op | T | M | data | ours us | bytes (scores once) | TB/s | % copy BW | torch golden (stable sort) us |"
             " torch.topk (not exact) us | speedup vs best torch | our variant us (index_topk: method='keys'; "
             "candidates: bool [M, T] output) | best (chunk, warps, row_max_t): us |")
