@@ -197,10 +197,13 @@ def pick_config(m: int, n: int, k: int, num_sms: int = 132) -> Fp8LinearConfig:
       of programs stream the weight (fp32 partials capped at a quarter of the weight bytes).
     - 16 < m <= 64: x quantised once by fp8_act_qdq (re-quantising 64 rows per weight tile made the
       fused form 2x slower); 64-row tiles; partials capped at the weight bytes.
-    - m > 64 (prefill): x quantised once, 128x128 tiles.
+    - m > 64 (prefill): x quantised once, 128x128 tiles; K split (>= 1024 per split) while the tiles fill
+      less than a wave (at M = 512 wq_a has 40 tiles and wkv 16 on 132 SMs).
     """
     if m > 64:
-        return Fp8LinearConfig(128, 128, 64, 1, num_warps=8, num_stages=3, fuse_quant=False)
+        tiles = _cdiv(n, 128) * _cdiv(m, 128)
+        split = max(1, min(num_sms // tiles, k // 1024))
+        return Fp8LinearConfig(128, 128, 64, split, num_warps=8, num_stages=3, fuse_quant=False)
     fused = m <= 16
     block_n, block_m = (128, 16) if fused else (64, 32 if m <= 32 else 64)
     tiles = _cdiv(n, block_n) * _cdiv(m, block_m)

@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from engine.kernels.fp8_linear import (Fp8LinearConfig, _tickets, fp8_act_qdq, fp8_act_quant, fp8_linear,
-                                       fp8_linear_ref, layer_shapes)
+                                       fp8_linear_ref, layer_shapes, pick_config)
 from engine.presets import full_config
 from engine.quant import _act_dequant, act_quant, act_quant_qdq, dequant_fp8_weight, linear, quant_fp8_weight
 
@@ -144,6 +144,17 @@ def test_prefill_path_prequantises_x():
     assert_fp8_linear_close(y, fp8_linear_ref(x, qw, sw), x, qw, sw, CPU_EPS, "M=70 N=64 K=96")
 
 
+def test_prefill_splits_k_when_the_tiles_fill_less_than_a_wave():
+    assert pick_config(512, 1280, 5120).split_k == 3  # wq_a: 40 tiles of 128 x 128 on 132 SMs
+    assert pick_config(4096, 1280, 5120).split_k == 1  # 320 tiles
+    assert pick_config(512, 5120, 8192).split_k == 1  # wo_b: 160 tiles
+    x, qw, sw = _problem(70, 64, 2048)  # one tile: K split in two (>= 1024 per split)
+    assert pick_config(70, 64, 2048).split_k == 2
+    y = fp8_linear(x, qw, sw)
+    assert_fp8_linear_close(y, fp8_linear_ref(x, qw, sw), x, qw, sw, CPU_EPS, "M=70 N=64 K=2048 split")
+    assert not _tickets(x.device).any(), "split-K tickets were not reset"
+
+
 def test_leading_dims_and_empty_rows():
     x, qw, sw = _problem(6, 64, 64)
     y = fp8_linear(x.view(2, 3, 64), qw, sw)
@@ -196,9 +207,11 @@ def test_fp8_linear_real_shapes_gpu(name, m):
 
 @gpu
 @needs_cuda
-@pytest.mark.parametrize("name,m", [("wq_a", 4096), ("wo_b", 512), ("shared_w2", 333)])
+@pytest.mark.parametrize("name,m", [("wq_a", 4096), ("wo_b", 512), ("shared_w2", 333), ("wq_a", 512), ("wkv", 333)])
 def test_fp8_linear_prefill_gpu(name, m):
     n, k = real_shapes()[name]
     x, qw, sw = _problem(m, n, k, "cuda")
     y = fp8_linear(x, qw, sw)
     assert_fp8_linear_close(y, fp8_linear_ref(x, qw, sw), x, qw, sw, GPU_EPS, f"{name} M={m} N={n} K={k}")
+    assert torch.equal(y, fp8_linear(x, qw, sw)), "split-K result is not deterministic"  # wq_a / wkv at 512 / 333
+    assert not _tickets(x.device).any(), "split-K tickets were not reset"
