@@ -346,7 +346,7 @@ def bench_sparse_attn(copy_bw: float) -> None:
         mn = [torch.randint(0, main_slots, (m, km), dtype=torch.int32, device="cuda") for _ in range(copies)]
         args = lambda i: (qs[i], swa_pool, sw[i], main_pool, mn[i], sink, scale)  # noqa: E731
         us = graph_time_us(calls_of(lambda i: lambda: sparse_attn_paged(*args(i)), copies))
-        nbytes = m * (kw * swa_record_bytes(d) + km * fp4_record_bytes(d, 16) + 4 * (kw + km) + 4 * h * d)
+        nbytes = m * (kw * swa_pool.size(1) + km * main_pool.size(1) + 4 * (kw + km) + 4 * h * d)  # record bytes
         base = graph_time_us(calls_of(lambda i: lambda: sparse_torch_fp32(*args(i)), copies))
         res, best = sweep(SPARSE_CONFIGS, f"M={m}", lambda c: graph_time_us(calls_of(
             lambda i: lambda: sparse_attn_paged(*args(i), block_h=c[0], block_n=c[1], rows_per_split=c[2],

@@ -57,7 +57,7 @@ U_NAN = 0xFFC0  # u(NaN), every NaN canonicalised to 0x7FC0
 # row up to a few thousand blocks.
 CHUNK = 1024
 # index_topk over many scores (M x T >= 2^19: T = 1M at M = 1 and 6, T = 128K at M = 6) was fastest with 2048-entry
-# chunks of 4 warps (H200, 2026-11-30, eighth pass: T = 1M, M = 6 147.9 -> 106.5 us; M = 1 33.8 -> 30.2 us).
+# chunks of 4 warps (H200, 2026-11-30, eighth pass: T = 1M, M = 6 147.9 -> 106.4 us; M = 1 33.8 -> 30.1 us).
 BIG_SCORES, BIG_CHUNK, BIG_WARPS = 1 << 19, 2048, 4
 ROW_MAX_T = 0  # index_topk: rows up to this length use one program per row (0: never)
 BLOCK_ROW_MAX_T = 4096  # candidate_block_mask: rows of up to this many blocks use one program per row
