@@ -220,7 +220,9 @@ class EngramPrefetch:
         assert hash_ids.device == self.device, f"hash_ids on {hash_ids.device}, prefetch for {self.device}"
         assert hash_ids.dim() >= 2 and hash_ids.size(-2) == len(self.tables), (
             f"hash_ids {tuple(hash_ids.shape)} must be [..., {len(self.tables)}, C]")
-        assert all(r is None for r in self._rows), "launch while a previous launch's rows were not all waited on"
+        for i, rows in enumerate(self._rows):  # a step that raised left them: rejoin the side stream, drop them
+            if rows is not None:
+                self.wait(i)
         if self.stream is None:
             self._rows = [engram_gather(t, hash_ids[..., i, :]) for i, t in enumerate(self.tables)]
             return

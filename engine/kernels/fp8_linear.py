@@ -44,7 +44,7 @@ from engine.quant import BLOCK, act_quant, cat_8bit, check_fp8_linear_args
 
 _INV_FP8_MAX = tl.constexpr(1.0 / 448.0)  # rounded to fp32 where used, as engine.quant._fp32(1/448)
 _MAX_TICKETS = 1 << 16
-_TICKETS: dict[torch.device, Tensor] = {}
+_TICKETS: dict[tuple[torch.device, int], Tensor] = {}  # (device, stream) -> its tickets
 
 
 @triton.jit
@@ -212,12 +212,15 @@ def pick_config(m: int, n: int, k: int, num_sms: int = 132) -> Fp8LinearConfig:
                            fuse_quant=fused)
 
 
-def _tickets(device: torch.device) -> Tensor:
-    """Per-device split-K tickets, zero between launches (the last program of a tile resets its own).
-    One stream at a time: two launches running concurrently on different streams would share them."""
-    if device not in _TICKETS:
-        _TICKETS[device] = torch.zeros(_MAX_TICKETS, dtype=torch.int32, device=device)
-    return _TICKETS[device]
+def split_k_tickets(device: torch.device) -> Tensor:
+    """The split-K tickets of `device`'s current stream, zero between launches (the last program of a tile
+    resets its own). One buffer per stream: kernels running concurrently on two streams (the decode step's
+    side-stream shared expert beside the main stream's GEMMs) never share a ticket."""
+    stream = torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0
+    key = (device, stream)
+    if key not in _TICKETS:
+        _TICKETS[key] = torch.zeros(_MAX_TICKETS, dtype=torch.int32, device=device)
+    return _TICKETS[key]
 
 
 def _block_k(k: int, want: int = 128) -> int:
@@ -264,7 +267,7 @@ def fp8_linear(x: Tensor, weight: Tensor, scale: Tensor, config: Fp8LinearConfig
 
     weight float8_e4m3fn [N, K] (K % 32 == 0), scale float8_e8m0fnu [ceil(N/32), K/32]; all contiguous
     and on one device. Matches fp8_linear_ref to fp32 summation order (the tolerance is stated in
-    tests/kernels/test_fp8_linear.py). Not safe to run concurrently on two streams (split-K tickets).
+    tests/kernels/test_fp8_linear.py). Launches on different streams use different split-K tickets.
     """
     check_fp8_linear_args(x, weight, scale)
     n, k = weight.shape
@@ -282,7 +285,7 @@ def fp8_linear(x: Tensor, weight: Tensor, scale: Tensor, config: Fp8LinearConfig
     num_splits = _cdiv(k, k_per_split)
     tiles = _cdiv(n, cfg.block_n) * _cdiv(m, cfg.block_m)
     xq = x2 if cfg.fuse_quant else fp8_act_qdq(x2)
-    tickets = _tickets(x.device)
+    tickets = split_k_tickets(x.device)
     if num_splits > 1:
         assert tiles <= _MAX_TICKETS, f"{tiles} tiles exceed the {_MAX_TICKETS} split-K tickets"
         part = torch.empty(num_splits, m, n, dtype=torch.float32, device=x.device)

@@ -49,7 +49,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from engine.kernels.fp8_linear import _bf16_bits, _cdiv, _MAX_TICKETS, _num_sms, _tickets
+from engine.kernels.fp8_linear import _bf16_bits, _cdiv, _MAX_TICKETS, _num_sms, split_k_tickets
 from engine.kernels.mhc_cuda import hc_mixes_cuda, mixes_cuda_applies
 from engine.kernels.norm import _rms_normalize, row_warps
 from engine.kernels.sparse_attention import _round_bf16
@@ -325,7 +325,7 @@ def _mixes_buffers(n: int, hc: int, tiles: int, num_splits: int, device: torch.d
         part = torch.empty(num_splits, n, g * hc, dtype=torch.float32, device=device)
     else:
         part = pre  # not read or written without a split
-    return pre, post, comb, part, _tickets(device), g
+    return pre, post, comb, part, split_k_tickets(device), g
 
 
 def hc_mixes(x: Tensor, fn: Tensor, scale: Tensor, base: Tensor, hc: int, iters: int, hc_eps: float,
@@ -336,9 +336,9 @@ def hc_mixes(x: Tensor, fn: Tensor, scale: Tensor, base: Tensor, hc: int, iters:
 
     At decode on sm_90 (N <= 8, hc = 4, no launch given) the CUDA kernel of engine.kernels.mhc_cuda runs
     instead, with fewer CTAs when the call runs beside other kernels (beside=True, on a side stream). launch =
-    (block_m, block_k, splits) overrides mixes_launch_shape (tests, sweeps) and keeps the Triton kernel. Not safe
-    to run concurrently on two streams (the split-K tickets are shared with fp8_linear; the CUDA kernel's, with
-    every other CUDA mixes call)."""
+    (block_m, block_k, splits) overrides mixes_launch_shape (tests, sweeps) and keeps the Triton kernel. The
+    Triton kernel's split-K tickets are its stream's (fp8_linear.split_k_tickets); the CUDA kernel's are shared
+    by every CUDA mixes call, so those must not run on two streams at once."""
     n, d = _check_stream(x, hc, "x")
     k = hc * d
     _check_mix_params(fn, scale, base, hc, d, iters, x.device)

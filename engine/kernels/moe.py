@@ -52,7 +52,7 @@ import triton.language as tl
 from torch import Tensor
 
 from engine.kernels.fp8_linear import (_MAX_TICKETS, _bf16_bits, _cdiv, _num_sms, _quant_blocks,
-                                       _tickets, fp8_act_qdq, fp8_linear, stacked_fp8)
+                                       split_k_tickets, fp8_act_qdq, fp8_linear, stacked_fp8)
 from engine.kernels.moe_fp4 import (MAX_PAIRS_PER_TILE, fp4_applies, moe_down_fp4, moe_up_fp4, plan_and_quant,
                                     route_cuda)
 from engine.kernels.side_stream import fork
@@ -447,7 +447,7 @@ def _launch(x: Tensor, w: Tensor, ws: Tensor, out: Tensor, rw: Tensor, plan: Moe
     k_per_split = block_k * _cdiv(k // block_k, max(1, cfg.split_k))
     num_splits = _cdiv(k, k_per_split)
     n_tiles = _cdiv(n, cfg.block_n)
-    tickets = _tickets(x.device)
+    tickets = split_k_tickets(x.device)
     if num_splits > 1:
         assert n_tiles * max_tiles <= _MAX_TICKETS, f"{n_tiles * max_tiles} tiles exceed the split-K tickets"
         part = torch.empty(num_splits, r, (2 if up else 1) * n, dtype=torch.float32, device=x.device)

@@ -15,7 +15,7 @@ design) measured err up to ~5e-4 * S at M = 1.
 import pytest
 import torch
 
-from engine.kernels.fp8_linear import (Fp8LinearConfig, _tickets, fp8_act_qdq, fp8_act_quant, fp8_linear,
+from engine.kernels.fp8_linear import (Fp8LinearConfig, split_k_tickets, fp8_act_qdq, fp8_act_quant, fp8_linear,
                                        fp8_linear_ref, layer_shapes, pick_config)
 from engine.presets import full_config
 from engine.quant import _act_dequant, act_quant, act_quant_qdq, dequant_fp8_weight, linear, quant_fp8_weight
@@ -135,7 +135,7 @@ def test_fp8_linear_matches_reference(m, n, k, cfg):
     assert_fp8_linear_close(y, ref, x, qw, sw, CPU_EPS, f"M={m} N={n} K={k} {cfg}")
     # the golden model's float64 product agrees with the oracle as closely
     assert_fp8_linear_close(linear(x, qw, sw), ref, x, qw, sw, CPU_EPS, f"golden M={m} N={n} K={k}")
-    assert not _tickets(x.device).any(), "split-K tickets were not reset"
+    assert not split_k_tickets(x.device).any(), "split-K tickets were not reset"
 
 
 def test_prefill_path_prequantises_x():
@@ -152,7 +152,7 @@ def test_prefill_splits_k_when_the_tiles_fill_less_than_a_wave():
     assert pick_config(70, 64, 2048).split_k == 2
     y = fp8_linear(x, qw, sw)
     assert_fp8_linear_close(y, fp8_linear_ref(x, qw, sw), x, qw, sw, CPU_EPS, "M=70 N=64 K=2048 split")
-    assert not _tickets(x.device).any(), "split-K tickets were not reset"
+    assert not split_k_tickets(x.device).any(), "split-K tickets were not reset"
 
 
 def test_leading_dims_and_empty_rows():
@@ -202,7 +202,7 @@ def test_fp8_linear_real_shapes_gpu(name, m):
     y = fp8_linear(x, qw, sw)
     assert_fp8_linear_close(y, fp8_linear_ref(x, qw, sw), x, qw, sw, GPU_EPS, f"{name} M={m} N={n} K={k}")
     assert torch.equal(y, fp8_linear(x, qw, sw)), "split-K result is not deterministic"
-    assert not _tickets(x.device).any(), "split-K tickets were not reset"
+    assert not split_k_tickets(x.device).any(), "split-K tickets were not reset"
 
 
 @gpu
@@ -214,4 +214,4 @@ def test_fp8_linear_prefill_gpu(name, m):
     y = fp8_linear(x, qw, sw)
     assert_fp8_linear_close(y, fp8_linear_ref(x, qw, sw), x, qw, sw, GPU_EPS, f"{name} M={m} N={n} K={k}")
     assert torch.equal(y, fp8_linear(x, qw, sw)), "split-K result is not deterministic"  # wq_a / wkv at 512 / 333
-    assert not _tickets(x.device).any(), "split-K tickets were not reset"
+    assert not split_k_tickets(x.device).any(), "split-K tickets were not reset"

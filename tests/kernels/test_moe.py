@@ -28,7 +28,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from engine.kernels.fp8_linear import _tickets
+from engine.kernels.fp8_linear import split_k_tickets
 from engine.kernels.moe import (ExpertWeights, MoeGemmConfig, gate_scores, moe_down, moe_down_ref, moe_forward,
                                 moe_forward_ref, moe_plan, moe_route, moe_route_ref, moe_up, moe_up_ref,
                                 pick_block_m, pick_gemm_config, route_scores, stack_experts)
@@ -242,7 +242,7 @@ def test_up_and_down_match_golden(t, block_m, cfg):
     o = moe_down(hq, ex, plan, config=cfg)
     assert o.dtype == torch.float32 and o.shape == (t * ids.size(1), moe.gate.weight.size(1))
     assert_down_close(o, _unsort(hq, plan), ex, ids, CPU_EPS, f"down T={t} {cfg}")
-    assert not _tickets(x.device).any(), "split-K tickets were not reset"
+    assert not split_k_tickets(x.device).any(), "split-K tickets were not reset"
 
 
 @pytest.mark.usefixtures("one_torch_thread")
@@ -504,7 +504,7 @@ def test_experts_real_shapes_gpu(full_moe, t, dot_scaled):
     assert_down_close(o, _unsort(hq, plan), ex, ids, GPU_EPS, f"down {what}")
     again = moe_down(moe_up(x, ex, plan, w, LIMIT, config=up_cfg), ex, plan, config=down_cfg)
     assert torch.equal(o, again), "not deterministic"
-    assert not _tickets(x.device).any(), "split-K tickets were not reset"
+    assert not split_k_tickets(x.device).any(), "split-K tickets were not reset"
 
 
 @gpu
