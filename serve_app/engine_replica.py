@@ -84,7 +84,7 @@ class EngineReplica:
         self.executor: ShardExecutor = self.engine.executor
         self.metrics = ServeMetrics(settings.model_name)
         self.request_log = request_logger(settings.request_log_file)
-        self.failure: BaseException | None = None  # a step failure: the replica is unhealthy from then on
+        self._loop_failure: BaseException | None = None  # the engine loop raised: unhealthy from then on
         self._gauges_at = 0.0
         # a real step on the shard before the replica reports ready (runs to completion, nothing left queued)
         warm_ids = tokenizer.encode(WARM_UP_TEXT) or [tokenizer.bos_id]
@@ -99,6 +99,12 @@ class EngineReplica:
                                        host_kv_bytes=settings.host_kv_bytes, metrics=self.kv_metrics,
                                        on_pull=lambda nbytes, seconds: self._report("observe_pull", nbytes, seconds))
         self._update_gauges(force=True)
+
+    @property
+    def failure(self) -> BaseException | None:
+        """Why this replica cannot serve (the engine loop raised, or a shard actor died), else None. A
+        request's own failure (a step that raised, unusable logits) ends only that request."""
+        return self._loop_failure or self.executor.failure
 
     async def generate(self, req: GenerateRequest) -> AsyncIterator[GenerateChunk]:
         """One GenerateChunk per engine output of every choice; a choice's last chunk carries its finish
@@ -129,7 +135,7 @@ class EngineReplica:
             raise
         except Exception as e:
             end_reason = "error"
-            self.failure = self.failure or e
+            self._loop_failure = self._loop_failure or e
             raise
         finally:
             await stream.aclose()  # a closed (not cancelled) consumer: abort the group before counting
@@ -154,7 +160,7 @@ class EngineReplica:
     async def check_health(self) -> None:
         """Serve's health hook: raises if a step failed or the shard actor is dead or unresponsive."""
         if self.failure is not None:
-            raise RuntimeError(f"the engine loop failed: {self.failure!r}") from self.failure
+            raise RuntimeError(f"this replica cannot serve: {self.failure!r}") from self.failure
         await self.executor.check(SHARD_PING_TIMEOUT_S)
         if self.kv is not None:
             self.kv.start_renewal()  # keeps the peer record alive on an idle replica too
@@ -218,7 +224,8 @@ class EngineReplica:
         choice.last_token_time, choice.num_output_tokens = now, out.num_output_tokens
         if is_first and out.choice_index == 0:
             self.metrics.observe_prompt(out.num_prompt_tokens, out.stats.num_cached_tokens)
-            self.metrics.observe_first_token(out.stats.first_token_time - out.stats.arrival_time)
+            if out.stats.first_token_time is not None:  # None: it failed before its first token
+                self.metrics.observe_first_token(out.stats.first_token_time - out.stats.arrival_time)
             if self.kv is not None:
                 self.kv.observe_hits(group.kv, out.stats.num_cached_tokens)
         self.metrics.observe_tokens(len(out.new_token_ids), inter_token)
@@ -228,7 +235,7 @@ class EngineReplica:
             metrics = self._end_choice(group, out.choice_index, choice, out.finish_reason.value)
         return GenerateChunk(out.choice_index, out.new_token_ids, out.new_logprobs,
                              out.finish_reason.value if out.finish_reason else None, out.num_prompt_tokens,
-                             _cached_tokens(group, choice), out.num_output_tokens, metrics)
+                             _cached_tokens(group, choice), out.num_output_tokens, metrics, out.error)
 
     def _end_choice(self, group: _Group, index: int, choice: _Choice, finish_reason: str) -> RequestMetrics:
         metrics = _request_metrics(group, choice)

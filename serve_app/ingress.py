@@ -108,7 +108,7 @@ class _Turn:
             before = stream.num_tokens
             out = stream.feed(chunk.token_ids)  # chat: delta dicts; completions: text
             consumed = self._consumed(chunk, stream, before)
-            reason = self._check_reason(chunk.finish_reason)
+            reason = self._check_reason(chunk)
             if reason is not None or stream.is_stopped:
                 out += stream.finish(reason)
                 self.finished[i] = True
@@ -118,9 +118,10 @@ class _Turn:
                 return
 
     @staticmethod
-    def _check_reason(reason: str | None) -> str | None:
+    def _check_reason(chunk: GenerateChunk) -> str | None:
+        reason = chunk.finish_reason
         if reason in ("abort", "error"):
-            raise server_error(f"the engine ended the request ({reason})")
+            raise server_error(f"the engine ended the request ({chunk.error or reason})")
         return reason
 
     def usage(self, reasoning: int = 0) -> dict:

@@ -56,11 +56,12 @@ class GenerateChunk:
     choice_index: int
     token_ids: list[int]
     logprobs: list[TokenLogprob | None]
-    finish_reason: str | None  # "stop" | "length" | "abort" on the choice's last chunk
+    finish_reason: str | None  # "stop" | "length" | "abort" | "error" on the choice's last chunk
     num_prompt_tokens: int
     num_cached_tokens: int  # prompt tokens served from the prefix cache
     num_output_tokens: int  # this choice's tokens so far
     metrics: RequestMetrics | None = None  # on the last chunk
+    error: str | None = None  # finish_reason "error": what failed
 
 
 @dataclass(frozen=True, slots=True)

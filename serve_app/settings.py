@@ -14,7 +14,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, fields
 from typing import Literal
 
-from engine.core.engine import RUNNER_KINDS, EngineConfig, RunnerKind
+from engine.core.engine_config import RUNNER_KINDS, EngineConfig, RunnerKind
 
 DEFAULT_MODEL_NAME = "deepseek-v4.1-flash"
 _DEFAULT_ENGINE = EngineConfig()

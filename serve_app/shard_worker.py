@@ -1,7 +1,7 @@
 """The model's process: a Ray actor that owns one shard's weights and paged KV pools on its device, and
 the engine-side `Executor` that sends it each step's plan.
 
-Only plain data crosses: a picklable `StepPlan` in, `StepLogits` with CPU tensors out. The actor is
+Only plain data crosses: a picklable `StepPlan` in, a `StepOutput` (token ids; CPU tensors for kept logits) out. The actor is
 owned by the replica that made it, so it dies with the replica (and the replica's health check fails
 when the actor dies first).
 """
@@ -18,11 +18,11 @@ import torch
 
 from engine.core import kv_blocks
 from engine.core.cache_manager import CacheLayout
-from engine.core.engine import RunnerKind, kernels_for
+from engine.core.engine_config import RunnerKind, kernels_for
 from engine.core.kv_cache import PagedKVCache
 from engine.core.plan import StepPlan
 from engine.core.runner import ModelRunner
-from engine.core.step_rows import StepLogits
+from engine.core.step_rows import StepOutput
 from engine.load import load_model
 from serve_app.settings import ServeSettings
 
@@ -51,10 +51,11 @@ class ShardWorker:
         """Bytes of the paged KV pools."""
         return self.kv.nbytes
 
-    def execute(self, plan: StepPlan) -> StepLogits:
-        """One step; the logits come back on the CPU so nothing device-bound crosses the process boundary."""
+    def execute(self, plan: StepPlan) -> StepOutput:
+        """One step: its drawn token ids (sampled beside the model); kept logits come back on the CPU so
+        nothing device-bound crosses the process boundary."""
         out = self.runner.execute(plan)
-        return StepLogits(out.sample.cpu(), {i: (first, rows.cpu()) for i, (first, rows) in out.rows.items()})
+        return StepOutput(out.sample, {i: (first, rows.cpu()) for i, (first, rows) in out.rows.items()})
 
     def read_blocks(self, block_ids: list[int]) -> np.ndarray:
         """Global blocks' flat records on the host, uint8 [n, block_bytes] (engine/core/kv_blocks.py)."""
@@ -83,12 +84,14 @@ class ShardExecutor:
     def __init__(self, actors: list[ray.actor.ActorHandle]):
         assert len(actors) == 1, "one shard per replica until the model has tensor/expert parallelism"
         self.actors = actors
-        self.failure: BaseException | None = None  # the first step failure (e.g. the actor died)
+        self.failure: BaseException | None = None  # the first shard death: the replica cannot recover from it
 
-    def execute(self, plan: StepPlan) -> StepLogits:
+    def execute(self, plan: StepPlan) -> StepOutput:
+        """A step that raises inside the actor fails only that step's requests (LLMEngine); a dead actor
+        also marks this executor failed, so the replica's health check fails and Serve replaces it."""
         try:
             return ray.get(self.actors[0].execute.remote(plan))
-        except BaseException as e:
+        except ray.exceptions.RayActorError as e:
             self.failure = self.failure or e
             raise
 
@@ -101,7 +104,7 @@ class ShardExecutor:
     async def check(self, timeout_s: float) -> None:
         """Raises if a shard actor is dead or does not answer within timeout_s (also if a step has failed)."""
         if self.failure is not None:
-            raise RuntimeError(f"a model step failed: {self.failure!r}") from self.failure
+            raise RuntimeError(f"a shard actor died: {self.failure!r}") from self.failure
         await asyncio.wait_for(asyncio.gather(*(a.ready.remote() for a in self.actors)), timeout_s)
 
     async def info(self) -> list[dict[str, object]]:

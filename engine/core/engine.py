@@ -20,14 +20,16 @@ import torch
 from engine.config import ModelConfig
 from engine.core import kv_blocks
 from engine.core.cache_manager import CacheLayout, KVCacheManager
+from engine.core.engine_config import DecodeOptions, EngineConfig, decode_options
+from engine.core.engine_config import RUNNER_KINDS, RunnerKind, kernels_for  # noqa: F401 -- re-exported
 from engine.core.kv_blocks import ExportedPrefix, PrefixImportError
 from engine.core.kv_cache import PagedKVCache, size_layout
-from engine.core.plan import StepPlan, plan_step
+from engine.core.plan import SampleSpec, StepPlan, plan_step
 from engine.core.prefix_hash import fingerprint
 from engine.core.request import FinishReason, Request, RequestStats, TokenLogprob
 from engine.core.runner import ModelRunner
-from engine.core.step_rows import StepLogits
-from engine.core.sampler import SampleRow, sample
+from engine.core.sampler import SampleOutput
+from engine.core.step_rows import StepOutput
 from engine.core.sampling_params import SamplingError, SamplingParams
 from engine.core.scheduler import Scheduler, SchedulerConfig
 from engine.model.transformer import Transformer
@@ -37,31 +39,6 @@ _SEED_STEP = 0x9E3779B97F4A7C15
 
 class RequestError(ValueError):
     """A request the engine cannot take (the message names what is wrong); nothing was queued."""
-
-
-RunnerKind = Literal["auto", "kernels", "golden"]
-RUNNER_KINDS: tuple[str, ...] = ("auto", "kernels", "golden")
-
-
-def kernels_for(runner: RunnerKind) -> bool | None:
-    """EngineConfig.runner -> ModelRunner's `kernels` argument (None: chosen by the model's device)."""
-    assert runner in RUNNER_KINDS, f"runner must be one of {RUNNER_KINDS}, got {runner!r}"
-    return None if runner == "auto" else runner == "kernels"
-
-
-@dataclass(frozen=True, slots=True)
-class EngineConfig:
-    max_num_seqs: int = 16
-    max_num_batched_tokens: int = 512
-    max_chunk_tokens: int | None = None
-    bounded_replay: bool = True
-    enable_prefix_caching: bool = True
-    cache_memory_bytes: int = 256 << 20
-    max_snapshots: int = 8
-    global_block_size: int = 64
-    swa_block_size: int = 16
-    max_model_len: int | None = None  # None: the model's max_position_embeddings
-    runner: RunnerKind = "auto"  # auto: the kernels on CUDA, the golden modules on CPU (engine/core/runner.py)
 
 
 @dataclass(slots=True)
@@ -79,6 +56,7 @@ class RequestOutput:
     finish_reason: FinishReason | None = None
     stats: RequestStats | None = None
     logits: tuple[int, torch.Tensor] | None = None  # keep_logits: (first position, fp32 [rows, vocab] on CPU)
+    error: str | None = None  # finish_reason ERROR: what failed (for the log and the client's error body)
 
 
 @dataclass(slots=True)
@@ -89,12 +67,13 @@ class EngineStats:
     num_preemptions: int = 0
     num_imported_tokens: int = 0  # positions whose global KV import_prefix wrote (another replica's blocks)
     busy_time: float = 0.0  # seconds inside executor.execute
+    num_failed_steps: int = 0  # steps whose execute raised (their requests ended with ERROR)
 
 
 class Executor(Protocol):
-    """Runs one step's plan on the model and returns its logits (in-process, or a Ray shard actor)."""
+    """Runs one step's plan on the model and returns its tokens (in-process, or a Ray shard actor)."""
 
-    def execute(self, plan: StepPlan) -> StepLogits: ...
+    def execute(self, plan: StepPlan) -> StepOutput: ...
 
     def read_blocks(self, block_ids: list[int]) -> np.ndarray:
         """Global blocks' flat records, uint8 [n, block_bytes] (engine/core/kv_blocks.py)."""
@@ -104,13 +83,16 @@ class Executor(Protocol):
 
 
 class LocalExecutor:
-    """The model and its paged pools in this process."""
+    """The model and its paged pools in this process. With decode options on the kernel path, decode steps
+    run on device buffers, and on CUDA their graphs are captured here (progress: a bar and a summary line)."""
 
-    def __init__(self, model: Transformer, layout: CacheLayout, kernels: bool | None = None):
+    def __init__(self, model: Transformer, layout: CacheLayout, kernels: bool | None = None,
+                 decode: DecodeOptions | None = None, progress: bool = False):
         self.kv = PagedKVCache(model.cfg, layout, model.embed.weight.device)
-        self.runner = ModelRunner(model, self.kv, kernels)
+        self.runner = ModelRunner(model, self.kv, kernels, decode)
+        self.capture = capture_decode_graphs(self.runner, progress)
 
-    def execute(self, plan: StepPlan) -> StepLogits:
+    def execute(self, plan: StepPlan) -> StepOutput:
         return self.runner.execute(plan)
 
     def read_blocks(self, block_ids: list[int]) -> np.ndarray:
@@ -118,6 +100,19 @@ class LocalExecutor:
 
     def write_blocks(self, block_ids: list[int], data: np.ndarray) -> None:
         kv_blocks.write_blocks(self.kv, block_ids, data)
+
+
+def capture_decode_graphs(runner: ModelRunner, progress: bool = False) -> dict[str, float] | None:
+    """Capture the runner's decode graphs (CUDA, graphs on); prints the capture's time and memory when progress.
+    Returns capture_decode's summary, None when nothing was captured."""
+    step = runner.decode
+    if step is None or step.device.type != "cuda" or not step.options.graphs:
+        return None
+    summary = step.capture(progress)
+    if progress:
+        print(f"captured {summary['graphs']:.0f} decode graphs in {summary['seconds']:.1f} s, "
+              f"{summary['bytes'] / 2**20:.0f} MiB", flush=True)
+    return summary
 
 
 def prefix_salt(cfg: ModelConfig, weights_identity: str, global_block_size: int) -> bytes:
@@ -153,10 +148,12 @@ class LLMEngine:
         self._rng = random.Random()
 
     @classmethod
-    def local(cls, model: Transformer, config: EngineConfig = EngineConfig(), **kw) -> "LLMEngine":
+    def local(cls, model: Transformer, config: EngineConfig = EngineConfig(), progress: bool = False,
+              **kw) -> "LLMEngine":
         """The engine and the model in this process."""
         kernels = kernels_for(config.runner)
-        return cls(model.cfg, config, lambda layout: LocalExecutor(model, layout, kernels), **kw)
+        decode = decode_options(config, model.cfg)
+        return cls(model.cfg, config, lambda layout: LocalExecutor(model, layout, kernels, decode, progress), **kw)
 
     @classmethod
     def from_checkpoint(cls, ckpt_dir: str | Path, config: EngineConfig = EngineConfig(), device: str = "cpu",
@@ -216,9 +213,12 @@ class LLMEngine:
         ended = [self._output(r, [], [], FinishReason.LENGTH) for r in out.cannot_grow]
         if not out.chunks:
             return ended
+        samples = self._sample_specs(out)
         t0 = time.monotonic()
-        step_logits = self.executor.execute(plan_step(out))
-        logits = step_logits.sample
+        try:
+            result = self.executor.execute(plan_step(out, samples))
+        except Exception as e:  # noqa: BLE001 -- ends this step's requests, never the engine
+            return ended + self._fail_step(out, e)
         elapsed = time.monotonic() - t0
         self.scheduler.advance(out)
         self.stats.num_steps += 1
@@ -229,14 +229,18 @@ class LLMEngine:
                 c.request.stats.prefill_time += elapsed
             else:
                 c.request.stats.decode_time += elapsed
-        rows, row_logits = [], []
-        for i, c in enumerate(c for c in out.chunks if c.sample):
-            for req in [c.request, *self._fork_siblings(c.request)]:
-                rows.append(req)
-                row_logits.append(i)
-        outputs = ended + self._append_tokens(rows, logits[row_logits] if rows else logits)
-        self.stats.num_sampled_tokens += len(rows)
-        for index, (first_pos, kept) in step_logits.rows.items():
+        reqs, picks, j = [], [], 0  # the requests that take a drawn token, and the index of their spec
+        for c in (c for c in out.chunks if c.sample):
+            siblings = {child.choice_index: child for child in self._fork_siblings(c.request)}
+            for choice in range(self._num_draws(c.request)):
+                req = c.request if choice == 0 else siblings.get(choice)  # None: not forked, computes its own
+                if req is not None:
+                    reqs.append(req)
+                    picks.append(j)
+                j += 1
+        outputs = ended + self._append_tokens(reqs, result.sample, picks)
+        self.stats.num_sampled_tokens += len(reqs)
+        for index, (first_pos, kept) in result.rows.items():
             self._keep_logits(out.chunks[index].request, first_pos, kept, outputs)
         return outputs
 
@@ -276,6 +280,26 @@ class LLMEngine:
         return len(targets) * self.cache.layout.global_block_size
 
     # ---- internals ----------------------------------------------------------------------------------
+    def _fail_step(self, out, error: Exception) -> list[RequestOutput]:
+        """A step that raised: every request it scheduled (and the n-1 siblings that wait on a first
+        choice's first token) ends with ERROR and gives back its cache; the engine steps on. An executor
+        that cannot recover (a dead shard) fails every later step the same way until the replica's health
+        check replaces it."""
+        self.stats.num_failed_steps += 1
+        message = f"the model step failed: {type(error).__name__}: {error}"
+        failed = []
+        for c in out.chunks:
+            req = c.request
+            if req.is_finished:
+                continue
+            self.scheduler.finish(req, FinishReason.ERROR)
+            failed.append(self._output(req, [], [], FinishReason.ERROR, message))
+            for sibling in range(1, req.params.n if req.choice_index == 0 and not req.output_ids else 1):
+                failed.append(RequestOutput(f"{req.request_id}/{sibling}", req.request_id, sibling, [], [],
+                                            len(req.prompt_ids), 0, True, FinishReason.ERROR, replace(req.stats),
+                                            error=message))
+        return failed
+
     def _new_request(self, rid: str, group: str, choice: int, prompt: list[int], params: SamplingParams, seed: int,
                      force_ids: list[int] | None) -> Request:
         req = Request(rid, prompt, params, seed, self.eos_token_id, self.max_model_len,
@@ -296,11 +320,9 @@ class LLMEngine:
 
     def _fork_siblings(self, parent: Request) -> list[Request]:
         """n > 1: when the first choice samples its first token, the others start from its prompt state."""
-        if parent.params.n == 1 or parent.choice_index != 0 or parent.output_ids:
-            return []
         forked = []
-        for i in range(1, parent.params.n):
-            seed = (parent.seed + i * _SEED_STEP) % 2**63
+        for i in range(1, self._num_draws(parent)):
+            seed = _sibling_seed(parent.seed, i)
             child = self._new_request(f"{parent.request_id}/{i}", parent.request_id, i, parent.prompt_ids,
                                       parent.params, seed, parent.force_ids)
             child.stats = replace(parent.stats, first_token_time=None)  # it shares the prompt's history
@@ -311,17 +333,35 @@ class LLMEngine:
                 self.scheduler.add(child)
         return forked
 
-    def _append_tokens(self, reqs: list[Request], logits: torch.Tensor) -> list[RequestOutput]:
-        if not reqs:
-            return []
-        sampled = sample(logits, [SampleRow(r.params, r.seed, len(r.output_ids)) for r in reqs])
-        outputs = []
-        for row, (req, token, lp) in enumerate(zip(reqs, sampled.token_ids, sampled.logprobs)):
+    @staticmethod
+    def _num_draws(req: Request) -> int:
+        """Tokens drawn from a sampled chunk's logits: n when the first choice of an n > 1 request draws its
+        first token (the other choices fork from its prompt state then), else 1."""
+        return req.params.n if req.choice_index == 0 and not req.output_ids else 1
+
+    def _sample_specs(self, out) -> list[SampleSpec]:
+        """What the step draws, in the order step() hands the tokens out: per sampled chunk its request,
+        then the n-1 choices forked from it (their seeds as _fork_siblings gives them)."""
+        specs = []
+        for row, c in enumerate(c for c in out.chunks if c.sample):
+            req = c.request
             n_out = len(req.output_ids)
-            if req.force_ids is not None and n_out < len(req.force_ids):
-                token = req.force_ids[n_out]
+            force = req.force_ids[n_out] if req.force_ids is not None and n_out < len(req.force_ids) else None
+            specs.append(SampleSpec(row, req.params, req.seed, n_out, force))
+            specs += [SampleSpec(row, req.params, _sibling_seed(req.seed, i), 0, force)
+                      for i in range(1, self._num_draws(req))]
+        return specs
+
+    def _append_tokens(self, reqs: list[Request], sampled: SampleOutput, picks: list[int]) -> list[RequestOutput]:
+        outputs = []
+        for req, j in zip(reqs, picks):
+            token, lp, error = sampled.token_ids[j], sampled.logprobs[j], sampled.errors[j]
+            if error is not None:
+                self.scheduler.finish(req, FinishReason.ERROR)
+                outputs.append(self._output(req, [], [], FinishReason.ERROR, error))
+                continue
             req.output_ids.append(token)
-            new_lp = None if lp is None else TokenLogprob(token, _logprob_of(lp, token, logits, row), lp.top)
+            new_lp = None if lp is None else TokenLogprob(token, lp.logprob, lp.top)
             req.logprobs.append(new_lp)
             if req.stats.first_token_time is None:
                 req.stats.first_token_time = time.monotonic()
@@ -332,15 +372,15 @@ class LLMEngine:
             outputs.append(self._output(req, [token], [new_lp], reason))
         return outputs
 
-    def _output(self, req: Request, tokens: list[int], logprobs: list, reason: FinishReason | None) -> RequestOutput:
+    def _output(self, req: Request, tokens: list[int], logprobs: list, reason: FinishReason | None,
+                error: str | None = None) -> RequestOutput:
         if reason is not None:
             self.requests.pop(req.request_id, None)
         return RequestOutput(req.request_id, req.fork_of or req.request_id, req.choice_index, tokens, logprobs,
-                             len(req.prompt_ids), len(req.output_ids), reason is not None, reason, replace(req.stats))
+                             len(req.prompt_ids), len(req.output_ids), reason is not None, reason, replace(req.stats),
+                             error=error)
 
 
-def _logprob_of(lp, token: int, logits: torch.Tensor, row: int) -> float:
-    """The sampler's logprob is the sampled token's; a teacher-forced token needs its own."""
-    if token == lp.token_id:
-        return lp.logprob
-    return float(torch.log_softmax(logits[row].double(), dim=-1)[token])
+def _sibling_seed(seed: int, choice: int) -> int:
+    """Choice `choice` of an n > 1 request: its own seed, derived from the request's."""
+    return (seed + choice * _SEED_STEP) % 2**63

@@ -121,7 +121,7 @@ class Step:
     chunks: list[ChunkPlan]
     segs: list[Segment]
     dec_segs: list[Segment]
-    keep: Tensor  # long: stream rows the decoder keeps
+    keep: Tensor | None  # long: stream rows the decoder keeps (None: every row, as in a decode step)
     hashes: Tensor | None  # long [T, engram layers, cols] (host-computed)
     shared: list[Shared]
     meta: dict[tuple, AttnMeta] = field(default_factory=dict)
@@ -164,21 +164,38 @@ class KernelRunner:
         self._no_main = torch.empty(0, self.cfg.main_kv_entry_bytes, dtype=torch.uint8, device=self.device)
 
     # ---- one step ---------------------------------------------------------------------------------------------
+    def reserve_positions(self, num_positions: int) -> None:
+        """Build the RoPE tables for positions up to num_positions (e.g. max_model_len) when first used, so they
+        never grow later (a growth syncs the host: not inside a CUDA graph)."""
+        self._max_pos = max(self._max_pos, num_positions)
+
     @torch.inference_mode()
     def execute(self, out: StepPlan) -> StepLogits:
         self.kv.apply(out.copies)
-        model, cfg, chunks = self.model, self.cfg, out.chunks
+        cfg, chunks = self.cfg, out.chunks
         if not chunks:
             return no_logits(cfg.vocab_size, self.device)
         step = self.prepare(out)
         ids = torch.tensor([t for c in chunks for t in c.token_ids], dtype=torch.long, device=self.device)
+        h, pre_mix = self.run_layers(ids, step, None if step.hashes is None else step.hashes.to(self.device))
+        head = head_rows(chunks, step.dec_segs if cfg.ced_cut < cfg.n_layers else step.segs)
+        if not head.picks:
+            return no_logits(cfg.vocab_size, self.device)
+        sel = torch.tensor(head.picks, device=self.device)
+        return split_logits(self.head(h[sel], pre_mix[sel]), head)
+
+    def run_layers(self, ids: Tensor, step: Step, hashes: Tensor | None) -> tuple[Tensor, Tensor]:
+        """The embedding and every layer over the stream ids [T] (device work only, given `step`'s metadata):
+        -> (h [T', hc, D], pre_mix fp32 [T', hc]) of the rows the last layer keeps. hashes: the Engram hash ids
+        [T, layers, cols] on the device (None without Engram)."""
+        model, cfg = self.model, self.cfg
         h = F.embedding(ids, model.embed.weight).unsqueeze(1).repeat(1, cfg.hc_mult, 1)  # [T, hc, D]
         pre_mix = torch.zeros(ids.numel(), cfg.hc_mult, dtype=torch.float32, device=self.device)
         pre_mix[:, 0] = 1.0  # the first collapse takes copy 0
         prefetch, kept_rows = None, None  # Engram rows of every layer, gathered while layers run
-        if step.hashes is not None:
+        if hashes is not None:
             prefetch = self._engram_prefetch()
-            prefetch.launch(step.hashes.to(self.device).contiguous())
+            prefetch.launch(hashes.contiguous())
         for i, layer in enumerate(model.layers):
             if layer.engram is not None:
                 rows = prefetch.wait(layer.role.engram_index)
@@ -187,13 +204,12 @@ class KernelRunner:
             h, pre_mix = self.layer_forward(layer, h, pre_mix, step, phase)
             if phase.keep is not None:
                 kept_rows = phase.keep
-        head = head_rows(chunks, step.dec_segs if cfg.ced_cut < cfg.n_layers else step.segs)
-        if not head.picks:
-            return no_logits(cfg.vocab_size, self.device)
-        sel = torch.tensor(head.picks, device=self.device)
-        logits = mm_fp32(OPS.hc_pre_norm(h[sel], pre_mix[sel], model.norm.weight, model.norm.eps),
-                         model.head.weight)  # fp32 [picks, V]
-        return split_logits(logits, head)
+        return h, pre_mix
+
+    def head(self, h: Tensor, pre_mix: Tensor) -> Tensor:
+        """The final collapse + norm and the head: h [N, hc, D] -> fp32 logits [N, V]."""
+        model = self.model
+        return mm_fp32(OPS.hc_pre_norm(h, pre_mix, model.norm.weight, model.norm.eps), model.head.weight)
 
     def _engram_prefetch(self) -> EngramPrefetch:
         if self._prefetch is None:
@@ -228,8 +244,7 @@ class KernelRunner:
         # slowed that GEMV 7 -> 14-18 us (a single-wave grid ends with its slowest SM), and every layer was 3-13 us
         # slower at T = 1. The FFN's position did not matter (before the gate, after the plan or after the experts'
         # up launch: equal; after the route: ~18 us slower; H200, benchmarks/RESULTS.md, seventh pass). Only there:
-        # the Triton mixes share fp8_linear's split-K tickets, which the attention's Triton GEMMs use; the CUDA
-        # mixes have their own, and both calls are on the one side stream.
+        # the CUDA mixes share one ticket buffer, and both calls are on the one side stream.
         beside = mixes_cuda_applies(resid, c.hc_mult)
 
         def mixes(stream: Tensor, fn: Tensor, scale: Tensor, base: Tensor) -> tuple[Tensor, Tensor, Tensor]:

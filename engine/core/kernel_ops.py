@@ -20,6 +20,7 @@ from engine.kernels.engram_gate import engram_gate
 from engine.kernels.engram_gather import HostEngramTable, engram_gather
 from engine.kernels.fp8_linear import fp8_linear
 from engine.kernels.indexer import index_scores
+from engine.kernels.indexer import index_scores_batched
 from engine.kernels.indexer_cuda import MAX_M as SCAN_MAX_M
 from engine.kernels.indexer_cuda import index_scores_cuda, scan_applies
 from engine.kernels.mhc import hc_mixes, hc_post, hc_pre_norm
@@ -113,9 +114,15 @@ def rms_norm_rows(x: Tensor, w: Tensor, eps: float) -> Tensor:
     return rms_norm(x.contiguous(), w, eps)
 
 
-def index_scores_rows(q: Tensor, w: Tensor, key_pool: Tensor, slots: Tensor, visible: Tensor) -> Tensor:
+def index_scores_any(q: Tensor, w: Tensor, key_pool: Tensor, slots: Tensor, visible: Tensor) -> Tensor:
     """index_scores over any number of queries: the CUDA scan (engine.kernels.indexer_cuda) 8 queries at a time
-    where it applies (sm_90 with nvcc, the real head shape), else the Triton kernel 16 at a time."""
+    where it applies (sm_90 with nvcc, the real head shape), else the Triton kernel 16 at a time. slots [B, T]:
+    row b's own entries (the batched decode step: one query per request), the Triton rows kernel; one row
+    takes the one-request path (the CUDA scan where it applies)."""
+    if slots.dim() == 2:
+        if slots.size(0) != 1:
+            return index_scores_batched(q, w, key_pool, slots, visible)
+        slots = slots[0]
     n = SCAN_MAX_M
     if scan_applies(q[:n], w[:n], key_pool, slots, visible[:n]):
         fn = index_scores_cuda
@@ -142,10 +149,10 @@ class OpTable:
     store_main_kv: Callable  # (pool, slots [G], latent [G, hd] pre-RoPE, positions [G], RopeTable): RoPE, NVFP4
     store_index_keys: Callable  # (keys [G, ihd] pre-norm, norm_w, eps, positions, RopeTable, pool, slots): MXFP4
     compress_ratio2: Callable  # engine.kernels.compressor.compress_ratio2's signature
-    index_scores: Callable  # (q bf16 [M, H, D], w bf16 [M, H], key_pool, slots [T], visible [M]) -> bf16 [M, T]
+    index_scores: Callable  # (q bf16 [M, H, D], w bf16 [M, H], key_pool, slots [T] or [M, T], visible [M]) -> [M, T]
     candidate_blocks: Callable  # (score [M, T], visible [M], topk_blocks, block) -> bool [M, T]
     index_topk: Callable  # (score bf16 [M, T], k) -> int32 [M, min(k, T)] entry ids, -1 = none
-    topk_slots: Callable  # (ids [m, K], entries int32 [E], out int32 [m, W]): out = entries[ids], -1 = none
+    topk_slots: Callable  # (ids [m, K], entries int32 [E] or [m, E], out int32 [m, W]): out = entries[ids], -1 = none
     sparse_attn: Callable  # sparse_attn_paged's signature
     moe: Callable  # (x bf16 [T, D], moe: MoE) -> bf16 [T, D]
     engram: Callable  # (eng, h [N, hc, D], rows bf16 [N, cols, ehd] from engram_gather) -> [N, hc, D]
@@ -163,7 +170,7 @@ OPS = OpTable(
     store_main_kv=cache_store.store_main_kv,
     store_index_keys=cache_store.store_index_k_fused,
     compress_ratio2=compress_ratio2,
-    index_scores=index_scores_rows,
+    index_scores=index_scores_any,
     candidate_blocks=candidate_blocks,
     index_topk=index_topk,
     topk_slots=entry_slots,
@@ -175,7 +182,7 @@ OPS = OpTable(
 
 def op_backends() -> dict[str, str]:
     """op name -> "kernel" (Triton kernels of engine.kernels, with torch glue at most) or "torch"."""
-    kernels = {index_scores_rows, rms_norm_rows, moe_kernels, engram_mix}
+    kernels = {index_scores_any, rms_norm_rows, moe_kernels, engram_mix}
 
     def kind(fn) -> str:
         mod = fn.__module__

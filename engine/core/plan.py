@@ -1,11 +1,13 @@
 """What the runner needs for one step, as plain data (no torch, picklable): the model process may be
-another Ray actor, so it gets block tables and token ids, never the scheduler's request records."""
+another Ray actor, so it gets block tables, token ids and what to sample, never the scheduler's request
+records; it returns token ids (engine/core/step_rows.py: StepOutput), not logits."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
 from engine.core.cache_manager import CopyOp
+from engine.core.sampling_params import SamplingParams
 from engine.core.scheduler import SchedulerOutput
 
 ENGRAM_LOOKBACK = 3  # ids before a chunk that Engram's n-grams can reach (max_ngram_size - 1 <= 3 here)
@@ -28,13 +30,26 @@ class ChunkPlan:
     decoder_floor: int  # window floor of decoder-layer queries
 
 
+@dataclass(frozen=True, slots=True)
+class SampleSpec:
+    """One token the step draws: from the logits of sampled chunk `row` (chunks with sample=True, in order;
+    several specs share a row when an n > 1 request draws its choices' first tokens)."""
+
+    row: int
+    params: SamplingParams
+    seed: int  # the choice's effective seed
+    step: int  # index of the token within the choice's output (0 = first output token)
+    force_id: int | None = None  # teacher forcing: this token is taken (its logprob reported) whatever is drawn
+
+
 @dataclass(slots=True)
 class StepPlan:
     chunks: list[ChunkPlan] = field(default_factory=list)
     copies: list[CopyOp] = field(default_factory=list)
+    samples: list[SampleSpec] = field(default_factory=list)
 
 
-def plan_step(out: SchedulerOutput, lookback: int = ENGRAM_LOOKBACK) -> StepPlan:
+def plan_step(out: SchedulerOutput, samples: list[SampleSpec] | None = None, lookback: int = ENGRAM_LOOKBACK) -> StepPlan:
     chunks = []
     for c in out.chunks:
         r = c.request
@@ -42,4 +57,4 @@ def plan_step(out: SchedulerOutput, lookback: int = ENGRAM_LOOKBACK) -> StepPlan
                                 r.ids_between(max(0, c.start - lookback), c.start), c.sample,
                                 r.keep_logits, list(r.global_blocks), dict(r.swa_blocks), r.pending_slot, r.global_from,
                                 r.swa_floor, r.decoder_from, r.decoder_floor))
-    return StepPlan(chunks, list(out.copies))
+    return StepPlan(chunks, list(out.copies), samples or [])

@@ -24,6 +24,7 @@ class FinishReason(str, enum.Enum):
     STOP = "stop"  # EOS or a stop token
     LENGTH = "length"  # max_tokens or the context window
     ABORT = "abort"
+    ERROR = "error"  # this request failed (non-finite logits, or a step that raised): nothing else did
 
 
 @dataclass(slots=True)

@@ -13,17 +13,22 @@ plan and logits, with Triton kernels and fp32 torch ops reading the paged pools 
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 
 from engine.core.kv_cache import PagedKVCache
 from engine.core.plan import ChunkPlan, StepPlan
-from engine.core.step_rows import (Segment, StepLogits, decoder_rows, engram_hashes, head_rows, no_logits, segments,
-                                   split_logits)
+from engine.core.step_rows import (Segment, StepLogits, StepOutput, decoder_rows, engram_hashes, head_rows, no_logits,
+                                   sample_step, segments, split_logits)
 from engine.kernels import paged
 from engine.model.attention import Attention, sparse_attn, window_indices
 from engine.model.cache import SourceCache, StepShared
 from engine.model.mhc import hc_pre, identity_pre_mix
 from engine.model.transformer import Transformer
+
+if TYPE_CHECKING:
+    from engine.core.engine_config import DecodeOptions
 
 
 class ModelRunner:
@@ -31,20 +36,37 @@ class ModelRunner:
     on the device), False the golden modules (float64, exact); None (default) picks the kernels when
     the model is on CUDA. Both take the same plan and return the same logits, up to fp32 rounding."""
 
-    def __init__(self, model: Transformer, kv: PagedKVCache, kernels: bool | None = None):
+    def __init__(self, model: Transformer, kv: PagedKVCache, kernels: bool | None = None,
+                 decode: "DecodeOptions | None" = None):
         self.model, self.kv, self.cfg = model, kv, model.cfg
         self.device = model.embed.weight.device
         self.kernels = self.device.type == "cuda" if kernels is None else kernels
         self._kernel_path = None
+        self.decode = None  # the kernel path's decode step on device buffers (engine/core/decode_step.py)
         if self.kernels:
             from engine.core.kernel_layers import KernelRunner  # imports Triton: only on the kernel path
 
             self._kernel_path = KernelRunner(model, kv)
+            if decode is not None:
+                from engine.core.decode_step import DecodeStep
+
+                self._kernel_path.reserve_positions(decode.max_model_len)
+                self.decode = DecodeStep(self._kernel_path, decode)
 
     @torch.inference_mode()
-    def execute(self, out: StepPlan) -> "StepLogits":
-        """Runs one step: logits of the sampled chunks' last positions, and of every decoder row of
-        chunks whose request keeps its logits."""
+    def execute(self, plan: StepPlan) -> StepOutput:
+        """Runs one step and draws its tokens beside the model (plan.samples); the chunks that keep their
+        logits get them too. A decode step on the kernel path runs on device buffers (its CUDA graphs when
+        captured) and draws there."""
+        if self.decode is not None and self.decode.takes(plan):
+            self.kv.apply(plan.copies)
+            return self.decode.execute(plan)
+        return sample_step(plan, self.forward(plan))
+
+    @torch.inference_mode()
+    def forward(self, out: StepPlan) -> StepLogits:
+        """Runs one step's model forward: logits of the sampled chunks' last positions, and of every decoder
+        row of chunks whose request keeps its logits."""
         if self._kernel_path is not None:
             return self._kernel_path.execute(out)
         self.kv.apply(out.copies)

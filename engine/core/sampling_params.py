@@ -11,7 +11,9 @@ class SamplingError(ValueError):
 
 @dataclass(frozen=True, slots=True)
 class SamplingParams:
-    """temperature 0 is greedy (top_p/top_k/min_p are then ignored). top_k 0 means off.
+    """temperature 0 is greedy (top_p/top_k/min_p are then ignored); so is any temperature below
+    MIN_TEMPERATURE (dividing the logits by it overflows fp32 towards inf, and such a temperature puts
+    almost all the mass on the argmax; vLLM's _SAMPLING_EPS is the same floor). top_k 0 means off.
     `seed` makes sampling reproducible whatever else shares the batch; None draws one at admission.
     `logprobs` None returns none; k >= 0 returns the sampled token's logprob plus the k most likely."""
 
@@ -27,6 +29,7 @@ class SamplingParams:
     ignore_eos: bool = False
 
     MAX_LOGPROBS = 20
+    MIN_TEMPERATURE = 1e-5
 
     def validate(self) -> "SamplingParams":
         def need(ok: bool, name: str, what: str) -> None:
@@ -49,7 +52,7 @@ class SamplingParams:
 
     @property
     def is_greedy(self) -> bool:
-        return self.temperature == 0.0
+        return self.temperature < self.MIN_TEMPERATURE
 
 
 def _is_number(v: object) -> bool:

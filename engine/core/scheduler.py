@@ -121,9 +121,11 @@ class Scheduler:
             self.cache.register_full_blocks(c.request)
 
     def finish(self, req: Request, reason: FinishReason) -> None:
-        """A running request ends: its state becomes a snapshot for the next turn (released on abort)."""
+        """A running request ends: its state becomes a snapshot for the next turn (released on abort or
+        error: a failed request's last KV may be half written, so nothing of it is kept but the blocks that
+        were full and registered before)."""
         self.running.remove(req)
-        if reason is FinishReason.ABORT:
+        if reason in (FinishReason.ABORT, FinishReason.ERROR):
             self.cache.release(req)
         else:
             self.cache.retain(req)

@@ -8,7 +8,8 @@ from dataclasses import dataclass
 
 import torch
 
-from engine.core.plan import ENGRAM_LOOKBACK, ChunkPlan
+from engine.core.plan import ENGRAM_LOOKBACK, ChunkPlan, StepPlan
+from engine.core.sampler import SampleOutput, sample_specs
 from engine.engram_tables import EngramTables, hash_ngrams, initial_history, next_history
 
 
@@ -30,6 +31,15 @@ class Segment:
 class StepLogits:
     sample: torch.Tensor  # fp32 [num sampled chunks, vocab], chunk order: position end-1 of each
     rows: dict[int, tuple[int, torch.Tensor]]  # chunk index -> (first position, fp32 [rows, vocab])
+
+
+@dataclass(slots=True)
+class StepOutput:
+    """What a step returns to the engine: one token per plan.samples entry (engine/core/sampler.py), and
+    the logits of the chunks that keep theirs (chunk index -> (first position, fp32 [rows, vocab]))."""
+
+    sample: SampleOutput
+    rows: dict[int, tuple[int, torch.Tensor]]
 
 
 @dataclass(slots=True)
@@ -102,3 +112,8 @@ def split_logits(logits: torch.Tensor, head: HeadRows) -> StepLogits:
 
 def no_logits(vocab_size: int, device: torch.device) -> StepLogits:
     return StepLogits(torch.empty(0, vocab_size, device=device), {})
+
+
+def sample_step(plan: StepPlan, logits: StepLogits) -> StepOutput:
+    """The step's tokens drawn beside the model from its sampled rows (the kept rows pass through)."""
+    return StepOutput(sample_specs(logits.sample, plan.samples), logits.rows)

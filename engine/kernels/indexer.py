@@ -41,10 +41,31 @@ from engine.kernels.sparse_attention import _e2m1_to_fp32, _round_bf16
 
 
 @triton.jit
+def _tile_scores(q, w, pool_ptr, slot, t_ok, D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_H: tl.constexpr,
+                 BLOCK_T: tl.constexpr, DOT_F32: tl.constexpr):
+    """Scores [BLOCK_M, BLOCK_T] of the queries q [BLOCK_M * BLOCK_H, D] (head weights w [BLOCK_M * BLOCK_H] fp32)
+    against the records at slot [BLOCK_T] (t_ok: which to read), before the visibility mask."""
+    REC: tl.constexpr = D // 2 + D // 32
+    rec = slot.to(tl.int64) * REC
+    b = tl.load(pool_ptr + rec[:, None] + tl.arange(0, D // 2)[None, :], mask=t_ok[:, None], other=0)
+    b = b.to(tl.int32)
+    code = tl.interleave(b & 15, b >> 4)  # [BT, D]: even element in the low nibble
+    s = tl.load(pool_ptr + rec[:, None] + D // 2 + tl.arange(0, D // 32)[None, :], mask=t_ok[:, None],
+                other=0).to(tl.int32)
+    k = tl.reshape(_e2m1_to_fp32(code), (BLOCK_T, D // 32, 32)) * (s << 23).to(tl.float32, bitcast=True)[:, :, None]
+    k = tl.reshape(k, (BLOCK_T, D))
+    if DOT_F32:
+        sh = tl.dot(q, tl.trans(k), input_precision="ieee")  # [MH, BT]
+    else:
+        sh = tl.dot(q, tl.trans(k.to(tl.bfloat16)))
+    p = _round_bf16(_round_bf16(tl.maximum(_round_bf16(sh), 0.0)) * w[:, None])  # bf16(relu(bf16 s) * w)
+    return _round_bf16(tl.sum(tl.reshape(p, (BLOCK_M, BLOCK_H, BLOCK_T)), axis=1))  # [BM, BT]
+
+
+@triton.jit
 def _index_scores_kernel(q_ptr, w_ptr, pool_ptr, slot_ptr, vis_ptr, out_ptr, M, H, T, num_tiles,
                          D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_T: tl.constexpr,
                          DOT_F32: tl.constexpr):
-    REC: tl.constexpr = D // 2 + D // 32
     MH: tl.constexpr = BLOCK_M * BLOCK_H
     rows = tl.arange(0, MH)
     m_of, h_of = rows // BLOCK_H, rows % BLOCK_H
@@ -61,25 +82,37 @@ def _index_scores_kernel(q_ptr, w_ptr, pool_ptr, slot_ptr, vis_ptr, out_ptr, M, 
     for tile in range(tl.program_id(0), num_tiles, tl.num_programs(0)):
         t = tile * BLOCK_T + tl.arange(0, BLOCK_T)
         t_ok = t < T
-        rec = slot_next.to(tl.int64) * REC
+        slot = slot_next
         t_next = t + tl.num_programs(0) * BLOCK_T  # prefetch the next tile's slots: one round trip per tile
         slot_next = tl.load(slot_ptr + t_next, mask=t_next < T, other=0)
-        b = tl.load(pool_ptr + rec[:, None] + tl.arange(0, D // 2)[None, :], mask=t_ok[:, None], other=0)
-        b = b.to(tl.int32)
-        code = tl.interleave(b & 15, b >> 4)  # [BT, D]: even element in the low nibble
-        s = tl.load(pool_ptr + rec[:, None] + D // 2 + tl.arange(0, D // 32)[None, :], mask=t_ok[:, None],
-                    other=0).to(tl.int32)
-        k = tl.reshape(_e2m1_to_fp32(code), (BLOCK_T, D // 32, 32)) * (s << 23).to(tl.float32, bitcast=True)[:, :, None]
-        k = tl.reshape(k, (BLOCK_T, D))
-        if DOT_F32:
-            sh = tl.dot(q, tl.trans(k), input_precision="ieee")  # [MH, BT]
-        else:
-            sh = tl.dot(q, tl.trans(k.to(tl.bfloat16)))
-        p = _round_bf16(_round_bf16(tl.maximum(_round_bf16(sh), 0.0)) * w[:, None])  # bf16(relu(bf16 s) * w)
-        score = _round_bf16(tl.sum(tl.reshape(p, (BLOCK_M, BLOCK_H, BLOCK_T)), axis=1))  # [BM, BT]
+        score = _tile_scores(q, w, pool_ptr, slot, t_ok, D, BLOCK_M, BLOCK_H, BLOCK_T, DOT_F32)
         score = tl.where(t[None, :] < vis[:, None], score, float("-inf"))
         tl.store(out_ptr + mm[:, None] * T + t[None, :], score.to(out_ptr.dtype.element_ty),
                  mask=(mm[:, None] < M) & t_ok[None, :])
+
+
+@triton.jit
+def _index_scores_batched_kernel(q_ptr, w_ptr, pool_ptr, ent_ptr, vis_ptr, out_ptr, H, T,
+                              D: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_T: tl.constexpr, DOT_F32: tl.constexpr):
+    """Program (tile, row): one query row against its own entries ent[row, :]; tiles past the row's visible
+    entries only write -inf (no record is read)."""
+    row = tl.program_id(1).to(tl.int64)
+    t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+    vis = tl.load(vis_ptr + row)
+    out = out_ptr + row * T + t
+    if tl.program_id(0) * BLOCK_T < vis:
+        h = tl.arange(0, BLOCK_H)
+        h_ok = h < H
+        q = tl.load(q_ptr + (row * H + h)[:, None] * D + tl.arange(0, D)[None, :], mask=h_ok[:, None], other=0.0)
+        if DOT_F32:
+            q = q.to(tl.float32)
+        w = tl.load(w_ptr + row * H + h, mask=h_ok, other=0.0).to(tl.float32)
+        t_ok = t < vis
+        slot = tl.load(ent_ptr + row * T + t, mask=t_ok, other=0)
+        score = tl.reshape(_tile_scores(q, w, pool_ptr, slot, t_ok, D, 1, BLOCK_H, BLOCK_T, DOT_F32), (BLOCK_T,))
+        tl.store(out, tl.where(t_ok, score, float("-inf")).to(out_ptr.dtype.element_ty), mask=t < T)
+    else:
+        tl.store(out, tl.full((BLOCK_T,), float("-inf"), tl.float32).to(out_ptr.dtype.element_ty), mask=t < T)
 
 
 def index_scores(q: Tensor, w: Tensor, key_pool: Tensor, slots: Tensor, visible: Tensor,
@@ -128,3 +161,28 @@ def index_scores_ref(q: Tensor, w: Tensor, key_pool: Tensor, slots: Tensor, visi
     score = (score.relu() * w.unsqueeze(-1)).double().sum(dim=1).to(q.dtype)  # [M, T]
     t = torch.arange(k.size(0), device=q.device)
     return score.masked_fill(t >= visible.to(q.device).unsqueeze(-1), float("-inf"))
+
+
+def index_scores_batched(q: Tensor, w: Tensor, key_pool: Tensor, entries: Tensor, visible: Tensor,
+                      block_t: int = 64, num_warps: int = 4) -> Tensor:
+    """index_scores for B rows of different requests (the batched decode step): row b's query scores its
+    own entries. q bf16 [B, H, D], w bf16 [B, H], entries int32/int64 [B, T] (flat slots; entries at or past
+    visible[b] are never read, so they may hold anything), visible int [B] -> bf16 [B, T], -inf where
+    t >= visible[b]. Rounding as index_scores (bitwise the same scores for the same row)."""
+    B, H, D = q.shape
+    assert q.dtype == torch.bfloat16 and w.dtype == torch.bfloat16 and w.shape == (B, H), (q.dtype, w.shape)
+    assert D % INDEX_K_BLOCK == 0 and D & (D - 1) == 0, f"index_head_dim {D} must be a power of two >= 32"
+    pool = key_pool.reshape(-1, key_pool.size(-1))
+    assert pool.dtype == torch.uint8 and pool.size(-1) == fp4_record_bytes(D, INDEX_K_BLOCK) and pool.is_contiguous()
+    assert entries.dim() == 2 and entries.size(0) == B and entries.dtype in (torch.int32, torch.int64)
+    assert visible.shape == (B,)
+    T = entries.size(1)
+    out = torch.empty(B, T, dtype=torch.bfloat16, device=q.device)
+    if T == 0 or B == 0:
+        return out
+    interp = q.device.type == "cpu"
+    block_h = max(triton.next_power_of_2(H), 1 if interp else 16)
+    _index_scores_batched_kernel[(triton.cdiv(T, block_t), B)](
+        q.contiguous(), w.contiguous(), pool, entries.contiguous(), visible.to(torch.int32).contiguous(), out, H, T,
+        D=D, BLOCK_H=block_h, BLOCK_T=block_t, DOT_F32=interp, num_warps=num_warps)
+    return out

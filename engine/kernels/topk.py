@@ -341,26 +341,30 @@ def candidate_blocks(score: Tensor, visible: Tensor, topk_blocks: int, block: in
 
 
 @triton.jit
-def _entry_slots_kernel(ids_ptr, entries_ptr, out_ptr, K, W, BLOCK: tl.constexpr):
+def _entry_slots_kernel(ids_ptr, entries_ptr, out_ptr, K, W, entries_stride, BLOCK: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     j = tl.arange(0, BLOCK)
     ids = tl.load(ids_ptr + row * K + j, mask=j < K, other=-1)
     ok = ids >= 0
-    slot = tl.load(entries_ptr + tl.where(ok, ids, 0), mask=ok, other=-1)
+    slot = tl.load(entries_ptr + row * entries_stride + tl.where(ok, ids, 0), mask=ok, other=-1)
     tl.store(out_ptr + row * W + j, tl.where(ok, slot, -1), mask=j < W)
 
 
 def entry_slots(ids: Tensor, entries: Tensor, out: Tensor) -> None:
     """out int32 [m, W] (contiguous) = entries[ids] where ids >= 0, else -1; columns >= K are -1 too.
-    ids int32/int64 [m, K] (K <= W) of a request's top-k (-1 = none), entries int32 [E] (its slots). One
-    launch for torch's clamp, gather, compare, where and slice copy."""
+    ids int32/int64 [m, K] (K <= W) of a request's top-k (-1 = none), entries int32 [E] (its slots), or
+    [m, E] (row i's own entries: the batched decode step's rows of different requests). One launch for
+    torch's clamp, gather, compare, where and slice copy."""
     m, k = ids.shape
     assert out.dim() == 2 and out.size(0) == m and out.size(1) >= k and out.dtype == torch.int32, (
         f"out {out.dtype} {tuple(out.shape)} for ids {tuple(ids.shape)}")
     assert out.is_contiguous() and ids.is_contiguous() and entries.dtype == torch.int32, "contiguous, int32 entries"
     assert ids.dtype in (torch.int32, torch.int64) and ids.device == entries.device == out.device
+    assert entries.dim() == 1 or (entries.dim() == 2 and entries.size(0) == m and entries.is_contiguous()), (
+        f"entries {tuple(entries.shape)} for {m} rows")
+    stride = entries.size(1) if entries.dim() == 2 else 0
     if m and out.size(1):
-        _entry_slots_kernel[(m,)](ids, entries, out, k, out.size(1), BLOCK=triton.next_power_of_2(out.size(1)))
+        _entry_slots_kernel[(m,)](ids, entries, out, k, out.size(1), stride, BLOCK=triton.next_power_of_2(out.size(1)))
 
 
 def index_topk_ref(score: Tensor, k: int, candidates: Tensor | None = None, block: int = 1) -> Tensor:

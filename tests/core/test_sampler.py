@@ -318,3 +318,106 @@ def test_cuda_matches_cpu(num_rows: int, vocab: int) -> None:
     for a, b in zip(cpu.logprobs, gpu.logprobs):
         assert a is not None and b is not None and [t for t, _ in a.top] == [t for t, _ in b.top]
         assert abs(a.logprob - b.logprob) < 1e-9
+
+
+# ---------------------------------------------------------------- numerically unsafe inputs
+
+
+@pytest.mark.parametrize("filters", [dict(top_p=0.5), dict(top_k=3), dict(min_p=0.2), dict(top_p=0.9, top_k=5)])
+def test_temperature_below_the_floor_is_greedy(filters) -> None:
+    """The replica-killing request of issue 20 (temperature 1e-308 with top_p < 1 overflowed the scaled
+    logits and raised inside the sampler): below MIN_TEMPERATURE the token is the argmax, not an error."""
+    g = torch.Generator().manual_seed(3)
+    logits = torch.randn(5, 40, generator=g) * 4
+    for temperature in (1e-308, 5e-324, SamplingParams.MIN_TEMPERATURE / 2):
+        params = SamplingParams(temperature=temperature, seed=1, **filters).validate()
+        assert params.is_greedy
+        out = sample(logits, [SampleRow(params, seed=s, step=0) for s in range(5)])
+        assert out.token_ids == logits.argmax(dim=-1).tolist() and out.errors == [None] * 5
+
+
+def test_temperature_at_the_floor_samples_without_overflow() -> None:
+    """At MIN_TEMPERATURE itself the row is sampled: logits 1 apart become 1e5 apart, so every draw is the
+    argmax (the others' mass is e^-1e5), and nothing overflows on the way."""
+    logits = torch.tensor([[0.0, 3.0, 2.0, -1.0], [7.0, 1.0, 6.0, 6.5]])
+    params = SamplingParams(temperature=SamplingParams.MIN_TEMPERATURE, top_p=0.5, seed=2).validate()
+    assert not params.is_greedy
+    out = sample(logits, [SampleRow(params, seed=s, step=s) for s in range(2)])
+    assert out.token_ids == [1, 0] and out.errors == [None, None]
+
+
+def test_unusable_rows_fail_alone() -> None:
+    """A NaN, a +inf or an all -inf row gets token -1 and an error; the other rows get exactly the tokens
+    (and logprobs) they get without the bad rows in the batch."""
+    g = torch.Generator().manual_seed(5)
+    good = torch.randn(3, 30, generator=g)
+    nan_row = good[0].clone()
+    nan_row[7] = float("nan")
+    inf_row = good[1].clone()
+    inf_row[2] = float("inf")
+    dead_row = torch.full((30,), float("-inf"))
+    params = [SamplingParams(temperature=0.8, top_p=0.9, seed=4, logprobs=2), SamplingParams(),
+              SamplingParams(temperature=1.0, top_k=5, seed=5, logprobs=0)]
+    rows = [SampleRow(p, seed=10 + i, step=i) for i, p in enumerate(params)]
+    alone = sample(good, rows)
+    mixed_logits = torch.stack([nan_row, good[0], inf_row, good[1], dead_row, good[2]])
+    bad_row = SampleRow(SamplingParams(temperature=0.7, top_p=0.5, seed=1, logprobs=1), seed=1, step=0)
+    mixed = sample(mixed_logits, [bad_row, rows[0], bad_row, rows[1], bad_row, rows[2]])
+    assert mixed.token_ids[1::2] == alone.token_ids
+    assert mixed.logprobs[1::2] == alone.logprobs
+    assert mixed.token_ids[0::2] == [-1, -1, -1] and mixed.logprobs[0::2] == [None, None, None]
+    assert all("NaN" in e for e in mixed.errors[0::2]) and mixed.errors[1::2] == [None] * 3
+
+
+# ---------------------------------------------------------------- the device form (the decode step's graph)
+
+
+def _tensors(specs, vocab_size):
+    from engine.core.sampler import SampleTensors, sample_row_values
+
+    cols = list(zip(*(sample_row_values(p, seed, step, force, vocab_size) for p, seed, step, force in specs)))
+    return SampleTensors(torch.tensor(cols[0], dtype=torch.bool), torch.tensor(cols[1], dtype=torch.float64).float(),
+                         torch.tensor(cols[2]), torch.tensor(cols[3], dtype=torch.float64),
+                         torch.tensor(cols[4], dtype=torch.float64).float(), torch.tensor(cols[5]),
+                         torch.tensor(cols[6]), torch.tensor(cols[7]))
+
+
+def test_sample_device_draws_what_sample_draws() -> None:
+    """sample_device (no host decisions: every filter of its variant runs on every row) gives sample()'s
+    tokens, logprobs and failures row for row, for the variant the params need and for the most general one;
+    forced rows take their token and report its logprob as sample_specs does."""
+    from engine.core.plan import SampleSpec
+    from engine.core.sampler import draw_output, sample_device, sample_specs, sample_variant
+
+    g = torch.Generator().manual_seed(8)
+    V = 50
+    logits = torch.randn(9, V, generator=g) * 3
+    logits[4, 7] = float("nan")
+    logits[5, :] = float("-inf")
+    logits[6, :40] = float("-inf")
+    params = [SamplingParams(), SamplingParams(temperature=0.7, seed=1, logprobs=3),
+              SamplingParams(temperature=1.3, top_k=4, seed=2), SamplingParams(temperature=0.9, top_p=0.6, min_p=0.05),
+              SamplingParams(temperature=1.0, top_p=0.5), SamplingParams(temperature=1.0),
+              SamplingParams(temperature=0.5, min_p=0.3, logprobs=0), SamplingParams(logprobs=2),
+              SamplingParams(temperature=1.1, top_k=60, top_p=0.95, logprobs=5)]
+    forces = [None, None, None, 11, None, None, None, 3, None]
+    specs = [SampleSpec(i, p, 100 + i, 7 * i, f) for i, (p, f) in enumerate(zip(params, forces))]
+    want = sample_specs(logits, specs)
+    plain = [1, 5, 6]
+    for rows, variant in ((list(range(9)), "filtered"), (plain, "plain"), (plain, "filtered"), ([0, 7], "greedy"),
+                          ([0, 7], "plain")):
+        if variant == "plain" and rows == plain:
+            assert sample_variant([params[i] for i in rows]) == "plain"
+        t = _tensors([(params[i], 100 + i, 7 * i, forces[i]) for i in rows], V)
+        d = sample_device(logits[rows], t, variant, num_logprobs=SamplingParams.MAX_LOGPROBS)
+        got = draw_output(d.token_ids.tolist(), d.logprob.tolist(), d.top_logprobs.tolist(), d.top_ids.tolist(),
+                          [params[i].logprobs for i in rows])
+        assert got.token_ids == [want.token_ids[i] for i in rows], (variant, rows)
+        assert got.errors == [want.errors[i] for i in rows]
+        for i, lp in zip(rows, got.logprobs):
+            if want.logprobs[i] is None:
+                assert lp is None
+            else:
+                assert lp.token_id == want.logprobs[i].token_id and lp.top == want.logprobs[i].top
+                assert lp.logprob == pytest.approx(want.logprobs[i].logprob, abs=1e-12)
+    assert sample_variant(params) == "filtered" and want.token_ids[3] == 11 and want.token_ids[4] == -1

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from engine.kernels.cache_records import pack_index_k, unpack_index_k
-from engine.kernels.indexer import index_scores, index_scores_ref
+from engine.kernels.indexer import index_scores, index_scores_batched, index_scores_ref
 from engine.presets import full_config
 from engine.quant import fp4_qdq
 
@@ -68,6 +68,38 @@ def test_paged_pool_and_int64_slots():
 def test_empty_request():
     q, w, pool, slots, visible = _problem(1, 2, 32, 5, entries=8)
     assert index_scores(q, w, pool, slots[:0], visible * 0).shape == (1, 0)
+
+
+def _check_batched(b, h, d, t, device="cpu", seed=0):
+    """Row r of index_scores_batched = index_scores of query r alone against its own entries (bitwise: the
+    same tile math), whose oracle is the golden (_check); entries past a row's visible count are never
+    read (poisoned with out-of-range slots here), and a row that sees nothing is all -inf."""
+    g = torch.Generator().manual_seed(seed)
+    q, w, pool, _, visible = _problem(b, h, d, t, entries=t + 23, seed=seed)
+    entries = torch.stack([torch.randperm(t + 23, generator=g)[:t] for _ in range(b)]).to(torch.int32)
+    entries = torch.where(torch.arange(t) < visible[:, None], entries, 10**9)
+    q, w, pool, entries, visible = (x.to(device) for x in (q, w, pool, entries, visible))
+    out = index_scores_batched(q, w, pool, entries, visible)
+    for r in range(b):
+        n = int(visible[r])
+        assert bool(torch.isneginf(out[r, n:].float()).all()), f"row {r}: past visible"
+        if n:
+            want = index_scores(q[r:r + 1], w[r:r + 1], pool, entries[r, :n].contiguous(), visible[r:r + 1])
+            assert torch.equal(out[r, :n], want[0]), f"row {r}"
+            _check(q[r:r + 1], w[r:r + 1], pool, entries[r, :n].contiguous(), visible[r:r + 1])
+
+
+@pytest.mark.parametrize("b,h,d,t", [(1, 2, 32, 37), (4, 4, 64, 100), (3, 2, 128, 130)])
+def test_index_scores_batched_rows_are_their_requests(b, h, d, t):
+    _check_batched(b, h, d, t)
+
+
+@gpu
+@needs_cuda
+@pytest.mark.parametrize("b,t", [(3, 4096), (17, 9000)])
+def test_index_scores_batched_real_shape(b, t):
+    cfg = full_config()
+    _check_batched(b, cfg.index_n_heads, cfg.index_head_dim, t, device="cuda", seed=b)
 
 
 @gpu

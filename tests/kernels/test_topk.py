@@ -165,6 +165,10 @@ def check_entry_slots(dtype, device):
         out, ids_d, entries_d = out.to(device), ids.to(device), entries.to(device)
         entry_slots(ids_d, entries_d, out)
         assert torch.equal(out.cpu(), want), (m, k, w)
+        rows = torch.randperm(1 << 20, generator=g)[:m * 4099].view(m, 4099).to(torch.int32)  # [m, E]: per row
+        want[:, :k] = torch.where(ids >= 0, rows.gather(1, ids.clamp_min(0).long()), -1)
+        entry_slots(ids_d, rows.to(device), out)
+        assert torch.equal(out.cpu(), want), ("per-row entries", m, k, w)
     with pytest.raises(AssertionError, match="int32 entries"):
         entry_slots(ids_d, entries_d.long(), out)
 

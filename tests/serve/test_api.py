@@ -257,6 +257,18 @@ def test_disconnect_before_the_first_token_frees_the_request(api):
     assert asyncio.run(many()) == [200] * MAX_IN_FLIGHT
 
 
+@pytest.mark.parametrize("filters", [{"top_p": 0.5}, {"top_k": 3}, {"min_p": 0.3}])
+def test_a_tiny_temperature_is_greedy_and_the_replica_stays_up(api, reference, filters):
+    """Issue 20's replica-killing request: temperature 1e-308 with a top-p/top-k/min-p cut overflowed the
+    scaled logits and took the replica down for ~35 s. Below the floor it is greedy: the offline greedy text."""
+    body = chat_body(max_tokens=4, temperature=1e-308, **filters)
+    r = api.client.post("/v1/chat/completions", json=body)
+    assert r.status_code == 200, r.text
+    [want] = run_offline(reference, {"g": (chat_prompt_ids(reference, body), SamplingParams(max_tokens=4))})["g"]
+    assert r.json()["choices"][0]["message"]["content"] == visible_text(reference, want.ids)
+    assert api.client.get("/readyz").status_code == 200
+
+
 def test_32_concurrent_streams_complete(api, reference):
     prompts = {i: chat_body(messages=[{"role": "user", "content": f"Count to {i}."}], temperature=1.0, seed=i,
                             max_tokens=6, logprobs=True, stream=True, stream_options={"include_usage": True})

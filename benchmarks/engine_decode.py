@@ -1,0 +1,130 @@
+"""The engine's decode step, measured through LLMEngine.step() (issue 19): wall time per step, GPU busy time
+per step (the union of the kernels' intervals in a torch.profiler trace), and output tok/s.
+
+    python benchmarks/engine_decode.py [--ckpt DIR] [--batches 1,16,64] [--prompt-len 100] [--steps 50]
+        [--modes graph,device,legacy] [--sampling greedy|top_p] [--device cuda] [--top-kernels N]
+
+Per mode and batch: `batch` requests with prompts of --prompt-len random tokens are prefilled, then every
+step is a decode step of the whole batch; the step is timed over --steps steps (median), after 5 warm-up
+steps. Modes: graph = the decode step on device buffers replayed as CUDA graphs (the default engine on
+CUDA); device = the same step run eagerly; legacy = the kernel path's eager step with the host sampler (the
+engine before issue 19). Sampling: greedy, or temperature 0.7 + top_p 0.9 (seeded).
+The printed table's columns: mode, batch, step ms (median), GPU busy ms per step, host share of the step
+((wall - busy) / wall), output tok/s (batch / step).
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from benchmarks.engine_offline import tiny_checkpoint  # noqa: E402
+from engine.core.engine import EngineConfig, LLMEngine  # noqa: E402
+from engine.core.sampling_params import SamplingParams  # noqa: E402
+from engine.load import load_model  # noqa: E402
+
+MODES = {"graph": dict(decode_step=True, cuda_graphs=True), "device": dict(decode_step=True, cuda_graphs=False),
+         "legacy": dict(decode_step=False, cuda_graphs=False)}
+
+
+def busy_ms(trace: torch.profiler.profile, steps: int) -> float:
+    """GPU busy time per step: the union of every CUDA kernel's [start, end] in the trace (side streams that
+    overlap the main stream count once)."""
+    spans = sorted((e.time_range.start, e.time_range.end) for e in trace.events()
+                   if e.device_type == torch.autograd.DeviceType.CUDA and e.time_range.end > e.time_range.start)
+    total, end = 0.0, float("-inf")
+    for a, b in spans:
+        if b > end:
+            total += b - max(a, end)
+            end = b
+    return total / 1000 / steps
+
+
+def top_kernels(trace: torch.profiler.profile, steps: int, n: int) -> str:
+    """The n kernels that take the most GPU time per step: name, launches per step, us per step."""
+    per: dict[str, list[float]] = {}
+    for e in trace.events():
+        if e.device_type == torch.autograd.DeviceType.CUDA:
+            per.setdefault(e.name[:90], []).append(e.time_range.end - e.time_range.start)
+    total = sum(len(v) for v in per.values()) / steps
+    rows = sorted(per.items(), key=lambda kv: -sum(kv[1]))[:n]
+    lines = [f"  {total:.0f} kernels per step; top {n} by time:"]
+    lines += [f"  {sum(v) / steps:8.1f} us  {len(v) / steps:5.1f}x  {name}" for name, v in rows]
+    return "\n".join(lines)
+
+
+def measure(engine: LLMEngine, batch: int, args: argparse.Namespace, params: SamplingParams) -> tuple[float, float]:
+    g = torch.Generator().manual_seed(batch)
+    for i in range(batch):
+        engine.add_request(f"b{batch}-{i}", torch.randint(0, 120000, (args.prompt_len,), generator=g).tolist(), params)
+    while any(r.num_computed < len(r.prompt_ids) for r in engine.scheduler.running) or engine.scheduler.waiting:
+        engine.step()
+    for _ in range(5):
+        engine.step()
+    times = []
+    for _ in range(args.steps):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        engine.step()  # ends with the drawn ids' copy to the host
+        times.append(time.perf_counter() - t0)
+    n_prof = 10
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as trace:
+        for _ in range(n_prof):
+            engine.step()
+        torch.cuda.synchronize()
+    if args.top_kernels:
+        print(top_kernels(trace, n_prof, args.top_kernels), flush=True)
+    for rid in list(engine.requests):
+        engine.abort(rid)
+    return statistics.median(times) * 1000, busy_ms(trace, n_prof)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--ckpt", default=None)
+    p.add_argument("--batches", default="1,16,64")
+    p.add_argument("--prompt-len", type=int, default=100)
+    p.add_argument("--steps", type=int, default=50)
+    p.add_argument("--modes", default="graph,device,legacy")
+    p.add_argument("--sampling", choices=("greedy", "top_p"), default="greedy")
+    p.add_argument("--device", default="cuda")
+    p.add_argument("--cache-mib", type=int, default=2048)
+    p.add_argument("--top-kernels", type=int, default=0, help="print the N most costly kernels of each run")
+    args = p.parse_args()
+    batches = [int(b) for b in args.batches.split(",")]
+    ckpt = Path(args.ckpt) if args.ckpt else tiny_checkpoint()
+    loaded = load_model(ckpt, args.device, with_mtp=False, progress=False)
+    max_tokens = args.prompt_len + args.steps + 64
+    params = SamplingParams(max_tokens=10**6, ignore_eos=True) if args.sampling == "greedy" else \
+        SamplingParams(max_tokens=10**6, ignore_eos=True, temperature=0.7, top_p=0.9, seed=1)
+    rows = []
+    for mode in args.modes.split(","):
+        config = EngineConfig(max_num_seqs=max(batches), max_num_batched_tokens=max(512, max(batches)),
+                              enable_prefix_caching=False, cache_memory_bytes=args.cache_mib << 20,
+                              max_model_len=max_tokens, **MODES[mode])
+        t0 = time.perf_counter()
+        engine = LLMEngine.local(loaded.model, config, progress=True, eos_token_id=-1)
+        print(f"{mode}: engine ready in {time.perf_counter() - t0:.1f} s", flush=True)
+        for batch in batches:
+            step_ms, gpu_ms = measure(engine, batch, args, params)
+            rows.append((mode, batch, step_ms, gpu_ms))
+            print(f"{mode} batch {batch}: {step_ms:.3f} ms/step, GPU busy {gpu_ms:.3f} ms", flush=True)
+        del engine
+        torch.cuda.empty_cache()
+    print(f"\n{torch.cuda.get_device_name()}, {args.sampling}, prompt {args.prompt_len}, {args.steps} steps")
+    print("| mode | batch | step ms | GPU busy ms | host share | output tok/s |")
+    print("|---|---|---|---|---|---|")
+    for mode, batch, step_ms, gpu_ms in rows:
+        print(f"| {mode} | {batch} | {step_ms:.3f} | {gpu_ms:.3f} | {max(0.0, 1 - gpu_ms / step_ms):.0%} | "
+              f"{batch / step_ms * 1000:,.0f} |")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,326 @@
+"""The decode step on persistent device buffers: one CUDA graph per (batch, context) bucket (issue 19).
+
+A step in which every chunk is one sampled token (decode) runs here instead of KernelRunner.execute's eager
+path. The host's work is to fill one pinned staging buffer with the step's rows (token id, position, window
+blocks, global block table, floors, pending slot, Engram look-back, sampling parameters) and copy it to the
+device with one non-blocking copy; everything else happens on the device, inside the graph:
+
+  1. metadata: window write slots and the window each query reads, from a ring of its window's blocks; every
+     global entry's flat slot from the block table (the indexer's rows [B, C / ratio], C the context bucket);
+     the completed compressor groups and pending writes (ratio 1 and 2); Engram hash ids from the ids and
+     their look-back (engram_tables.hash_ngrams);
+  2. the layers, through KernelRunner.layer_forward (the indexer and top-k batched over all rows: one
+     RequestRows for the whole batch, each row reading its own entries), the final norm and the head;
+  3. the draw (sampler.sample_device), in a second small graph per (batch, sampling variant, logprobs).
+
+Then one copy of the drawn ids (and logprobs when asked) back to the host. Rows past a request's context
+are padding: their entries are never read (index_scores_batched stops at each row's visible count) and
+their scores are -inf, so the top-k is the per-request top-k with -1 columns after it.
+
+Buckets: batch 1, 2, 4, ... 256 (up to max_batch), context 256, 512, ... up to max_model_len; a bucket pair
+is captured only where such a batch fits the KV pool. On the CPU (tests) the same code runs eagerly.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from engine.core.engine_config import DecodeOptions
+from engine.core.kernel_layers import AttnMeta, GlobalWrite, KernelRunner, RequestRows, Shared, Step
+from engine.core.plan import ENGRAM_LOOKBACK, StepPlan
+from engine.core.sampler import SampleTensors, draw_output, sample_device, sample_row_values, sample_variant
+from engine.core.sampling_params import SamplingParams
+from engine.core.step_rows import StepOutput
+from engine.engram_tables import hash_ngrams
+from engine.kernels.compressor import Ratio2Plan
+
+BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
+MIN_CONTEXT_BUCKET = 256
+VARIANTS = ("greedy", "plain", "filtered")
+# the staging record: one int64 row of length max_batch per field (floats as float64 bit patterns)
+FIELDS = ("ids", "pos", "swa_floor", "dec_floor", "global_from", "pending", "greedy", "top_k", "seed", "step",
+          "force", "temperature", "top_p", "min_p")
+FLOAT_FIELDS = ("temperature", "top_p", "min_p")
+NO_WRITES = 1 << 62  # global_from of padding rows: no position of theirs writes global KV or pending state
+
+
+def bucket(n: int, buckets: tuple[int, ...]) -> int:
+    return next(b for b in buckets if b >= n)
+
+
+def context_buckets(max_model_len: int) -> tuple[int, ...]:
+    out, c = [], MIN_CONTEXT_BUCKET
+    while c < max_model_len:
+        out.append(c)
+        c *= 2
+    return (*out, c)
+
+
+@dataclass(slots=True)
+class Views:
+    """The device buffers of one (batch, context) bucket: fixed addresses, so a graph captured on them reads
+    every later step's staged values."""
+
+    B: int
+    C: int
+    fields: dict[str, Tensor]  # [B] each (int64, float64 for FLOAT_FIELDS)
+    prev: Tensor  # int64 [B, ENGRAM_LOOKBACK] raw ids before the position, -1 = none (oldest first)
+    ring: Tensor  # int64 [B, R] window block ids of blocks lo .. lo + R - 1 (lo: the window's first), -1 = none
+    gtable: Tensor  # int64 [B, C / global_block_size] global block ids, -1 past the request's
+
+
+class DecodeStep:
+    """The kernel path's decode step (see the module docstring): `takes(plan)`, then `execute(plan)`."""
+
+    def __init__(self, runner: KernelRunner, options: DecodeOptions):
+        self.runner, self.options = runner, options
+        cfg, layout = runner.cfg, runner.kv.layout
+        self.cfg, self.device = cfg, runner.device
+        self.G, self.S, self.W = layout.global_block_size, layout.swa_block_size, cfg.window_size
+        self.R = (self.W - 1) // self.S + 2  # window blocks a query can span
+        self.ratios = sorted({cfg.compress_ratios[i] for i in range(cfg.n_layers)})
+        self.batches = tuple(b for b in BATCH_BUCKETS if b < options.max_batch) + (bucket(options.max_batch, BATCH_BUCKETS),)
+        self.contexts = context_buckets(options.max_model_len)
+        self.max_B, self.max_C = self.batches[-1], self.contexts[-1]
+        self.capacity = layout.num_global_blocks * self.G  # positions the pool holds
+        self.num_cols = len(FIELDS) + ENGRAM_LOOKBACK + self.R
+        rec = self.num_cols * self.max_B
+        pinned = self.device.type == "cuda"
+        self.host = torch.zeros(rec + self.max_B * (self.max_C // self.G), dtype=torch.int64, pin_memory=pinned)
+        self.host_np = self.host.numpy()
+        self.dev = self.host if self.device.type == "cpu" else torch.zeros_like(self.host, device=self.device)
+        self.logits = torch.empty(self.max_B, cfg.vocab_size, dtype=torch.float32, device=self.device)
+        tables = getattr(runner.model, "engram_tables", None)
+        self.engram = None if tables is None else tables.to(self.device)
+        assert self.engram is None or self.engram.max_ngram_size - 1 <= ENGRAM_LOOKBACK
+        self._views: dict[tuple[int, int], Views] = {}
+        self._graphs: dict[tuple, torch.cuda.CUDAGraph] = {}
+        self._draws: dict[tuple, object] = {}
+        self._pool = None
+
+    # ---- which steps ------------------------------------------------------------------------------------------
+    def takes(self, plan: StepPlan) -> bool:
+        """Every chunk is one token that samples (decode), one draw per chunk, within the buckets."""
+        chunks = plan.chunks
+        if not chunks or len(chunks) > self.max_B or len(plan.samples) != len(chunks):
+            return False
+        if any(s.row != i for i, s in enumerate(plan.samples)):
+            return False
+        needs_pending = any(r == 2 for r in self.ratios)
+        return all(c.end - c.start == 1 and c.sample and not c.keep_logits and c.decoder_from <= c.start
+                   and c.end <= self.max_C and (c.pending_slot is not None or not needs_pending) for c in chunks)
+
+    # ---- host: one staging buffer, one copy -------------------------------------------------------------------
+    def stage(self, plan: StepPlan) -> Views:
+        chunks, V = plan.chunks, self.cfg.vocab_size
+        B = bucket(len(chunks), self.batches)
+        C = bucket(max(c.end for c in chunks), self.contexts)
+        nb = C // self.G
+        rec = self.host_np[:self.num_cols * self.max_B].reshape(self.num_cols, self.max_B)
+        recf = rec.view(np.float64)
+        g = self.host_np[self.num_cols * self.max_B:][:B * nb].reshape(B, nb)
+        g.fill(-1)
+        rec[:, :B] = 0  # padding rows (past the chunks): position 0 of a request that writes nothing
+        rec[FIELDS.index("global_from"), :B] = NO_WRITES
+        rec[FIELDS.index("pending"), :B] = -1
+        rec[FIELDS.index("force"), :B] = -1
+        rec[FIELDS.index("greedy"), :B] = 1
+        recf[FIELDS.index("temperature"), :B] = 1.0
+        recf[FIELDS.index("top_p"), :B] = 1.0
+        recf[FIELDS.index("min_p"), :B] = -np.inf
+        rec[FIELDS.index("top_k"), :B] = V
+        prev0, ring0 = len(FIELDS), len(FIELDS) + ENGRAM_LOOKBACK
+        rec[prev0:ring0 + self.R, :B] = -1
+        for b, (c, spec) in enumerate(zip(chunks, plan.samples)):
+            pos = c.start
+            greedy, temp, top_k, top_p, thr, seed, step, force = sample_row_values(spec.params, spec.seed, spec.step,
+                                                                                   spec.force_id, V)
+            rec[:len(FIELDS) - len(FLOAT_FIELDS), b] = (c.token_ids[0], pos, c.swa_floor, c.decoder_floor,
+                                                        c.global_from, -1 if c.pending_slot is None else c.pending_slot,
+                                                        greedy, top_k, seed, step, force)
+            recf[len(FIELDS) - len(FLOAT_FIELDS):len(FIELDS), b] = (temp, top_p, thr)
+            if c.prev_ids:
+                rec[ring0 - len(c.prev_ids):ring0, b] = c.prev_ids
+            lo = max(pos - self.W + 1, 0) // self.S
+            rec[ring0:ring0 + self.R, b] = [c.swa_blocks.get(lo + j, -1) for j in range(self.R)]
+            g[b, :len(c.global_blocks)] = c.global_blocks
+        n = self.num_cols * self.max_B + B * nb
+        if self.dev is not self.host:
+            self.dev[:n].copy_(self.host[:n], non_blocking=True)
+        return self._views_for(B, C)
+
+    def _views_for(self, B: int, C: int) -> Views:
+        v = self._views.get((B, C))
+        if v is None:
+            rec = self.dev[:self.num_cols * self.max_B].view(self.num_cols, self.max_B)
+            fields = {f: (rec.view(torch.float64) if f in FLOAT_FIELDS else rec)[i, :B] for i, f in enumerate(FIELDS)}
+            prev0, ring0 = len(FIELDS), len(FIELDS) + ENGRAM_LOOKBACK
+            gtable = self.dev[self.num_cols * self.max_B:][:B * (C // self.G)].view(B, C // self.G)
+            v = self._views[(B, C)] = Views(B, C, fields, rec[prev0:ring0, :B].t(), rec[ring0:ring0 + self.R, :B].t(),
+                                            gtable)
+        return v
+
+    # ---- device: the step (graph body) ------------------------------------------------------------------------
+    def forward(self, v: Views) -> None:
+        """The model over the staged rows -> self.logits[:B] (device work only: capturable)."""
+        r = self.runner
+        ids = v.fields["ids"]
+        step = self._device_step(v)
+        h, pre_mix = r.run_layers(ids, step, self._engram_hashes(v))
+        self.logits[:v.B].copy_(r.head(h, pre_mix))
+
+    def draw(self, v: Views, variant: str, num_logprobs: int):
+        f = v.fields
+        t = SampleTensors(f["greedy"].bool(), f["temperature"].float(), f["top_k"], f["top_p"], f["min_p"].float(),
+                          f["seed"], f["step"], f["force"])
+        return sample_device(self.logits[:v.B], t, variant, num_logprobs)
+
+    def _engram_hashes(self, v: Views) -> Tensor | None:
+        if self.engram is None:
+            return None
+        tables, K = self.engram, self.engram.max_ngram_size - 1
+        prev = v.prev[:, ENGRAM_LOOKBACK - K:]
+        history = torch.where(prev >= 0, tables.token_map[prev.clamp_min(0)], tables.pad_id)  # [B, K]
+        return hash_ngrams(tables, v.fields["ids"][:, None].contiguous(), history.contiguous(), v.fields["pos"])[:, 0]
+
+    def _device_step(self, v: Views) -> Step:
+        rows: list = []  # the step's one segment list: every row is its own request, every row is kept
+        step = Step([], rows, rows, None, None, [Shared()])
+        for decoder in (False, True):
+            for ratio in self.ratios:
+                step.meta[(id(rows), id(rows), decoder, ratio)] = self._meta(v, decoder, ratio)
+        return step
+
+    def _meta(self, v: Views, decoder: bool, ratio: int) -> AttnMeta:
+        f, dev, W, S, R = v.fields, self.device, self.W, self.S, self.R
+        pos = f["pos"]
+        floor = (f["dec_floor"] if decoder else f["swa_floor"]).clamp_min(0)
+        lo = (pos - W + 1).clamp_min(0) // S
+
+        def window_slots(p: Tensor, valid: Tensor) -> Tensor:  # positions [B, n] -> flat window slots, -1 = none
+            blk = p.div(S, rounding_mode="floor") - lo[:, None]
+            ok = valid & (blk >= 0) & (blk < R)
+            block = v.ring.gather(1, blk.clamp(0, R - 1))
+            return torch.where(ok & (block >= 0), block * S + p.remainder(S), -1)
+
+        write = window_slots(pos[:, None], torch.ones_like(pos[:, None], dtype=torch.bool))[:, 0]
+        wpos = pos[:, None] - W + 1 + torch.arange(W, device=dev)
+        swa_idx = window_slots(wpos, wpos >= floor[:, None]).to(torch.int32)
+        if ratio == 0:
+            return AttnMeta(pos, write, None, pos, swa_idx, [], None, [])
+        per_block = self.G // ratio
+        T = v.C // ratio
+
+        def entry_slot(e: Tensor, none: int) -> Tensor:  # entry ids [B, n] -> flat slots (`none` where no block)
+            block = v.gtable.gather(1, e // per_block)
+            return torch.where(block >= 0, block * per_block + e % per_block, none)
+
+        entries = entry_slot(torch.arange(T, device=dev).expand(v.B, T), 0).to(torch.int32)  # 0: never read
+        visible = ((pos + 1) // ratio).to(torch.int32)
+        index_rows = RequestRows(0, slice(0, v.B), T, entries, visible, min(self.cfg.index_topk, T))
+        all_rows = torch.arange(v.B, device=dev)
+        writes = f["global_from"] <= pos
+        if ratio == 1:
+            slots = torch.where(writes, entry_slot(pos[:, None], -1)[:, 0], -1)
+            global_write = GlobalWrite(all_rows, slots, pos, None)
+        else:
+            assert ratio == 2, f"the decode step handles compress ratios 0, 1 and 2, not {ratio}"
+            group = pos // 2
+            done = writes & (pos % 2 == 1)  # the second token of its group: the group completes now
+            wait = writes & (pos % 2 == 0)  # the first: it waits in the pending slot
+            pending = f["pending"]
+            none = torch.full_like(pos, -1)
+            items = torch.stack([torch.where(done, -(pending + 1), none), torch.where(done, all_rows, none),
+                                 torch.where(done, all_rows, none), 2 * group, torch.where(wait, all_rows, none),
+                                 torch.where(wait, pending, none)], dim=1).contiguous()
+            slots = torch.where(done, entry_slot(group[:, None], -1)[:, 0], -1)
+            global_write = GlobalWrite(all_rows, slots, 2 * group, Ratio2Plan(items, [], 2 * group, v.B))
+        return AttnMeta(pos, write, None, pos, swa_idx, [index_rows], global_write, [])
+
+    # ---- graphs -----------------------------------------------------------------------------------------------
+    def buckets(self) -> list[tuple[int, int]]:
+        """(batch, context) pairs a batch can reach: its smallest batch at its smallest context fits the pool."""
+        out = []
+        for i, B in enumerate(self.batches):
+            b_min = self.batches[i - 1] + 1 if i else 1
+            for j, C in enumerate(self.contexts):
+                c_min = self.contexts[j - 1] + 1 if j else 1
+                if b_min * c_min <= self.capacity:
+                    out.append((B, C))
+        return out
+
+    def capture(self, progress: bool = False) -> dict[str, float]:
+        """Warm up and capture every bucket's model graph and every (batch, variant, logprobs) draw graph.
+        Returns the capture's seconds, graph count and the device memory it took."""
+        assert self.device.type == "cuda" and self.options.graphs
+        from tqdm import tqdm
+
+        torch.cuda.synchronize(self.device)
+        mem0, t0 = torch.cuda.memory_reserved(self.device), time.monotonic()
+        self._pool = torch.cuda.graph_pool_handle()
+        work = [("model", B, C) for B, C in self.buckets()]
+        work += [("draw", B, (variant, lp)) for B in self.batches for variant in VARIANTS for lp in (0, SamplingParams.MAX_LOGPROBS)]
+        for kind, B, key in tqdm(work, desc="capturing decode graphs", disable=not progress):
+            v = self._views_for(B, key if kind == "model" else self.contexts[0])
+            run = (lambda: self.forward(v)) if kind == "model" else (lambda: self.draw(v, *key))
+            self._reset_rows(v)
+            with torch.inference_mode():
+                run(), run()  # warm-up: Triton compiles, side streams, cached weights; not in the graph pool
+                torch.cuda.synchronize(self.device)
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph, pool=self._pool):
+                    out = run()
+            if kind == "model":
+                self._graphs[(B, key)] = graph
+            else:
+                self._draws[(B, *key)] = (graph, out)
+        torch.cuda.synchronize(self.device)
+        return {"seconds": time.monotonic() - t0, "graphs": len(work),
+                "bytes": torch.cuda.memory_reserved(self.device) - mem0}
+
+    def _reset_rows(self, v: Views) -> None:
+        """Harmless rows for warm-up and capture: position 0 of nothing (every write skipped)."""
+        for name, value in (("ids", 0), ("pos", 0), ("swa_floor", 0), ("dec_floor", 0), ("global_from", NO_WRITES),
+                            ("pending", -1), ("greedy", 1), ("top_k", self.cfg.vocab_size), ("force", -1)):
+            v.fields[name].fill_(value)
+        for name, value in (("temperature", 1.0), ("top_p", 1.0), ("min_p", -float("inf"))):
+            v.fields[name].fill_(value)
+        v.prev.fill_(-1), v.ring.fill_(-1), v.gtable.fill_(-1)
+
+    # ---- one step ---------------------------------------------------------------------------------------------
+    def execute(self, plan: StepPlan) -> StepOutput:
+        v = self.stage(plan)
+        params = [s.params for s in plan.samples]
+        variant = sample_variant(params)
+        ks = [p.logprobs for p in params]
+        num_lp = SamplingParams.MAX_LOGPROBS if any(k is not None for k in ks) else 0
+        graph = self._graphs.get((v.B, v.C))
+        if graph is not None:
+            graph.replay()
+        else:
+            self.forward(v)
+        drawn = self._draws.get((v.B, variant, num_lp))
+        if drawn is not None:
+            drawn[0].replay()
+            d = drawn[1]
+        else:
+            d = self.draw(v, variant, num_lp)
+        n = len(plan.chunks)
+        parts = [d.token_ids[:n]] + ([] if num_lp == 0 else [d.logprob[:n].view(torch.int64),
+                                                            d.top_logprobs[:n].view(torch.int64).flatten(),
+                                                            d.top_ids[:n].flatten()])
+        host = torch.cat(parts).cpu()  # one copy back (and the step's one sync)
+        ids = host[:n].tolist()
+        if num_lp == 0:
+            return StepOutput(draw_output(ids, None, None, None, ks), {})
+        L = num_lp
+        lp = host[n:2 * n].view(torch.float64).tolist()
+        top_lp = host[2 * n:2 * n + n * L].view(torch.float64).view(n, L).tolist()
+        top_ids = host[2 * n + n * L:].view(n, L).tolist()
+        return StepOutput(draw_output(ids, lp, top_lp, top_ids, ks), {})

@@ -1,0 +1,78 @@
+"""The decode step on device buffers (engine/core/decode_step.py), run eagerly on the CPU (Triton interpreter):
+the same tokens and logprobs as the kernel path's eager step with the host sampler, and the rules of which
+steps it takes and which buckets it captures. (Its CUDA graphs: tests/gpu/test_decode_graphs.py.)"""
+
+from __future__ import annotations
+
+import pytest
+
+from engine.core.cache_manager import CacheLayout
+from engine.core.engine import EngineConfig, LLMEngine, LocalExecutor
+from engine.core.engine_config import DecodeOptions
+from engine.core.plan import ChunkPlan, SampleSpec, StepPlan
+from engine.core.sampling_params import SamplingParams
+from tests.core.conftest import random_prompt
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
+
+def kernel_engine(model, decode_step: bool) -> LLMEngine:
+    config = EngineConfig(runner="kernels", decode_step=decode_step, max_num_seqs=4, max_num_batched_tokens=64,
+                          enable_prefix_caching=False, max_model_len=512)
+    return LLMEngine.local(model, config, eos_token_id=-1)
+
+
+def run(engine: LLMEngine, arrivals: dict[str, tuple[list[int], SamplingParams, int]]) -> dict:
+    out, step = {}, 0
+    while step == 0 or engine.has_unfinished:
+        for rid, (prompt, params, at) in arrivals.items():
+            if at == step:
+                engine.add_request(rid, prompt, params)
+        for o in engine.step():
+            ids, lps = out.setdefault(o.request_id, ([], []))
+            ids += o.new_token_ids
+            lps += [None if lp is None else (lp.token_id, round(lp.logprob, 9), lp.top) for lp in o.new_logprobs]
+        step += 1
+    return out
+
+
+def test_decode_step_draws_what_the_eager_kernel_path_draws(tiny_model):
+    """Greedy and seeded top-p (with logprobs) requests, the second arriving later (batch 1, then 2: a padding
+    row in the bucket of 2), one prompt past the window: identical tokens and logprobs, and every step after
+    each request's prefill went through the decode step."""
+    model = tiny_model.model
+    arrivals = {"g": (random_prompt(19, seed=1), SamplingParams(max_tokens=4, logprobs=2), 0),
+                "s": (random_prompt(6, seed=2), SamplingParams(max_tokens=3, temperature=0.8, top_p=0.9, seed=3,
+                                                             logprobs=1), 1)}
+    legacy = run(kernel_engine(model, decode_step=False), arrivals)
+    engine = kernel_engine(model, decode_step=True)
+    step, taken = engine.executor.runner.decode, []
+    execute = step.execute
+    step.execute = lambda plan: (taken.append(len(plan.chunks)), execute(plan))[1]
+    assert run(engine, arrivals) == legacy
+    assert taken and all(n in (1, 2) for n in taken) and 2 in taken
+
+
+def _chunk(start: int, end: int, **kw) -> ChunkPlan:
+    fields = dict(token_ids=[5] * (end - start), prev_ids=[], sample=True, keep_logits=False, global_blocks=[0],
+                  swa_blocks={0: 0}, pending_slot=0, global_from=0, swa_floor=0, decoder_from=0, decoder_floor=0)
+    return ChunkPlan(start, end, **(fields | kw))
+
+
+def test_which_steps_and_buckets(tiny_model):
+    model = tiny_model.model
+    layout = CacheLayout(64, 16, 16, 20, 40, 6, 0)  # 20 global blocks of 64: 1,280 positions
+    step = LocalExecutor(model, layout, True, DecodeOptions(5, 1000)).runner.decode
+    assert step.batches == (1, 2, 4, 8) and step.contexts == (256, 512, 1024)
+    spec = SampleSpec(0, SamplingParams(), 1, 0)
+    assert step.takes(StepPlan([_chunk(9, 10)], [], [spec]))
+    assert not step.takes(StepPlan([_chunk(8, 10)], [], [spec]))  # two tokens: a prefill chunk
+    assert not step.takes(StepPlan([_chunk(9, 10, sample=False)], [], []))
+    assert not step.takes(StepPlan([_chunk(9, 10, keep_logits=True)], [], [spec]))
+    assert not step.takes(StepPlan([_chunk(9, 10)], [], [spec, SampleSpec(0, SamplingParams(), 2, 0)]))  # n > 1
+    assert not step.takes(StepPlan([_chunk(1024, 1025)], [], [spec]))  # past the largest context bucket
+    many = [SampleSpec(i, SamplingParams(), 1, 0) for i in range(9)]
+    assert not step.takes(StepPlan([_chunk(9, 10)] * 9, [], many))  # past the largest batch bucket
+    # a bucket is captured when its smallest batch fits at its smallest context: (b_prev + 1) * (c_prev + 1) <= 1280
+    assert step.buckets() == [(1, 256), (1, 512), (1, 1024), (2, 256), (2, 512), (2, 1024), (4, 256), (4, 512),
+                              (8, 256)]
