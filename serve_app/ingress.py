@@ -25,11 +25,12 @@ from ray import serve
 
 from engine.tokenizer import load_tokenizer
 from serve_app.errors import APIError, overloaded, payload_too_large, rate_limited, server_error, unauthorized
+from serve_app.json_body import parse_json_body
 from serve_app.metrics_export import scrape_project_metrics
 from serve_app.protocol import (CompletionLogprobs, chat_chunk, chat_completion_response, chat_choice, chat_logprobs,
                                 chat_prompt, chat_stream_choice, check_model, completion_choice, completion_chunk,
                                 completion_prompt_ids, completion_response, models_response, parse_chat_request,
-                                parse_completion_request, parse_json_body, to_sampling_params, usage)
+                                parse_completion_request, to_sampling_params, usage)
 from serve_app.records import EngineRejected, EngineStatus, GenerateChunk, GenerateRequest, KVHint
 from serve_app.settings import ServeSettings
 from serve_app.streaming import SSE_DONE, ChatChoiceStream, CompletionChoiceStream, TokenStrings, sse_event

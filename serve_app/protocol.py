@@ -32,7 +32,8 @@ from typing import Any, Literal
 from engine.chat import ChatFormatError, is_thinking, render_chat
 from engine.core.request import TokenLogprob
 from engine.core.sampling_params import SamplingError, SamplingParams
-from serve_app.errors import APIError, bad_request, model_not_found, payload_too_large
+from serve_app.errors import APIError, bad_request, model_not_found
+from serve_app.json_body import json_kind
 from serve_app.streaming import TokenStrings
 
 DEFAULT_MAX_N = 8
@@ -106,19 +107,6 @@ class CompletionRequest:
 
 
 # --- bodies --------------------------------------------------------------------------------------
-
-
-def parse_json_body(raw: bytes, max_bytes: int) -> dict:
-    """Request bytes -> a JSON object. 413 above max_bytes; 400 for bad UTF-8/JSON or a non-object."""
-    if len(raw) > max_bytes:
-        raise payload_too_large(f"request body is {len(raw)} bytes, the limit is {max_bytes}")
-    try:
-        body = json.loads(raw.decode("utf-8"), parse_constant=_reject_constant)
-    except (UnicodeDecodeError, ValueError) as e:
-        raise bad_request(f"invalid JSON in the request body: {e}") from None
-    if not isinstance(body, dict):
-        raise bad_request(f"the request body must be a JSON object, got {_kind(body)}")
-    return body
 
 
 def check_model(name: str, served_names: Sequence[str]) -> None:
@@ -341,15 +329,6 @@ def _finite(logprob: float) -> float:
 # --- field validation ----------------------------------------------------------------------------
 
 
-def _reject_constant(name: str) -> Any:
-    raise ValueError(f"{name} is not valid JSON")
-
-
-def _kind(value: object) -> str:
-    return {dict: "an object", list: "an array", str: "a string", bool: "a boolean", type(None): "null",
-            int: "an integer", float: "a number"}.get(type(value), type(value).__name__)
-
-
 def _show(value: object) -> str:
     text = json.dumps(value, ensure_ascii=False, default=repr)
     return text if len(text) <= 60 else text[:57] + "..."
@@ -368,7 +347,7 @@ class _Fields:
 
     def __init__(self, body: dict) -> None:
         if not isinstance(body, dict):
-            raise bad_request(f"the request body must be a JSON object, got {_kind(body)}")
+            raise bad_request(f"the request body must be a JSON object, got {json_kind(body)}")
         self.body = body
 
     def get(self, name: str) -> Any:
@@ -485,7 +464,7 @@ def _messages(f: _Fields) -> list[dict]:
         raise bad_request("messages: must contain at least one message", "messages")
     for i, msg in enumerate(messages):
         if not isinstance(msg, dict):
-            raise bad_request(f"messages[{i}]: must be an object, got {_kind(msg)}", f"messages[{i}]")
+            raise bad_request(f"messages[{i}]: must be an object, got {json_kind(msg)}", f"messages[{i}]")
         role = msg.get("role")
         if role is None:
             raise bad_request(f"messages[{i}].role: required", f"messages[{i}].role")

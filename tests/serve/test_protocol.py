@@ -14,7 +14,7 @@ from openai.types.chat import ChatCompletion, ChatCompletionChunk
 from engine.core.request import TokenLogprob
 from engine.core.sampling_params import SamplingParams
 from engine.tokenizer import load_tokenizer, write_tokenizer_files
-from serve_app import protocol as p
+from serve_app import json_body, protocol as p
 from serve_app.errors import APIError, bad_request, overloaded, rate_limited
 from serve_app.streaming import ChatChoiceStream, TokenStrings
 
@@ -65,13 +65,62 @@ def test_api_error_body_is_openai_shaped():
 
 
 def test_parse_json_body():
-    assert p.parse_json_body(b'{"a": 1}', 100) == {"a": 1}
-    assert rejected(p.parse_json_body, b'{"a": 1}', 5).status == 413
+    assert json_body.parse_json_body(b'{"a": 1}', 100) == {"a": 1}
+    assert rejected(json_body.parse_json_body, b'{"a": 1}', 5).status == 413
     for raw in (b'{"a": ', b'{"a": NaN}', b"\xff\xfe", b""):
-        err = rejected(p.parse_json_body, raw, 100)
+        err = rejected(json_body.parse_json_body, raw, 100)
         assert (err.status, err.message.startswith("invalid JSON")) == (400, True), raw
-    err = rejected(p.parse_json_body, b"[1, 2]", 100)
+    err = rejected(json_body.parse_json_body, b"[1, 2]", 100)
     assert err.status == 400 and "JSON object" in err.message
+
+
+def nested(depth: int, inner: bytes = b"1") -> bytes:
+    """An object holding arrays nested so that the whole body is `depth` levels deep."""
+    return b'{"a": ' + b"[" * (depth - 1) + inner + b"]" * (depth - 1) + b"}"
+
+
+def test_parse_json_body_bounds_nesting_depth():
+    limit = json_body.MAX_JSON_DEPTH
+    assert json_body.parse_json_body(nested(limit), 10**6)["a"] == json.loads(nested(limit))["a"]
+    for depth in (limit + 1, 3000, 100_000):
+        err = rejected(json_body.parse_json_body, nested(depth), 10**6)
+        assert (err.status, err.param) == (400, None) and f"more than {limit} levels" in err.message, depth
+    with pytest.raises(RecursionError):
+        json.loads(nested(3000))  # what the scan keeps json.loads from seeing
+    brackets_in_text = b'{"a": "' + b"[{" * 3000 + b'\\\\", "b": "\\\\\\"]]"}'  # escapes, brackets in strings
+    assert json_body.parse_json_body(brackets_in_text, 10**6) == {"a": "[{" * 3000 + "\\", "b": '\\"]]'}
+    many_shallow = b'{"a": [' + b",".join([b"[{}]"] * 5000) + b"]}"  # 10,000 openers, 4 levels
+    assert len(json_body.parse_json_body(many_shallow, 10**6)["a"]) == 5000
+    for broken in (b'{"a": "[[[[' + b"[" * 100, b"[" * 100 + b'"', b'"\\' + b"{" * 100):  # not JSON: still 400
+        assert rejected(json_body.parse_json_body, broken, 10**6).status == 400
+
+
+@pytest.mark.parametrize(("raw", "where"), [
+    (b'{"model": "m", "messages": [{"role": "user", "content": "a\\ud800b"}]}', "messages[0].content"),
+    (b'{"messages": [{"role": "user", "content": [{"type": "text", "text": "\\udfff"}]}]}',
+     "messages[0].content[0].text"),
+    (b'{"stop": ["ok", "\\uDC00"]}', "stop[1]"),
+    (b'{"prompt": "\\ud83d"}', "prompt"),  # a high surrogate with no low one after it
+    (b'{"tools": [{"x\\ud800": 1}]}', "tools[0].x\\ud800"),  # a key: the path escapes it
+])
+def test_a_lone_surrogate_is_400_naming_where(raw, where):
+    err = rejected(json_body.parse_json_body, raw, 1000)
+    assert (err.status, err.param) == (400, where) and err.message.startswith(where + ": contains a lone"), err
+    json.dumps(err.body(), ensure_ascii=False).encode("utf-8")  # the answer is writable as UTF-8
+
+
+def test_surrogate_pairs_and_escaped_backslashes_are_text():
+    assert json_body.parse_json_body(b'{"a": "\\ud83d\\ude00"}', 100) == {"a": "\U0001f600"}
+    assert json_body.parse_json_body(b'{"a": "\\\\ud800"}', 100) == {"a": "\\ud800"}  # a backslash, then text
+
+
+def test_api_errors_that_quote_a_surrogate_are_writable_as_utf8():
+    """A message or param quoting user text with a lone surrogate (had it got past the body check) is
+    escaped when the error is made, so OpenAI's error body always encodes."""
+    for err in (p.model_not_found("m\ud800"), bad_request("stop: must be ..., got \"\udfff\"", "stop\ud800")):
+        encoded = json.dumps(err.body(), ensure_ascii=False).encode("utf-8")
+        assert b"\\ud800" in encoded or b"\\udfff" in encoded, encoded
+    assert p.model_not_found("m\ud800").message == "The model `m\\ud800` does not exist."
 
 
 def test_check_model_unknown_is_404_model_not_found():

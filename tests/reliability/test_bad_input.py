@@ -1,0 +1,81 @@
+"""Bad input at the door, through the live Serve app (the real ingress on a MockEngine, which costs nothing
+per token): each request here once got a plain-text 500 (issue 20). Every answer must be OpenAI's error
+schema."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import httpx
+import pytest
+
+from engine.tokenizer import write_tokenizer_files
+from serve_app.json_body import MAX_JSON_DEPTH
+from serve_app.mock_engine import build_mock_app
+from serve_app.settings import ServeSettings
+from tests.serve.api_fixtures import assert_error
+
+API_KEY = "sk-reliability-1234"
+MODEL = "deepseek-v4.1-flash"
+ROUTES = ("/v1/chat/completions", "/v1/completions")
+
+
+@dataclass(slots=True)
+class Live:
+    client: httpx.Client  # sends the API key, base URL = the mock app's prefix
+
+
+@pytest.fixture(scope="module")
+def live(serve_session, tmp_path_factory) -> Iterator[Live]:
+    from ray import serve
+
+    folder = tmp_path_factory.mktemp("tokenizer_only")  # the mock and the ingress read only the tokenizer
+    write_tokenizer_files(folder)
+    settings = ServeSettings(checkpoint=str(folder), device="cpu", api_key=API_KEY, replica_num_cpus=0.5)
+    serve.run(build_mock_app(settings), name="reliability_mock", route_prefix="/reliability")
+    base = f"http://127.0.0.1:{serve_session}"
+    headers = {"Authorization": f"Bearer {API_KEY}"}
+    with httpx.Client(base_url=base + "/reliability", headers=headers, timeout=120) as client:
+        yield Live(client)
+    serve.delete("reliability_mock")
+
+
+def chat_body(content: str = "hi", **fields) -> dict:
+    return {"model": MODEL, "messages": [{"role": "user", "content": content}], "max_tokens": 2, **fields}
+
+
+def post_raw(client: httpx.Client, path: str, raw: bytes) -> httpx.Response:
+    return client.post(path, content=raw, headers={"Content-Type": "application/json"})
+
+
+def test_deep_nesting_is_a_400_naming_the_limit(live):
+    deep = b'{"model": "deepseek-v4.1-flash", "messages": ' + b"[" * 3000 + b"]" * 3000 + b"}"
+    with pytest.raises(RecursionError):
+        json.loads(deep)  # what the ingress used to hand it to
+    for path in ROUTES:
+        error = assert_error(post_raw(live.client, path, deep), 400)
+        assert str(MAX_JSON_DEPTH) in error["message"] and "levels" in error["message"], error
+    for extra, status in ((MAX_JSON_DEPTH - 1, 200), (MAX_JSON_DEPTH, 400)):  # the body object is level 1
+        body = json.dumps(chat_body(extra="@")).replace('"@"', "[" * extra + "]" * extra).encode()
+        assert post_raw(live.client, "/v1/chat/completions", body).status_code == status, extra
+
+
+def test_a_lone_surrogate_is_a_400_naming_the_field(live):
+    cases = {  # raw JSON (the escape is valid JSON, the text is no Unicode) -> the field named
+        "/v1/chat/completions": [
+            (b'{"model": "deepseek-v4.1-flash", "messages": [{"role": "user", "content": "a\\ud800b"}]}',
+             "messages[0].content"),
+            (b'{"model": "deepseek-v4.1-flash\\udfff", "messages": [{"role": "user", "content": "hi"}]}', "model"),
+            (b'{"model": "deepseek-v4.1-flash", "messages": [{"role": "user", "content": "hi"}], "stop": ["\\udc00"]}',
+             "stop[0]"),
+        ],
+        "/v1/completions": [(b'{"model": "deepseek-v4.1-flash", "prompt": "x\\ud83d"}', "prompt")],
+    }
+    for path, bodies in cases.items():
+        for raw, field in bodies:
+            error = assert_error(post_raw(live.client, path, raw), 400, param=field)
+            assert "surrogate" in error["message"], error
+    paired = b'{"model": "deepseek-v4.1-flash", "max_tokens": 2, "messages": [{"role": "user", "content": "\\ud83d\\ude00"}]}'
+    assert post_raw(live.client, "/v1/chat/completions", paired).status_code == 200  # a pair is one character
