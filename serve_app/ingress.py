@@ -5,8 +5,8 @@ as a `GenerateRequest`, and its streamed `GenerateChunk`s are detokenized and pa
 (`streaming`). The engine deployment's handle is a constructor argument, so tests can pass another;
 with KV sharing on, so is the KVRouter's: it decides which replica should take the prompt (a KVHint
 inside the GenerateRequest, which the engine handle's request router follows).
-Errors are OpenAI's error schema; overload is 429/503 with Retry-After; a client that goes away cancels
-its engine request.
+Errors are OpenAI's error schema, an unexpected exception too (a 500 of type server_error, its traceback
+logged); overload is 429/503 with Retry-After; a client that goes away cancels its engine request.
 """
 
 
@@ -38,6 +38,7 @@ from serve_app.streaming import SSE_DONE, ChatChoiceStream, CompletionChoiceStre
 RETRY_AFTER_S = 1
 ROUTE_TIMEOUT_S = 2.0  # a KVRouter slower than this (or restarting) leaves the request to load-only routing
 logger = logging.getLogger("dsv41.kv")
+error_logger = logging.getLogger("dsv41.ingress")
 OPEN_ROUTES = ("/healthz", "/readyz")
 
 app = FastAPI(title="dsv41-serve", docs_url=None, redoc_url=None)
@@ -56,11 +57,23 @@ async def _routing_error(request: Request, e: StarletteHTTPException) -> JSONRes
 
 
 @app.middleware("http")
-async def _unexpected_errors(request: Request, call_next):
+async def _unexpected_errors(request: Request, call_next) -> Response:
     try:
         return await call_next(request)
     except APIError as e:
         return JSONResponse(e.body(), status_code=e.status, headers=e.headers)
+    except Exception as e:  # noqa: BLE001 - the one place a bug becomes a response; logged with its traceback
+        return unexpected_error(request.method, request.url.path, e)
+
+
+def unexpected_error(method: str, path: str, e: Exception) -> JSONResponse:
+    """A 500 in OpenAI's error schema (type server_error) for an exception nothing handled; the traceback
+    goes to the log under an id that the message names."""
+    error_id = uuid.uuid4().hex[:12]
+    error_logger.error("unexpected error %s in %s %s", error_id, method, path, exc_info=e)
+    error = server_error(f"internal server error ({type(e).__name__}, error id {error_id}; the server log has "
+                         "its traceback)")
+    return JSONResponse(error.body(), status_code=error.status)
 
 
 class _Chunks:

@@ -1,10 +1,11 @@
 """Bad input at the door, through the live Serve app (the real ingress on a MockEngine, which costs nothing
-per token): each request here once got a plain-text 500 (issue 20). Every answer must be OpenAI's error
-schema."""
+per token): each request here once got a plain-text 500 (issue 20), the last one by an exception no
+handler expects. Every answer must be OpenAI's error schema."""
 
 from __future__ import annotations
 
 import json
+import logging
 from collections.abc import Iterator
 from dataclasses import dataclass
 
@@ -13,7 +14,7 @@ import pytest
 
 from engine.tokenizer import write_tokenizer_files
 from serve_app.json_body import MAX_JSON_DEPTH
-from serve_app.mock_engine import build_mock_app
+from serve_app.mock_engine import MockEngine, build_mock_app
 from serve_app.settings import ServeSettings
 from tests.serve.api_fixtures import assert_error
 
@@ -25,21 +26,35 @@ ROUTES = ("/v1/chat/completions", "/v1/completions")
 @dataclass(slots=True)
 class Live:
     client: httpx.Client  # sends the API key, base URL = the mock app's prefix
+    broken: httpx.Client  # the ingress on an engine whose status() raises
 
 
 @pytest.fixture(scope="module")
 def live(serve_session, tmp_path_factory) -> Iterator[Live]:
     from ray import serve
 
+    from serve_app.ingress import OpenAIIngress
+
     folder = tmp_path_factory.mktemp("tokenizer_only")  # the mock and the ingress read only the tokenizer
     write_tokenizer_files(folder)
     settings = ServeSettings(checkpoint=str(folder), device="cpu", api_key=API_KEY, replica_num_cpus=0.5)
     serve.run(build_mock_app(settings), name="reliability_mock", route_prefix="/reliability")
+    class StatusFails(MockEngine):  # local, so Ray ships it by value (this test package is not on workers' path)
+        """A MockEngine whose status call raises: the ingress gets an exception it has no handler for."""
+
+        async def status(self):
+            raise RuntimeError("status is broken in this test")
+
+    broken = serve.deployment(StatusFails).options(name="StatusFails", ray_actor_options={"num_cpus": 0}).bind(settings)
+    ingress = serve.deployment(OpenAIIngress).options(name="BrokenIngress", ray_actor_options={"num_cpus": 0})
+    serve.run(ingress.bind(broken, settings), name="reliability_broken", route_prefix="/broken")
     base = f"http://127.0.0.1:{serve_session}"
     headers = {"Authorization": f"Bearer {API_KEY}"}
-    with httpx.Client(base_url=base + "/reliability", headers=headers, timeout=120) as client:
-        yield Live(client)
+    with (httpx.Client(base_url=base + "/reliability", headers=headers, timeout=120) as client,
+          httpx.Client(base_url=base + "/broken", headers=headers, timeout=60) as broken_client):
+        yield Live(client, broken_client)
     serve.delete("reliability_mock")
+    serve.delete("reliability_broken")
 
 
 def chat_body(content: str = "hi", **fields) -> dict:
@@ -79,3 +94,28 @@ def test_a_lone_surrogate_is_a_400_naming_the_field(live):
             assert "surrogate" in error["message"], error
     paired = b'{"model": "deepseek-v4.1-flash", "max_tokens": 2, "messages": [{"role": "user", "content": "\\ud83d\\ude00"}]}'
     assert post_raw(live.client, "/v1/chat/completions", paired).status_code == 200  # a pair is one character
+
+
+def test_an_unexpected_exception_is_a_json_500(live):
+    for path in ROUTES:
+        body = chat_body() if "chat" in path else {"model": MODEL, "prompt": "hi", "max_tokens": 2}
+        r = live.broken.post(path, json=body)
+        error = assert_error(r, 500, type="server_error")
+        assert "error id" in error["message"] and "RuntimeError" in error["message"], error
+    assert live.broken.get("/v1/models").status_code == 200  # the ingress itself is fine
+
+
+def test_an_unexpected_exception_is_logged_with_its_traceback(caplog):
+    from serve_app.ingress import unexpected_error
+
+    try:
+        {}["missing"]
+    except KeyError as e:
+        with caplog.at_level(logging.ERROR, logger="dsv41.ingress"):
+            response = unexpected_error("POST", "/v1/chat/completions", e)
+    error = json.loads(response.body)["error"]
+    assert response.status_code == 500 and (error["type"], error["param"], error["code"]) == ("server_error", None, None)
+    [record] = caplog.records
+    error_id = record.getMessage().split()[2]
+    assert f"error id {error_id}" in error["message"] and "POST /v1/chat/completions" in record.getMessage()
+    assert record.exc_info[0] is KeyError and "test_bad_input.py" in caplog.text  # the traceback, to the frame
