@@ -1,7 +1,8 @@
 """The HTTP ingress: OpenAI's API on FastAPI inside a Ray Serve deployment.
 
-A chat request is validated (`protocol`), rendered and tokenized here, sent to the engine deployment
-as a `GenerateRequest`, and its streamed `GenerateChunk`s are detokenized and parsed into OpenAI deltas
+A chat request's body is parsed, validated (`json_body`, `protocol`), rendered and tokenized here, on a
+thread pool of the ingress's own (the event loop keeps serving other requests meanwhile), sent to the engine
+deployment as a `GenerateRequest`, and its streamed `GenerateChunk`s are detokenized and parsed into OpenAI deltas
 (`streaming`). The engine deployment's handle is a constructor argument, so tests can pass another;
 with KV sharing on, so is the KVRouter's: it decides which replica should take the prompt (a KVHint
 inside the GenerateRequest, which the engine handle's request router follows).
@@ -14,7 +15,8 @@ import asyncio
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
 
 import httpx
@@ -25,10 +27,11 @@ from ray import serve
 
 from engine.tokenizer import load_tokenizer
 from serve_app.errors import APIError, overloaded, payload_too_large, rate_limited, server_error, unauthorized
-from serve_app.json_body import parse_json_body
 from serve_app.metrics_export import scrape_project_metrics
-from serve_app.protocol import (CompletionLogprobs, chat_chunk, chat_completion_response, chat_choice, chat_logprobs,
-                                chat_prompt, chat_stream_choice, check_model, completion_choice, completion_chunk,
+from serve_app.json_body import parse_json_body
+from serve_app.protocol import (ChatCompletionRequest, CompletionLogprobs, CompletionRequest, chat_chunk,
+                                chat_completion_response, chat_choice, chat_logprobs, chat_prompt_ids,
+                                chat_stream_choice, check_model, completion_choice, completion_chunk,
                                 completion_prompt_ids, completion_response, models_response, parse_chat_request,
                                 parse_completion_request, to_sampling_params, usage)
 from serve_app.records import EngineRejected, EngineStatus, GenerateChunk, GenerateRequest, KVHint
@@ -37,6 +40,7 @@ from serve_app.streaming import SSE_DONE, ChatChoiceStream, CompletionChoiceStre
 
 RETRY_AFTER_S = 1
 ROUTE_TIMEOUT_S = 2.0  # a KVRouter slower than this (or restarting) leaves the request to load-only routing
+NUM_PREPARE_THREADS = 2  # bodies parsed, rendered and tokenized at once; more wait for a thread
 logger = logging.getLogger("dsv41.kv")
 error_logger = logging.getLogger("dsv41.ingress")
 OPEN_ROUTES = ("/healthz", "/readyz")
@@ -213,6 +217,8 @@ class OpenAIIngress:
         self.max_in_flight = settings.max_ongoing_requests * settings.num_replicas
         self.in_flight = 0
         self._status: EngineStatus | None = None
+        # CPU-heavy work per request (JSON, rendering, tokenizing) runs here, not on the event loop
+        self._prepare_pool = ThreadPoolExecutor(NUM_PREPARE_THREADS, thread_name_prefix="ingress-prepare")
 
     # ---- open routes --------------------------------------------------------------------------------
     @app.get("/healthz")
@@ -244,9 +250,7 @@ class OpenAIIngress:
     @app.post("/v1/chat/completions")
     async def chat_completions(self, request: Request) -> Response:
         self._authorize(request)
-        req = parse_chat_request(await self._body(request), max_n=self.settings.max_n)
-        check_model(req.model, [self.settings.model_name])
-        prompt_ids = self.tokenizer.encode(chat_prompt(req))
+        req, prompt_ids = await self._prepare(self._prepare_chat, await self._body(request))
         status = await self._engine_status()
         params = to_sampling_params(req, num_prompt_tokens=len(prompt_ids), max_model_len=status.max_model_len)
         rid = f"chatcmpl-{uuid.uuid4().hex}"
@@ -264,9 +268,7 @@ class OpenAIIngress:
     @app.post("/v1/completions")
     async def completions(self, request: Request) -> Response:
         self._authorize(request)
-        req = parse_completion_request(await self._body(request), max_n=self.settings.max_n)
-        check_model(req.model, [self.settings.model_name])
-        prompt_ids = completion_prompt_ids(req, self.tokenizer)
+        req, prompt_ids = await self._prepare(self._prepare_completion, await self._body(request))
         status = await self._engine_status()
         params = to_sampling_params(req, num_prompt_tokens=len(prompt_ids), max_model_len=status.max_model_len)
         rid = f"cmpl-{uuid.uuid4().hex}"
@@ -288,12 +290,29 @@ class OpenAIIngress:
         if header != f"Bearer {key}":
             raise unauthorized()
 
-    async def _body(self, request: Request) -> dict:
+    async def _body(self, request: Request) -> bytes:
         declared = request.headers.get("content-length")
         if declared is not None and declared.isdigit() and int(declared) > self.settings.max_body_bytes:
             raise payload_too_large(f"the request body of {declared} bytes is above the limit of "
                                     f"{self.settings.max_body_bytes} bytes")
-        return parse_json_body(await request.body(), self.settings.max_body_bytes)
+        return await request.body()
+
+    async def _prepare(self, fn: Callable[[bytes], tuple], raw: bytes) -> tuple:
+        """fn(raw) on the prepare pool; its APIError comes back as raised."""
+        return await asyncio.get_running_loop().run_in_executor(self._prepare_pool, fn, raw)
+
+    def _prepare_chat(self, raw: bytes) -> tuple[ChatCompletionRequest, list[int]]:
+        """On a prepare thread: body bytes -> the validated request and its prompt ids."""
+        s = self.settings
+        req = parse_chat_request(parse_json_body(raw, s.max_body_bytes), max_n=s.max_n)
+        check_model(req.model, [s.model_name])
+        return req, chat_prompt_ids(req, self.tokenizer, max_chars=s.max_prompt_chars)
+
+    def _prepare_completion(self, raw: bytes) -> tuple[CompletionRequest, list[int]]:
+        s = self.settings
+        req = parse_completion_request(parse_json_body(raw, s.max_body_bytes), max_n=s.max_n)
+        check_model(req.model, [s.model_name])
+        return req, completion_prompt_ids(req, self.tokenizer, max_chars=s.max_prompt_chars)
 
     async def _engine_status(self) -> EngineStatus:
         if self._status is None:

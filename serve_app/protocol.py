@@ -17,6 +17,10 @@ record or raise `APIError` 400 whose message starts with the offending field (`t
 - Defaults follow OpenAI: temperature 1, top_p 1; chat max_tokens = the rest of the context window,
   completions max_tokens 16; max_completion_tokens wins over max_tokens.
 
+Prompts: `chat_prompt_ids` / `completion_prompt_ids` bound the prompt text's characters before tokenising
+(a 400 with code context_length_exceeded) and tokenize without holding the GIL, so the ingress runs them
+on a worker thread.
+
 Responses: plain dicts in OpenAI's shapes (the tests validate them with the `openai` package's types).
 """
 
@@ -183,16 +187,31 @@ def chat_prompt(req: ChatCompletionRequest) -> str:
         raise bad_request(message, message.split(":", 1)[0] if ":" in message else "messages") from None
 
 
-def completion_prompt_ids(req: CompletionRequest, tokenizer: Any) -> list[int]:
-    """The prompt's token ids: the text encoded (no BOS added), or the given ids checked against the
-    vocabulary."""
+def chat_prompt_ids(req: ChatCompletionRequest, tokenizer: Any, *, max_chars: int) -> list[int]:
+    """The rendered prompt's token ids; a prompt text above max_chars is a 400 before tokenising."""
+    return encode_prompt(tokenizer, chat_prompt(req), max_chars=max_chars, param="messages")
+
+
+def completion_prompt_ids(req: CompletionRequest, tokenizer: Any, *, max_chars: int) -> list[int]:
+    """The prompt's token ids: the text encoded (no BOS added; above max_chars a 400 before tokenising),
+    or the given ids checked against the vocabulary."""
     if isinstance(req.prompt, str):
-        return tokenizer.encode(req.prompt)
+        return encode_prompt(tokenizer, req.prompt, max_chars=max_chars, param="prompt")
     for i, token_id in enumerate(req.prompt):
         if token_id >= tokenizer.vocab_size:
             raise bad_request(f"prompt[{i}]: token id {token_id} is not below the vocabulary size "
                               f"{tokenizer.vocab_size}", "prompt")
     return list(req.prompt)
+
+
+def encode_prompt(tokenizer: Any, text: str, *, max_chars: int, param: str) -> list[int]:
+    """text's token ids (no BOS added), bounded first: more than max_chars characters is a 400
+    (context_length_exceeded) without tokenising. Through `encode_batch`, which releases the GIL while
+    it runs (HF tokenizers' `encode` holds it), so a caller on a worker thread leaves the event loop free."""
+    if len(text) > max_chars:
+        raise bad_request(f"{param}: the prompt has {len(text)} characters, above this server's limit of "
+                          f"{max_chars}", param, "context_length_exceeded")
+    return tokenizer.backend.encode_batch([text], add_special_tokens=False)[0].ids
 
 
 def to_sampling_params(

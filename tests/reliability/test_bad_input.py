@@ -1,12 +1,15 @@
 """Bad input at the door, through the live Serve app (the real ingress on a MockEngine, which costs nothing
-per token): each request here once got a plain-text 500 (issue 20), the last one by an exception no
-handler expects. Every answer must be OpenAI's error schema."""
+per token): each request here once got a plain-text 500 (issue 20), one by an exception no handler
+expects, or stalled the ingress. Every answer must be OpenAI's error schema; a large body being tokenized
+must not hold up other requests."""
 
 from __future__ import annotations
 
 import json
 import logging
+import time
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import httpx
@@ -20,6 +23,8 @@ from tests.serve.api_fixtures import assert_error
 
 API_KEY = "sk-reliability-1234"
 MODEL = "deepseek-v4.1-flash"
+MAX_PROMPT_CHARS = 2_000_000
+BIG_PROMPT_CHARS = 1_500_000  # ~1.3 s of tokenizing on one idle core of the 2-core CI machine
 ROUTES = ("/v1/chat/completions", "/v1/completions")
 
 
@@ -37,8 +42,10 @@ def live(serve_session, tmp_path_factory) -> Iterator[Live]:
 
     folder = tmp_path_factory.mktemp("tokenizer_only")  # the mock and the ingress read only the tokenizer
     write_tokenizer_files(folder)
-    settings = ServeSettings(checkpoint=str(folder), device="cpu", api_key=API_KEY, replica_num_cpus=0.5)
+    settings = ServeSettings(checkpoint=str(folder), device="cpu", api_key=API_KEY,
+                             max_prompt_chars=MAX_PROMPT_CHARS, replica_num_cpus=0.5)
     serve.run(build_mock_app(settings), name="reliability_mock", route_prefix="/reliability")
+
     class StatusFails(MockEngine):  # local, so Ray ships it by value (this test package is not on workers' path)
         """A MockEngine whose status call raises: the ingress gets an exception it has no handler for."""
 
@@ -96,6 +103,14 @@ def test_a_lone_surrogate_is_a_400_naming_the_field(live):
     assert post_raw(live.client, "/v1/chat/completions", paired).status_code == 200  # a pair is one character
 
 
+def test_a_prompt_above_the_character_limit_is_refused_before_tokenizing(live):
+    r = live.client.post("/v1/completions", json={"model": MODEL, "prompt": "x" * (MAX_PROMPT_CHARS + 1)})
+    error = assert_error(r, 400, param="prompt", code="context_length_exceeded")
+    assert str(MAX_PROMPT_CHARS) in error["message"]
+    r = live.client.post("/v1/chat/completions", json=chat_body("y" * MAX_PROMPT_CHARS))  # + the chat template
+    assert_error(r, 400, param="messages", code="context_length_exceeded")
+
+
 def test_an_unexpected_exception_is_a_json_500(live):
     for path in ROUTES:
         body = chat_body() if "chat" in path else {"model": MODEL, "prompt": "hi", "max_tokens": 2}
@@ -103,6 +118,31 @@ def test_an_unexpected_exception_is_a_json_500(live):
         error = assert_error(r, 500, type="server_error")
         assert "error id" in error["message"] and "RuntimeError" in error["message"], error
     assert live.broken.get("/v1/models").status_code == 200  # the ingress itself is fine
+
+
+def test_a_large_body_does_not_stall_other_requests(live):
+    """While one big chat body is parsed, rendered and tokenized, GET /v1/models keeps answering: the
+    slowest of them takes under a quarter of the big request's time (it used to wait for all of it)."""
+    text = "The serving path carries every token from the engine to the client. "
+    body = chat_body(text * (BIG_PROMPT_CHARS // len(text)), max_tokens=1)
+    latencies: list[float] = []
+    with httpx.Client(base_url=live.client.base_url, headers=dict(live.client.headers), timeout=120) as other, \
+            ThreadPoolExecutor(1) as pool:
+        t0 = time.monotonic()
+        big = pool.submit(live.client.post, "/v1/chat/completions", json=body)
+        while not big.done():
+            sent = time.monotonic()
+            assert other.get("/v1/models").status_code == 200
+            latencies.append(time.monotonic() - sent)
+        big_s = time.monotonic() - t0
+    r = big.result()
+    assert r.status_code == 200, r.text
+    assert r.json()["usage"]["prompt_tokens"] > BIG_PROMPT_CHARS // 10
+    print(f"\nbig body: {len(json.dumps(body)) / 1e6:.2f} MB, {r.json()['usage']['prompt_tokens']} prompt tokens, "
+          f"{big_s:.2f} s; /v1/models during it: {len(latencies)} calls, slowest {max(latencies) * 1000:.0f} ms, "
+          f"median {sorted(latencies)[len(latencies) // 2] * 1000:.0f} ms")
+    assert big_s > 0.5, "the big request was too quick to tell a stall from none"
+    assert len(latencies) >= 3 and max(latencies) < big_s / 4, (big_s, latencies)
 
 
 def test_an_unexpected_exception_is_logged_with_its_traceback(caplog):

@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import json
 import math
+import threading
+import time
 
 import pytest
 from openai.types import Completion, Model
@@ -368,12 +370,57 @@ def test_completion_request_rejections_name_the_field(fields, param, fragment):
 def test_completion_defaults_and_prompt_ids(tok):
     req = p.parse_completion_request(completion())
     assert (req.max_tokens, req.temperature, req.top_p, req.logprobs, req.n, req.stream) == (16, 1.0, 1.0, None, 1, False)
-    assert p.completion_prompt_ids(req, tok) == tok.encode("Hello")
+    assert p.completion_prompt_ids(req, tok, max_chars=5) == tok.encode("Hello")
     assert p.parse_completion_request(completion(max_tokens=None, echo=False, best_of=1, logprobs=0)).max_tokens == 16
     ids = p.parse_completion_request(completion(prompt=[0, 5, 129279]))
-    assert p.completion_prompt_ids(ids, tok) == [0, 5, 129279]
-    err = rejected(p.completion_prompt_ids, p.parse_completion_request(completion(prompt=[5, 129280])), tok)
+    assert p.completion_prompt_ids(ids, tok, max_chars=1) == [0, 5, 129279]  # the bound is on text
+    err = rejected(p.completion_prompt_ids, p.parse_completion_request(completion(prompt=[5, 129280])), tok,
+                   max_chars=100)
     assert (err.status, err.param) == (400, "prompt") and err.message.startswith("prompt[1]:")
+    err = rejected(p.completion_prompt_ids, req, tok, max_chars=4)
+    assert (err.status, err.param, err.code) == (400, "prompt", "context_length_exceeded")
+    assert "5 characters" in err.message and "limit of 4" in err.message
+
+
+def test_chat_prompt_ids_bound_the_rendered_text(tok):
+    req = p.parse_chat_request(chat())
+    text = p.chat_prompt(req)
+    assert p.chat_prompt_ids(req, tok, max_chars=len(text)) == tok.encode(text)
+    err = rejected(p.chat_prompt_ids, req, tok, max_chars=len(text) - 1)
+    assert (err.status, err.param, err.code) == (400, "messages", "context_length_exceeded"), err
+
+
+def test_encode_prompt_equals_encode_and_lets_other_threads_run(tok):
+    """encode_prompt goes through encode_batch so that the ingress's event loop keeps running while a worker
+    thread tokenizes: a thread that ticks every millisecond is never held up for long. HF's plain encode
+    holds the GIL for the whole text (measured the same way: one gap as long as the encode)."""
+    text = "Some prose with numbers 12345, emoji 🦜 and <｜end▁of▁sentence｜> spelt out. " * 6000  # ~450K chars
+    assert p.encode_prompt(tok, text, max_chars=len(text), param="prompt") == tok.encode(text)
+
+    def longest_gap(fn) -> tuple[float, float]:
+        gaps, done = [], threading.Event()
+
+        def tick() -> None:
+            last = time.perf_counter()
+            while not done.is_set():
+                time.sleep(0.001)
+                now = time.perf_counter()
+                gaps.append(now - last)
+                last = now
+
+        ticker = threading.Thread(target=tick)
+        ticker.start()
+        t0 = time.perf_counter()
+        fn()
+        took = time.perf_counter() - t0
+        done.set()
+        ticker.join()
+        return max(gaps), took
+
+    gap, took = longest_gap(lambda: p.encode_prompt(tok, text, max_chars=len(text), param="prompt"))
+    held, took_plain = longest_gap(lambda: tok.encode(text))
+    assert held > took_plain / 2, "the comparison needs an encode that holds the GIL"
+    assert gap < took / 4, (gap, took)
 
 
 # --- sampling parameters -------------------------------------------------------------------------
