@@ -27,14 +27,15 @@ from ray import serve
 
 from engine.tokenizer import load_tokenizer
 from serve_app.errors import APIError, overloaded, payload_too_large, rate_limited, server_error, unauthorized
-from serve_app.metrics_export import scrape_project_metrics
 from serve_app.json_body import parse_json_body
+from serve_app.metrics_export import scrape_project_metrics
 from serve_app.protocol import (ChatCompletionRequest, CompletionLogprobs, CompletionRequest, chat_chunk,
                                 chat_completion_response, chat_choice, chat_logprobs, chat_prompt_ids,
                                 chat_stream_choice, check_model, completion_choice, completion_chunk,
                                 completion_prompt_ids, completion_response, models_response, parse_chat_request,
                                 parse_completion_request, to_sampling_params, usage)
 from serve_app.records import EngineRejected, EngineStatus, GenerateChunk, GenerateRequest, KVHint
+from serve_app.schemas import ChatCompletionBody, CompletionBody, openapi_document, request_body
 from serve_app.settings import ServeSettings
 from serve_app.streaming import SSE_DONE, ChatChoiceStream, CompletionChoiceStream, TokenStrings, sse_event
 
@@ -45,7 +46,8 @@ logger = logging.getLogger("dsv41.kv")
 error_logger = logging.getLogger("dsv41.ingress")
 OPEN_ROUTES = ("/healthz", "/readyz")
 
-app = FastAPI(title="dsv41-serve", docs_url=None, redoc_url=None)
+# /openapi.json is the ingress's own route (below): its request-body schemas name this deployment's max_n
+app = FastAPI(title="dsv41-serve", docs_url=None, redoc_url=None, openapi_url=None)
 
 
 @app.exception_handler(APIError)
@@ -217,6 +219,7 @@ class OpenAIIngress:
         self.max_in_flight = settings.max_ongoing_requests * settings.num_replicas
         self.in_flight = 0
         self._status: EngineStatus | None = None
+        self._openapi: dict | None = None
         # CPU-heavy work per request (JSON, rendering, tokenizing) runs here, not on the event loop
         self._prepare_pool = ThreadPoolExecutor(NUM_PREPARE_THREADS, thread_name_prefix="ingress-prepare")
 
@@ -224,6 +227,12 @@ class OpenAIIngress:
     @app.get("/healthz")
     async def healthz(self) -> dict:
         return {"status": "ok"}
+
+    @app.get("/openapi.json", include_in_schema=False)
+    async def openapi(self) -> JSONResponse:
+        if self._openapi is None:
+            self._openapi = openapi_document(app, max_n=self.settings.max_n)
+        return JSONResponse(self._openapi)
 
     @app.get("/readyz")
     async def readyz(self) -> JSONResponse:
@@ -247,7 +256,7 @@ class OpenAIIngress:
             text = await scrape_project_metrics(client)
         return PlainTextResponse(text, media_type="text/plain; version=0.0.4")
 
-    @app.post("/v1/chat/completions")
+    @app.post("/v1/chat/completions", openapi_extra=request_body(ChatCompletionBody))
     async def chat_completions(self, request: Request) -> Response:
         self._authorize(request)
         req, prompt_ids = await self._prepare(self._prepare_chat, await self._body(request))
@@ -265,7 +274,7 @@ class OpenAIIngress:
                                      media_type="text/event-stream")
         return JSONResponse(await self._collect(turn, chunks))
 
-    @app.post("/v1/completions")
+    @app.post("/v1/completions", openapi_extra=request_body(CompletionBody))
     async def completions(self, request: Request) -> Response:
         self._authorize(request)
         req, prompt_ids = await self._prepare(self._prepare_completion, await self._body(request))
