@@ -231,7 +231,8 @@ class OpenAIIngress:
     @app.get("/openapi.json", include_in_schema=False)
     async def openapi(self) -> JSONResponse:
         if self._openapi is None:
-            self._openapi = openapi_document(app, max_n=self.settings.max_n)
+            s = self.settings
+            self._openapi = openapi_document(app, max_n=s.max_n, model_names=[s.model_name])
         return JSONResponse(self._openapi)
 
     @app.get("/readyz")

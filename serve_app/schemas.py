@@ -15,6 +15,7 @@ here (protocol.py needs only their join to be).
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Annotated, Any, Literal, Union
 
 from fastapi import FastAPI
@@ -129,7 +130,7 @@ class ResponseFormat(BaseModel):
 
 
 class _CommonBody(_Open):
-    model: NonEmpty
+    model: NonEmpty = Field(description="a served model's name (see /v1/models)")
     temperature: Annotated[float, Field(ge=0, le=2)] | None = Field(None, description="default 1; 0 is greedy")
     top_p: Annotated[float, Field(gt=0, le=1)] | None = Field(None, description="default 1")
     top_k: Annotated[int, Field(ge=-1)] | None = Field(None, description="0 or -1: off")
@@ -181,18 +182,21 @@ def request_body(model: type[BaseModel]) -> dict:
     return {"requestBody": {"required": True, "content": {"application/json": {"schema": schema}}}}
 
 
-def body_schemas(max_n: int) -> dict[str, dict]:
-    """The JSON schemas of BODY_MODELS and everything they use, by name, with n capped at max_n."""
+def body_schemas(*, max_n: int, model_names: Sequence[str]) -> dict[str, dict]:
+    """The JSON schemas of BODY_MODELS and everything they use, by name, for a deployment: n capped at its
+    max_n and model one of the names it serves (any other is a 404)."""
     _, defs = models_json_schema([(m, "validation") for m in BODY_MODELS], ref_template=REF)
     schemas = defs["$defs"]
     for model in BODY_MODELS:
         [integer] = [s for s in schemas[model.__name__]["properties"]["n"]["anyOf"] if s.get("type") == "integer"]
         integer["maximum"] = max_n
+        schemas[model.__name__]["properties"]["model"]["enum"] = list(model_names)
     return schemas
 
 
-def openapi_document(app: FastAPI, *, max_n: int) -> dict:
+def openapi_document(app: FastAPI, *, max_n: int, model_names: Sequence[str]) -> dict:
     """FastAPI's OpenAPI document of app's routes, with the request-body schemas their routes reference."""
     doc = get_openapi(title=app.title, version=app.version, routes=app.routes)
-    doc.setdefault("components", {}).setdefault("schemas", {}).update(body_schemas(max_n))
+    doc.setdefault("components", {}).setdefault("schemas", {}).update(
+        body_schemas(max_n=max_n, model_names=model_names))
     return doc

@@ -24,7 +24,7 @@ TOOL = {"type": "function", "function": {"name": "get_weather", "description": "
 
 @pytest.fixture(scope="module")
 def doc() -> dict:
-    return openapi_document(app, max_n=MAX_N)
+    return openapi_document(app, max_n=MAX_N, model_names=[MODEL])
 
 
 def validator(doc: dict, name: str) -> jsonschema.Draft202012Validator:
@@ -53,7 +53,9 @@ class Reads(dict):
 
 def accepts_chat(body: dict) -> bool:
     try:
-        p.chat_prompt(p.parse_chat_request(body, max_n=MAX_N))
+        req = p.parse_chat_request(body, max_n=MAX_N)
+        p.check_model(req.model, [MODEL])
+        p.chat_prompt(req)
     except APIError:
         return False
     return True
@@ -61,7 +63,7 @@ def accepts_chat(body: dict) -> bool:
 
 def accepts_completion(body: dict) -> bool:
     try:
-        p.parse_completion_request(body, max_n=MAX_N)
+        p.check_model(p.parse_completion_request(body, max_n=MAX_N).model, [MODEL])
     except APIError:
         return False
     return True
@@ -78,6 +80,7 @@ def test_the_routes_reference_the_body_schemas(doc):
             "$ref": f"#/components/schemas/{name}"}
         n = doc["components"]["schemas"][name]["properties"]["n"]["anyOf"][0]
         assert (n["minimum"], n["maximum"]) == (1, MAX_N), "n is capped at the deployment's max_n"
+        assert doc["components"]["schemas"][name]["properties"]["model"]["enum"] == [MODEL]
     assert "/openapi.json" not in doc["paths"]
     jsonschema.Draft202012Validator.check_schema({"components": doc["components"]})
 
@@ -98,7 +101,8 @@ def test_the_schemas_list_the_fields_protocol_reads(doc):
                 "tool": Reads(role="tool", tool_call_id="c1", content="r"),
                 "latest_reminder": Reads(role="latest_reminder", content="l")}
     tool_function = Reads(TOOL["function"])
-    tool, choice = Reads(type="function", function=tool_function), Reads(type="function", function=Reads(name="get_weather"))
+    tool = Reads(type="function", function=tool_function)
+    choice = Reads(type="function", function=Reads(name="get_weather"))
     options = Reads(include_usage=True)
     assert accepts_chat({"model": MODEL, "messages": list(messages.values()), "tools": [tool], "tool_choice": choice,
                          "stream": True, "stream_options": options})
@@ -132,7 +136,7 @@ CHAT_CASES = [
     {"response_format": {"type": "text", "x": 1}}, {"reasoning_effort": "none"}, {"reasoning_effort": "max"},
     {"reasoning_effort": 1}, {"reasoning_effort": 100}, {"reasoning_effort": 0}, {"reasoning_effort": 101},
     {"reasoning_effort": "30"}, {"reasoning_effort": "0100"}, {"reasoning_effort": "101"}, {"reasoning_effort": "0"},
-    {"reasoning_effort": "extreme"}, {"reasoning_effort": True}, {"model": ""}, {"model": 7},
+    {"reasoning_effort": "extreme"}, {"reasoning_effort": True}, {"model": ""}, {"model": 7}, {"model": "other"},
     {"tools": [TOOL]}, {"tools": [TOOL], "tool_choice": "required"}, {"tools": []}, {"tools": TOOL},
     {"tools": [{**TOOL, "type": "other"}]}, {"tools": [{"type": "function", "function": {"name": "a b"}}]},
     {"tools": [{"type": "function", "function": {"name": "x" * 65}}]},
@@ -162,7 +166,7 @@ CHAT_CASES = [
     {"messages": [USER, {"role": "assistant", "tool_calls": [CALL]}, {"role": "tool", "tool_call_id": "c1"}]},
 ]
 COMPLETION_CASES = [
-    {}, {"prompt": ""}, {"prompt": "x"}, {"prompt": []}, {"prompt": [0, 5]}, {"prompt": [-1]}, {"prompt": [[1]]},
+    {}, {"model": "other"}, {"prompt": ""}, {"prompt": "x"}, {"prompt": []}, {"prompt": [0, 5]}, {"prompt": [-1]}, {"prompt": [[1]]},
     {"prompt": ["a"]}, {"prompt": {"text": "hi"}}, {"prompt": 5}, {"echo": False}, {"echo": True}, {"suffix": None},
     {"suffix": "x"}, {"best_of": 1}, {"best_of": 2}, {"best_of": True}, {"logprobs": 0}, {"logprobs": 5},
     {"logprobs": 6}, {"logprobs": True}, {"max_tokens": 1}, {"max_tokens": 0}, {"n": MAX_N}, {"n": MAX_N + 1},
