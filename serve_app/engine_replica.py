@@ -7,7 +7,8 @@ this generator; the AsyncEngine then aborts the request group and frees its cach
 
 With KV sharing on (settings.kv_sharing), a request's KVHint may first make the replica pull the prompt's
 blocks from their owner, and every request's full blocks are published when it ends
-(serve_app/kv_sharing.py); the replica reports its measured pulls and prefills to the KVRouter.
+(serve_app/kv_sharing.py, imported only then: through kv_transfer it loads NIXL and UCX); the replica
+reports its measured pulls and prefills to the KVRouter.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ import time
 from collections.abc import AsyncIterator
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import ray
 from ray import serve
@@ -31,11 +33,13 @@ from engine.core.sampling_params import SamplingError, SamplingParams
 from engine.tokenizer import load_tokenizer
 from serve_app import router as kv_router
 from serve_app.kv_metrics import KVMetrics
-from serve_app.kv_sharing import KVSharing, PullOutcome
 from serve_app.metrics import ServeMetrics, log_request_end, request_end_record, request_logger
 from serve_app.records import EngineRejected, EngineStatus, GenerateChunk, GenerateRequest, RequestMetrics
 from serve_app.settings import ServeSettings
 from serve_app.shard_worker import ShardExecutor, make_shard_executor, shard_resources
+
+if TYPE_CHECKING:  # imported when KV sharing is on (EngineReplica.__init__): it brings NIXL and UCX
+    from serve_app.kv_sharing import KVSharing, PullOutcome
 
 WARM_UP_TEXT = "Hello, world"
 WARM_UP_TOKENS = 2
@@ -93,6 +97,8 @@ class EngineReplica:
         self.kv: KVSharing | None = None
         self._reports: set[asyncio.Task] = set()
         if settings.kv_sharing:
+            from serve_app.kv_sharing import KVSharing
+
             self.kv_metrics = KVMetrics(settings.model_name)
             self.kv = KVSharing.create(self.aengine, serve.get_replica_context().replica_id.unique_id,
                                        settings.redis_url, region=settings.region,
@@ -246,7 +252,7 @@ class EngineReplica:
         record = request_end_record(request_id, choice.num_prompt_tokens, _cached_tokens(group, choice),
                                     choice.num_output_tokens, metrics, finish_reason)
         if self.kv is not None and index == 0:
-            record["kv"] = (group.kv or PullOutcome()).log_fields()
+            record["kv"] = (group.kv or self.kv.NO_PULL).log_fields()
             stats = choice.stats
             if stats is not None and stats.prefill_time > 0:
                 self._report("observe_prefill", stats.num_computed_prompt_tokens, stats.prefill_time)

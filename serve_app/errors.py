@@ -3,6 +3,8 @@
 Everything the ingress rejects (a bad field, an unknown model, an overloaded engine) is raised as an
 APIError at the point that knows why; the ingress turns it into a response with `.body()` as JSON,
 `.status` and `.headers`. No Ray or FastAPI here: the validation code and its tests use it as is.
+Messages may quote the request (a model name, a field's value): their text is made valid Unicode when
+the error is made (a lone surrogate becomes its escape, e.g. `\\ud800`), so writing the body as UTF-8 cannot fail.
 """
 
 from __future__ import annotations
@@ -32,11 +34,12 @@ class APIError(Exception):
         code: str | None = None,
         headers: dict[str, str] | None = None,
     ) -> None:
+        message = _as_text(message)
         super().__init__(message)
         self.status = status
         self.message = message
         self.type = type
-        self.param = param
+        self.param = None if param is None else _as_text(param)
         self.code = code
         self.headers = dict(headers or {})
 
@@ -80,6 +83,11 @@ def server_error(message: str = "internal server error") -> APIError:
 def overloaded(message: str, retry_after_s: int | None = None) -> APIError:
     """503: the service cannot take the request now (engine not ready, queue full)."""
     return APIError(503, message, "overloaded_error", headers=_retry_after(retry_after_s))
+
+
+def _as_text(text: str) -> str:
+    """text with every lone surrogate (the only code points UTF-8 cannot encode) written as its escape."""
+    return text.encode("utf-8", "backslashreplace").decode("utf-8")
 
 
 def _retry_after(retry_after_s: int | None) -> dict[str, str]:

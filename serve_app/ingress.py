@@ -1,12 +1,13 @@
 """The HTTP ingress: OpenAI's API on FastAPI inside a Ray Serve deployment.
 
-A chat request is validated (`protocol`), rendered and tokenized here, sent to the engine deployment
-as a `GenerateRequest`, and its streamed `GenerateChunk`s are detokenized and parsed into OpenAI deltas
+A chat request's body is parsed, validated (`json_body`, `protocol`), rendered and tokenized here, on a
+thread pool of the ingress's own (the event loop keeps serving other requests meanwhile), sent to the engine
+deployment as a `GenerateRequest`, and its streamed `GenerateChunk`s are detokenized and parsed into OpenAI deltas
 (`streaming`). The engine deployment's handle is a constructor argument, so tests can pass another;
 with KV sharing on, so is the KVRouter's: it decides which replica should take the prompt (a KVHint
 inside the GenerateRequest, which the engine handle's request router follows).
-Errors are OpenAI's error schema; overload is 429/503 with Retry-After; a client that goes away cancels
-its engine request.
+Errors are OpenAI's error schema, an unexpected exception too (a 500 of type server_error, its traceback
+logged); overload is 429/503 with Retry-After; a client that goes away cancels its engine request.
 """
 
 
@@ -14,7 +15,8 @@ import asyncio
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
 
 import httpx
@@ -25,21 +27,27 @@ from ray import serve
 
 from engine.tokenizer import load_tokenizer
 from serve_app.errors import APIError, overloaded, payload_too_large, rate_limited, server_error, unauthorized
+from serve_app.json_body import parse_json_body
 from serve_app.metrics_export import scrape_project_metrics
-from serve_app.protocol import (CompletionLogprobs, chat_chunk, chat_completion_response, chat_choice, chat_logprobs,
-                                chat_prompt, chat_stream_choice, check_model, completion_choice, completion_chunk,
+from serve_app.protocol import (ChatCompletionRequest, CompletionLogprobs, CompletionRequest, chat_chunk,
+                                chat_completion_response, chat_choice, chat_logprobs, chat_prompt_ids,
+                                chat_stream_choice, check_model, completion_choice, completion_chunk,
                                 completion_prompt_ids, completion_response, models_response, parse_chat_request,
-                                parse_completion_request, parse_json_body, to_sampling_params, usage)
+                                parse_completion_request, to_sampling_params, usage)
 from serve_app.records import EngineRejected, EngineStatus, GenerateChunk, GenerateRequest, KVHint
+from serve_app.schemas import ChatCompletionBody, CompletionBody, openapi_document, request_body
 from serve_app.settings import ServeSettings
 from serve_app.streaming import SSE_DONE, ChatChoiceStream, CompletionChoiceStream, TokenStrings, sse_event
 
 RETRY_AFTER_S = 1
 ROUTE_TIMEOUT_S = 2.0  # a KVRouter slower than this (or restarting) leaves the request to load-only routing
+NUM_PREPARE_THREADS = 2  # bodies parsed, rendered and tokenized at once; more wait for a thread
 logger = logging.getLogger("dsv41.kv")
+error_logger = logging.getLogger("dsv41.ingress")
 OPEN_ROUTES = ("/healthz", "/readyz")
 
-app = FastAPI(title="dsv41-serve", docs_url=None, redoc_url=None)
+# /openapi.json is the ingress's own route (below): its request-body schemas name this deployment's max_n
+app = FastAPI(title="dsv41-serve", docs_url=None, redoc_url=None, openapi_url=None)
 
 
 @app.exception_handler(APIError)
@@ -55,11 +63,23 @@ async def _routing_error(request: Request, e: StarletteHTTPException) -> JSONRes
 
 
 @app.middleware("http")
-async def _unexpected_errors(request: Request, call_next):
+async def _unexpected_errors(request: Request, call_next) -> Response:
     try:
         return await call_next(request)
     except APIError as e:
         return JSONResponse(e.body(), status_code=e.status, headers=e.headers)
+    except Exception as e:  # noqa: BLE001 - the one place a bug becomes a response; logged with its traceback
+        return unexpected_error(request.method, request.url.path, e)
+
+
+def unexpected_error(method: str, path: str, e: Exception) -> JSONResponse:
+    """A 500 in OpenAI's error schema (type server_error) for an exception nothing handled; the traceback
+    goes to the log under an id that the message names."""
+    error_id = uuid.uuid4().hex[:12]
+    error_logger.error("unexpected error %s in %s %s", error_id, method, path, exc_info=e)
+    error = server_error(f"internal server error ({type(e).__name__}, error id {error_id}; the server log has "
+                         "its traceback)")
+    return JSONResponse(error.body(), status_code=error.status)
 
 
 class _Chunks:
@@ -200,11 +220,21 @@ class OpenAIIngress:
         self.max_in_flight = settings.max_ongoing_requests * settings.num_replicas
         self.in_flight = 0
         self._status: EngineStatus | None = None
+        self._openapi: dict | None = None
+        # CPU-heavy work per request (JSON, rendering, tokenizing) runs here, not on the event loop
+        self._prepare_pool = ThreadPoolExecutor(NUM_PREPARE_THREADS, thread_name_prefix="ingress-prepare")
 
     # ---- open routes --------------------------------------------------------------------------------
     @app.get("/healthz")
     async def healthz(self) -> dict:
         return {"status": "ok"}
+
+    @app.get("/openapi.json", include_in_schema=False)
+    async def openapi(self) -> JSONResponse:
+        if self._openapi is None:
+            s = self.settings
+            self._openapi = openapi_document(app, max_n=s.max_n, model_names=[s.model_name])
+        return JSONResponse(self._openapi)
 
     @app.get("/readyz")
     async def readyz(self) -> JSONResponse:
@@ -228,12 +258,10 @@ class OpenAIIngress:
             text = await scrape_project_metrics(client)
         return PlainTextResponse(text, media_type="text/plain; version=0.0.4")
 
-    @app.post("/v1/chat/completions")
+    @app.post("/v1/chat/completions", openapi_extra=request_body(ChatCompletionBody))
     async def chat_completions(self, request: Request) -> Response:
         self._authorize(request)
-        req = parse_chat_request(await self._body(request), max_n=self.settings.max_n)
-        check_model(req.model, [self.settings.model_name])
-        prompt_ids = self.tokenizer.encode(chat_prompt(req))
+        req, prompt_ids = await self._prepare(self._prepare_chat, await self._body(request))
         status = await self._engine_status()
         params = to_sampling_params(req, num_prompt_tokens=len(prompt_ids), max_model_len=status.max_model_len)
         rid = f"chatcmpl-{uuid.uuid4().hex}"
@@ -248,12 +276,10 @@ class OpenAIIngress:
                                      media_type="text/event-stream")
         return JSONResponse(await self._collect(turn, chunks))
 
-    @app.post("/v1/completions")
+    @app.post("/v1/completions", openapi_extra=request_body(CompletionBody))
     async def completions(self, request: Request) -> Response:
         self._authorize(request)
-        req = parse_completion_request(await self._body(request), max_n=self.settings.max_n)
-        check_model(req.model, [self.settings.model_name])
-        prompt_ids = completion_prompt_ids(req, self.tokenizer)
+        req, prompt_ids = await self._prepare(self._prepare_completion, await self._body(request))
         status = await self._engine_status()
         params = to_sampling_params(req, num_prompt_tokens=len(prompt_ids), max_model_len=status.max_model_len)
         rid = f"cmpl-{uuid.uuid4().hex}"
@@ -275,12 +301,29 @@ class OpenAIIngress:
         if header != f"Bearer {key}":
             raise unauthorized()
 
-    async def _body(self, request: Request) -> dict:
+    async def _body(self, request: Request) -> bytes:
         declared = request.headers.get("content-length")
         if declared is not None and declared.isdigit() and int(declared) > self.settings.max_body_bytes:
             raise payload_too_large(f"the request body of {declared} bytes is above the limit of "
                                     f"{self.settings.max_body_bytes} bytes")
-        return parse_json_body(await request.body(), self.settings.max_body_bytes)
+        return await request.body()
+
+    async def _prepare(self, fn: Callable[[bytes], tuple], raw: bytes) -> tuple:
+        """fn(raw) on the prepare pool; its APIError comes back as raised."""
+        return await asyncio.get_running_loop().run_in_executor(self._prepare_pool, fn, raw)
+
+    def _prepare_chat(self, raw: bytes) -> tuple[ChatCompletionRequest, list[int]]:
+        """On a prepare thread: body bytes -> the validated request and its prompt ids."""
+        s = self.settings
+        req = parse_chat_request(parse_json_body(raw, s.max_body_bytes), max_n=s.max_n)
+        check_model(req.model, [s.model_name])
+        return req, chat_prompt_ids(req, self.tokenizer, max_chars=s.max_prompt_chars)
+
+    def _prepare_completion(self, raw: bytes) -> tuple[CompletionRequest, list[int]]:
+        s = self.settings
+        req = parse_completion_request(parse_json_body(raw, s.max_body_bytes), max_n=s.max_n)
+        check_model(req.model, [s.model_name])
+        return req, completion_prompt_ids(req, self.tokenizer, max_chars=s.max_prompt_chars)
 
     async def _engine_status(self) -> EngineStatus:
         if self._status is None:

@@ -73,6 +73,8 @@ class PullOutcome:
 
 
 class KVSharing:
+    NO_PULL = PullOutcome()  # the outcome of a request without a hint
+
     def __init__(self, aengine: AsyncEngine, replica_id: str, index: OwnershipIndex, store: HostKVStore,
                  agent: TransferAgent, metrics: KVMetrics, *, pull_timeout_s: float = DEFAULT_PULL_TIMEOUT_S,
                  on_pull: Callable[[int, float], None] | None = None):

@@ -17,6 +17,10 @@ record or raise `APIError` 400 whose message starts with the offending field (`t
 - Defaults follow OpenAI: temperature 1, top_p 1; chat max_tokens = the rest of the context window,
   completions max_tokens 16; max_completion_tokens wins over max_tokens.
 
+Prompts: `chat_prompt_ids` / `completion_prompt_ids` bound the prompt text's characters before tokenising
+(a 400 with code context_length_exceeded) and tokenize without holding the GIL, so the ingress runs them
+on a worker thread.
+
 Responses: plain dicts in OpenAI's shapes (the tests validate them with the `openai` package's types).
 """
 
@@ -32,7 +36,8 @@ from typing import Any, Literal
 from engine.chat import ChatFormatError, is_thinking, render_chat
 from engine.core.request import TokenLogprob
 from engine.core.sampling_params import SamplingError, SamplingParams
-from serve_app.errors import APIError, bad_request, model_not_found, payload_too_large
+from serve_app.errors import APIError, bad_request, model_not_found
+from serve_app.json_body import json_kind
 from serve_app.streaming import TokenStrings
 
 DEFAULT_MAX_N = 8
@@ -106,19 +111,6 @@ class CompletionRequest:
 
 
 # --- bodies --------------------------------------------------------------------------------------
-
-
-def parse_json_body(raw: bytes, max_bytes: int) -> dict:
-    """Request bytes -> a JSON object. 413 above max_bytes; 400 for bad UTF-8/JSON or a non-object."""
-    if len(raw) > max_bytes:
-        raise payload_too_large(f"request body is {len(raw)} bytes, the limit is {max_bytes}")
-    try:
-        body = json.loads(raw.decode("utf-8"), parse_constant=_reject_constant)
-    except (UnicodeDecodeError, ValueError) as e:
-        raise bad_request(f"invalid JSON in the request body: {e}") from None
-    if not isinstance(body, dict):
-        raise bad_request(f"the request body must be a JSON object, got {_kind(body)}")
-    return body
 
 
 def check_model(name: str, served_names: Sequence[str]) -> None:
@@ -195,16 +187,31 @@ def chat_prompt(req: ChatCompletionRequest) -> str:
         raise bad_request(message, message.split(":", 1)[0] if ":" in message else "messages") from None
 
 
-def completion_prompt_ids(req: CompletionRequest, tokenizer: Any) -> list[int]:
-    """The prompt's token ids: the text encoded (no BOS added), or the given ids checked against the
-    vocabulary."""
+def chat_prompt_ids(req: ChatCompletionRequest, tokenizer: Any, *, max_chars: int) -> list[int]:
+    """The rendered prompt's token ids; a prompt text above max_chars is a 400 before tokenising."""
+    return encode_prompt(tokenizer, chat_prompt(req), max_chars=max_chars, param="messages")
+
+
+def completion_prompt_ids(req: CompletionRequest, tokenizer: Any, *, max_chars: int) -> list[int]:
+    """The prompt's token ids: the text encoded (no BOS added; above max_chars a 400 before tokenising),
+    or the given ids checked against the vocabulary."""
     if isinstance(req.prompt, str):
-        return tokenizer.encode(req.prompt)
+        return encode_prompt(tokenizer, req.prompt, max_chars=max_chars, param="prompt")
     for i, token_id in enumerate(req.prompt):
         if token_id >= tokenizer.vocab_size:
             raise bad_request(f"prompt[{i}]: token id {token_id} is not below the vocabulary size "
                               f"{tokenizer.vocab_size}", "prompt")
     return list(req.prompt)
+
+
+def encode_prompt(tokenizer: Any, text: str, *, max_chars: int, param: str) -> list[int]:
+    """text's token ids (no BOS added), bounded first: more than max_chars characters is a 400
+    (context_length_exceeded) without tokenising. Through `encode_batch`, which releases the GIL while
+    it runs (HF tokenizers' `encode` holds it), so a caller on a worker thread leaves the event loop free."""
+    if len(text) > max_chars:
+        raise bad_request(f"{param}: the prompt has {len(text)} characters, above this server's limit of "
+                          f"{max_chars}", param, "context_length_exceeded")
+    return tokenizer.backend.encode_batch([text], add_special_tokens=False)[0].ids
 
 
 def to_sampling_params(
@@ -341,15 +348,6 @@ def _finite(logprob: float) -> float:
 # --- field validation ----------------------------------------------------------------------------
 
 
-def _reject_constant(name: str) -> Any:
-    raise ValueError(f"{name} is not valid JSON")
-
-
-def _kind(value: object) -> str:
-    return {dict: "an object", list: "an array", str: "a string", bool: "a boolean", type(None): "null",
-            int: "an integer", float: "a number"}.get(type(value), type(value).__name__)
-
-
 def _show(value: object) -> str:
     text = json.dumps(value, ensure_ascii=False, default=repr)
     return text if len(text) <= 60 else text[:57] + "..."
@@ -368,7 +366,7 @@ class _Fields:
 
     def __init__(self, body: dict) -> None:
         if not isinstance(body, dict):
-            raise bad_request(f"the request body must be a JSON object, got {_kind(body)}")
+            raise bad_request(f"the request body must be a JSON object, got {json_kind(body)}")
         self.body = body
 
     def get(self, name: str) -> Any:
@@ -485,7 +483,7 @@ def _messages(f: _Fields) -> list[dict]:
         raise bad_request("messages: must contain at least one message", "messages")
     for i, msg in enumerate(messages):
         if not isinstance(msg, dict):
-            raise bad_request(f"messages[{i}]: must be an object, got {_kind(msg)}", f"messages[{i}]")
+            raise bad_request(f"messages[{i}]: must be an object, got {json_kind(msg)}", f"messages[{i}]")
         role = msg.get("role")
         if role is None:
             raise bad_request(f"messages[{i}].role: required", f"messages[{i}].role")

@@ -57,6 +57,9 @@ class ServeSettings:
     api_key: str | None = field(default=None, repr=False)  # None: no authentication
     max_n: int = 8  # most choices one request may ask for
     max_body_bytes: int = 8 << 20
+    # a prompt's characters (chat: the rendered text) above this are a 400 before tokenising, which costs
+    # ~1 s of one core per 1.2 M characters; the default is about the 1M-token window at ~4 characters a token
+    max_prompt_chars: int = 4_000_000
     host: str = "0.0.0.0"
     port: int = 8000
     # Serve
@@ -79,7 +82,7 @@ class ServeSettings:
         need(bool(self.checkpoint), "checkpoint", f"a checkpoint folder (or set {ENV_VARS['checkpoint']})")
         need(bool(self.model_name), "model_name", "a non-empty name")
         for name in ("num_replicas", "num_shards", "max_num_seqs", "max_num_batched_tokens", "cache_memory_bytes",
-                     "max_n", "max_body_bytes", "max_ongoing_requests"):
+                     "max_n", "max_body_bytes", "max_prompt_chars", "max_ongoing_requests"):
             need(_is_int(getattr(self, name)) and getattr(self, name) >= 1, name, "an integer >= 1")
         if self.num_shards != 1:
             raise SettingsError(f"--num-shards {self.num_shards}: only 1 model-parallel shard per replica is "
@@ -171,6 +174,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--api-key", help="require this bearer token" + env["api_key"])
     p.add_argument("--max-n", help="most choices per request (default 8)")
     p.add_argument("--max-body-bytes", help="largest request body, bytes or e.g. 8MiB")
+    p.add_argument("--max-prompt-chars", help="longest prompt text in characters, refused before tokenising "
+                   "(default 4000000)")
     p.add_argument("--host")
     p.add_argument("--port", help="HTTP port (default 8000)" + env["port"])
     p.add_argument("--max-ongoing-requests", help="per replica (default 64)")
@@ -256,7 +261,7 @@ _PARSERS: dict[str, Callable[[str, str], object]] = {
     "cache_memory_bytes": parse_bytes, "max_num_seqs": parse_int, "max_num_batched_tokens": parse_int,
     "max_chunk_tokens": parse_optional_int, "max_model_len": parse_optional_int,
     "bounded_replay": parse_bool, "enable_prefix_caching": parse_bool, "max_n": parse_int,
-    "max_body_bytes": parse_bytes, "port": parse_int, "max_ongoing_requests": parse_int,
+    "max_body_bytes": parse_bytes, "max_prompt_chars": parse_int, "port": parse_int, "max_ongoing_requests": parse_int,
     "replica_num_cpus": parse_float, "health_check_period_s": parse_float,
     "graceful_shutdown_timeout_s": parse_float, "request_log_file": parse_optional_path,
     "kv_sharing": parse_bool, "redis_url": parse_optional_path, "host_kv_bytes": parse_bytes,

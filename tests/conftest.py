@@ -1,9 +1,17 @@
-"""Shared fixtures. TRITON_INTERPRET must be set before any @triton.jit decorator runs (CPU machines)."""
+"""Shared fixtures. TRITON_INTERPRET must be set before any @triton.jit decorator runs (CPU machines).
+
+Ray for the tests that deploy the app (tests/serve, tests/reliability): one in-process Ray instance and one
+Serve instance per test session. Ray 2.60 turns token auth on by default; tests run with
+RAY_AUTH_MODE=disabled (set before ray.init). Serve's HTTP proxy listens on 127.0.0.1 at a free port
+(`serve_session` returns it), never on 8000. Deployments are per test module:
+`serve.run(app, name=<unique>, route_prefix=...)`, deleted by the module.
+"""
 
 import os
 
 os.environ.setdefault("TRITON_INTERPRET", "1")
 
+import socket  # noqa: E402
 from pathlib import Path  # noqa: E402
 
 import pytest  # noqa: E402
@@ -45,3 +53,36 @@ def tiny_checkpoint(tmp_path_factory, tiny_cfg) -> Path:
     from engine.tools.make_checkpoint import make_checkpoint
 
     return make_checkpoint(tmp_path_factory.mktemp("tiny_checkpoint"), tiny_cfg, seed=TINY_SEED)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="session")
+def ray_session():
+    """ray.init once (4 logical CPUs, no dashboard); shut down at the end of the session."""
+    import ray
+
+    saved = os.environ.get("RAY_AUTH_MODE")
+    os.environ["RAY_AUTH_MODE"] = "disabled"
+    ray.init(num_cpus=4, include_dashboard=False, namespace="dsv41-tests", configure_logging=False)
+    yield ray
+    ray.shutdown()
+    if saved is None:
+        os.environ.pop("RAY_AUTH_MODE", None)
+    else:
+        os.environ["RAY_AUTH_MODE"] = saved
+
+
+@pytest.fixture(scope="session")
+def serve_session(ray_session) -> int:
+    """Serve started on the session's Ray, its proxy on 127.0.0.1:<free port>; returns the port."""
+    from ray import serve
+
+    port = free_port()
+    serve.start(http_options={"host": "127.0.0.1", "port": port})
+    yield port
+    serve.shutdown()

@@ -1,5 +1,5 @@
 """Fixtures and helpers for the HTTP API tests (`test_api.py`): the real Serve app on the tiny checkpoint,
-deployed once on the session's Ray and Serve (tests/serve/conftest.py), the offline engine that is the
+deployed once on the session's Ray and Serve (tests/conftest.py), the offline engine that is the
 oracle for what it streams, and the ingress on a MockEngine that plays a scripted completion (reasoning,
 content with emoji split across tokens, a tool call), which the random tiny model never writes.
 

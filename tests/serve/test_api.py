@@ -408,3 +408,17 @@ def test_malformed_and_oversized_bodies(api, oai):
         oai.chat.completions.create(model=MODEL, messages=USER, n=MAX_N + 1)
     assert e.value.param == "n" and e.value.body["type"] == "invalid_request_error"
     wait_idle(api)  # nothing reached the engine
+
+
+def test_openapi_json_has_the_request_body_schemas(api):
+    """The served document is serve_app.schemas' (routes referencing the body schemas, n capped at this
+    deployment's max_n); tests/serve/test_schemas.py checks those schemas against protocol.py."""
+    from serve_app.ingress import app
+    from serve_app.schemas import openapi_document
+
+    with httpx.Client(base_url=api.base_url, timeout=30) as bare:  # open, as FastAPI's own route was
+        served = bare.get("/openapi.json").json()
+    assert served == json.loads(json.dumps(openapi_document(app, max_n=MAX_N, model_names=[MODEL])))
+    assert served["paths"]["/v1/chat/completions"]["post"]["requestBody"]["content"]["application/json"]["schema"] == {
+        "$ref": "#/components/schemas/ChatCompletionBody"}
+    assert served["components"]["schemas"]["CompletionBody"]["properties"]["n"]["anyOf"][0]["maximum"] == MAX_N

@@ -94,11 +94,14 @@ def test_settings_parse_strictly():
     assert "sk-secret-7" not in repr(s), "the API key stays out of logs"
     assert s.to_engine_config().max_chunk_tokens == 128 and not s.to_engine_config().enable_prefix_caching
     assert s.runner == s.to_engine_config().runner == "auto"
+    assert s.max_prompt_chars == 4_000_000
+    assert ServeSettings.from_cli(["--checkpoint", "/ckpt", "--max-prompt-chars", "1000"], environ={}).max_prompt_chars == 1000
     forced = ServeSettings.from_cli(["--checkpoint", "/ckpt", "--runner", "Golden"], environ={})
     assert forced.to_engine_config().runner == "golden"
     bad = {("--runner", "fast"): "--runner: expected auto, kernels, golden", ("--num-shards", "2"): "only 1 model-parallel shard", ("--port", "80a"): "--port: expected an integer",
            ("--bounded-replay", "maybe"): "true or false", ("--device", "tpu"): "cpu, cuda or auto",
-           ("--max-n", "0"): "--max-n must be an integer >= 1", ("--cache-memory", "12 potatoes"): "byte count"}
+           ("--max-n", "0"): "--max-n must be an integer >= 1", ("--max-prompt-chars", "4M"): "--max-prompt-chars: expected an integer",
+           ("--cache-memory", "12 potatoes"): "byte count"}
     for (flag, value), message in bad.items():
         with pytest.raises(SettingsError, match=message):
             ServeSettings.from_cli(["--checkpoint", "/ckpt", flag, value], environ={})

@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import json
 import math
+import threading
+import time
 
 import pytest
 from openai.types import Completion, Model
@@ -14,7 +16,7 @@ from openai.types.chat import ChatCompletion, ChatCompletionChunk
 from engine.core.request import TokenLogprob
 from engine.core.sampling_params import SamplingParams
 from engine.tokenizer import load_tokenizer, write_tokenizer_files
-from serve_app import protocol as p
+from serve_app import json_body, protocol as p
 from serve_app.errors import APIError, bad_request, overloaded, rate_limited
 from serve_app.streaming import ChatChoiceStream, TokenStrings
 
@@ -65,13 +67,62 @@ def test_api_error_body_is_openai_shaped():
 
 
 def test_parse_json_body():
-    assert p.parse_json_body(b'{"a": 1}', 100) == {"a": 1}
-    assert rejected(p.parse_json_body, b'{"a": 1}', 5).status == 413
+    assert json_body.parse_json_body(b'{"a": 1}', 100) == {"a": 1}
+    assert rejected(json_body.parse_json_body, b'{"a": 1}', 5).status == 413
     for raw in (b'{"a": ', b'{"a": NaN}', b"\xff\xfe", b""):
-        err = rejected(p.parse_json_body, raw, 100)
+        err = rejected(json_body.parse_json_body, raw, 100)
         assert (err.status, err.message.startswith("invalid JSON")) == (400, True), raw
-    err = rejected(p.parse_json_body, b"[1, 2]", 100)
+    err = rejected(json_body.parse_json_body, b"[1, 2]", 100)
     assert err.status == 400 and "JSON object" in err.message
+
+
+def nested(depth: int, inner: bytes = b"1") -> bytes:
+    """An object holding arrays nested so that the whole body is `depth` levels deep."""
+    return b'{"a": ' + b"[" * (depth - 1) + inner + b"]" * (depth - 1) + b"}"
+
+
+def test_parse_json_body_bounds_nesting_depth():
+    limit = json_body.MAX_JSON_DEPTH
+    assert json_body.parse_json_body(nested(limit), 10**6)["a"] == json.loads(nested(limit))["a"]
+    for depth in (limit + 1, 3000, 100_000):
+        err = rejected(json_body.parse_json_body, nested(depth), 10**6)
+        assert (err.status, err.param) == (400, None) and f"more than {limit} levels" in err.message, depth
+    with pytest.raises(RecursionError):
+        json.loads(nested(3000))  # what the scan keeps json.loads from seeing
+    brackets_in_text = b'{"a": "' + b"[{" * 3000 + b'\\\\", "b": "\\\\\\"]]"}'  # escapes, brackets in strings
+    assert json_body.parse_json_body(brackets_in_text, 10**6) == {"a": "[{" * 3000 + "\\", "b": '\\"]]'}
+    many_shallow = b'{"a": [' + b",".join([b"[{}]"] * 5000) + b"]}"  # 10,000 openers, 4 levels
+    assert len(json_body.parse_json_body(many_shallow, 10**6)["a"]) == 5000
+    for broken in (b'{"a": "[[[[' + b"[" * 100, b"[" * 100 + b'"', b'"\\' + b"{" * 100):  # not JSON: still 400
+        assert rejected(json_body.parse_json_body, broken, 10**6).status == 400
+
+
+@pytest.mark.parametrize(("raw", "where"), [
+    (b'{"model": "m", "messages": [{"role": "user", "content": "a\\ud800b"}]}', "messages[0].content"),
+    (b'{"messages": [{"role": "user", "content": [{"type": "text", "text": "\\udfff"}]}]}',
+     "messages[0].content[0].text"),
+    (b'{"stop": ["ok", "\\uDC00"]}', "stop[1]"),
+    (b'{"prompt": "\\ud83d"}', "prompt"),  # a high surrogate with no low one after it
+    (b'{"tools": [{"x\\ud800": 1}]}', "tools[0].x\\ud800"),  # a key: the path escapes it
+])
+def test_a_lone_surrogate_is_400_naming_where(raw, where):
+    err = rejected(json_body.parse_json_body, raw, 1000)
+    assert (err.status, err.param) == (400, where) and err.message.startswith(where + ": contains a lone"), err
+    json.dumps(err.body(), ensure_ascii=False).encode("utf-8")  # the answer is writable as UTF-8
+
+
+def test_surrogate_pairs_and_escaped_backslashes_are_text():
+    assert json_body.parse_json_body(b'{"a": "\\ud83d\\ude00"}', 100) == {"a": "\U0001f600"}
+    assert json_body.parse_json_body(b'{"a": "\\\\ud800"}', 100) == {"a": "\\ud800"}  # a backslash, then text
+
+
+def test_api_errors_that_quote_a_surrogate_are_writable_as_utf8():
+    """A message or param quoting user text with a lone surrogate (had it got past the body check) is
+    escaped when the error is made, so OpenAI's error body always encodes."""
+    for err in (p.model_not_found("m\ud800"), bad_request("stop: must be ..., got \"\udfff\"", "stop\ud800")):
+        encoded = json.dumps(err.body(), ensure_ascii=False).encode("utf-8")
+        assert b"\\ud800" in encoded or b"\\udfff" in encoded, encoded
+    assert p.model_not_found("m\ud800").message == "The model `m\\ud800` does not exist."
 
 
 def test_check_model_unknown_is_404_model_not_found():
@@ -319,12 +370,57 @@ def test_completion_request_rejections_name_the_field(fields, param, fragment):
 def test_completion_defaults_and_prompt_ids(tok):
     req = p.parse_completion_request(completion())
     assert (req.max_tokens, req.temperature, req.top_p, req.logprobs, req.n, req.stream) == (16, 1.0, 1.0, None, 1, False)
-    assert p.completion_prompt_ids(req, tok) == tok.encode("Hello")
+    assert p.completion_prompt_ids(req, tok, max_chars=5) == tok.encode("Hello")
     assert p.parse_completion_request(completion(max_tokens=None, echo=False, best_of=1, logprobs=0)).max_tokens == 16
     ids = p.parse_completion_request(completion(prompt=[0, 5, 129279]))
-    assert p.completion_prompt_ids(ids, tok) == [0, 5, 129279]
-    err = rejected(p.completion_prompt_ids, p.parse_completion_request(completion(prompt=[5, 129280])), tok)
+    assert p.completion_prompt_ids(ids, tok, max_chars=1) == [0, 5, 129279]  # the bound is on text
+    err = rejected(p.completion_prompt_ids, p.parse_completion_request(completion(prompt=[5, 129280])), tok,
+                   max_chars=100)
     assert (err.status, err.param) == (400, "prompt") and err.message.startswith("prompt[1]:")
+    err = rejected(p.completion_prompt_ids, req, tok, max_chars=4)
+    assert (err.status, err.param, err.code) == (400, "prompt", "context_length_exceeded")
+    assert "5 characters" in err.message and "limit of 4" in err.message
+
+
+def test_chat_prompt_ids_bound_the_rendered_text(tok):
+    req = p.parse_chat_request(chat())
+    text = p.chat_prompt(req)
+    assert p.chat_prompt_ids(req, tok, max_chars=len(text)) == tok.encode(text)
+    err = rejected(p.chat_prompt_ids, req, tok, max_chars=len(text) - 1)
+    assert (err.status, err.param, err.code) == (400, "messages", "context_length_exceeded"), err
+
+
+def test_encode_prompt_equals_encode_and_lets_other_threads_run(tok):
+    """encode_prompt goes through encode_batch so that the ingress's event loop keeps running while a worker
+    thread tokenizes: a thread that ticks every millisecond is never held up for long. HF's plain encode
+    holds the GIL for the whole text (measured the same way: one gap as long as the encode)."""
+    text = "Some prose with numbers 12345, emoji 🦜 and <｜end▁of▁sentence｜> spelt out. " * 6000  # ~450K chars
+    assert p.encode_prompt(tok, text, max_chars=len(text), param="prompt") == tok.encode(text)
+
+    def longest_gap(fn) -> tuple[float, float]:
+        gaps, done = [], threading.Event()
+
+        def tick() -> None:
+            last = time.perf_counter()
+            while not done.is_set():
+                time.sleep(0.001)
+                now = time.perf_counter()
+                gaps.append(now - last)
+                last = now
+
+        ticker = threading.Thread(target=tick)
+        ticker.start()
+        t0 = time.perf_counter()
+        fn()
+        took = time.perf_counter() - t0
+        done.set()
+        ticker.join()
+        return max(gaps), took
+
+    gap, took = longest_gap(lambda: p.encode_prompt(tok, text, max_chars=len(text), param="prompt"))
+    held, took_plain = longest_gap(lambda: tok.encode(text))
+    assert held > took_plain / 2, "the comparison needs an encode that holds the GIL"
+    assert gap < took / 4, (gap, took)
 
 
 # --- sampling parameters -------------------------------------------------------------------------
