@@ -83,10 +83,10 @@ def act_quant(x: Tensor, block: int = BLOCK) -> tuple[Tensor, Tensor]:
 
 def act_quant_qdq(x: Tensor, block: int = BLOCK) -> Tensor:
     """bf16 [..., K] -> bf16 [..., K] holding exactly q * s (the reference's in-place act_quant)."""
-    return _act_dequant(*act_quant(x, block), block).to(torch.bfloat16)
+    return act_dequant(*act_quant(x, block), block).to(torch.bfloat16)
 
 
-def _act_dequant(q: Tensor, s: Tensor, block: int) -> Tensor:
+def act_dequant(q: Tensor, s: Tensor, block: int) -> Tensor:
     """float8_e4m3fn [..., K] and fp32 scales [..., K // block] -> fp32 [..., K] (exact)."""
     return (q.float().unflatten(-1, (-1, block)) * s.unsqueeze(-1)).flatten(-2)
 
@@ -104,7 +104,7 @@ def _e2m1_table(device: torch.device) -> Tensor:
 
 
 @lru_cache(maxsize=None)
-def _fp4_byte_table(device: torch.device) -> Tensor:
+def fp4_byte_table(device: torch.device) -> Tensor:
     """fp32 [256, 2]: both values of a packed byte, (low nibble, high nibble) = (even, odd) element."""
     byte = torch.arange(256, device=device).to(torch.uint8)
     return e2m1_decode(torch.stack([byte & 0x0F, byte >> 4], dim=-1))
@@ -234,7 +234,7 @@ def dequant_fp4_weight(w: Tensor, scale: Tensor) -> Tensor:
             f"{(out_features, in_features // BLOCK)} = [out, in / 32], got {tuple(scale.shape)}"
             " (an FP8 weight must have dtype float8_e4m3fn)"
         )
-    y = _fp4_byte_table(w.device)[b.int()].view(out_features, in_features)  # the one fp32 copy
+    y = fp4_byte_table(w.device)[b.int()].view(out_features, in_features)  # the one fp32 copy
     y.unflatten(1, (-1, BLOCK)).mul_(scale.float().unsqueeze(-1))
     return y
 
@@ -336,6 +336,6 @@ def linear(x: Tensor, weight: Tensor, scale: Tensor | None = None) -> Tensor:
         w = dequant_fp8_weight(weight, scale)  # [out, in] fp32
     else:
         w = dequant_fp4_weight(weight, scale)  # [out, in] fp32
-    a = _act_dequant(*act_quant(x, BLOCK), BLOCK)  # [..., in] fp32
+    a = act_dequant(*act_quant(x, BLOCK), BLOCK)  # [..., in] fp32
     y = exact_matmul(a.reshape(-1, in_features), w.T)  # [M, out]
     return y.view(*x.shape[:-1], w.size(0)).to(torch.bfloat16)

@@ -32,12 +32,12 @@ from torch import Tensor
 
 from engine.kernels.cache_records import (INDEX_K_BLOCK, MAIN_KV_BLOCK, SWA_BLOCK, fp4_record_bytes,
                                           swa_record_bytes)
-from engine.kernels.fp8_linear import _INV_FP8_MAX, _bf16_bits, _e4m3_code, _round_e4m3
-from engine.kernels.rope import RopeTable, _bf16_to_f32, _rotate, check_positions
-from engine.kernels.sparse_attention import _round_bf16
+from engine.kernels.rope import RopeTable, check_positions
+from engine.kernels.triton_common import (INV_FP8_MAX, bf16_bits, bf16_to_fp32, e4m3_code, rms_norm_pairs,
+                                          rope_pairs, round_e4m3)
 
 FMT_BF16, FMT_SWA, FMT_MAIN, FMT_INDEX, FMT_QDQ = 0, 1, 2, 3, 4
-_INV_FP4_MAX = tl.constexpr(1.0 / 6.0)  # rounded to fp32 where used, as engine.quant._fp32(1/6)
+_INV_FP4_MAX = tl.constexpr(1.0 / 6.0)  # rounded to fp32 where used, as engine.quant.fp4_quant's fp32(1/6)
 _NVFP4_AMIN = tl.constexpr(6 * 2.0**-9)  # amax floors (engine.quant._fp4_codes_and_scales)
 _MXFP4_AMIN = tl.constexpr(6 * 2.0**-126)
 
@@ -48,32 +48,9 @@ assert SWA_BLOCK == 32 and MAIN_KV_BLOCK == 16 and INDEX_K_BLOCK == 32  # the ke
 def _load_pairs(ptr, row_off, mask, D: tl.constexpr):
     """bf16 rows (int16 view) at element offsets row_off [R, 1] -> (even, odd) fp32 [R, D/2]."""
     j = tl.arange(0, D // 2)[None, :]
-    e = _bf16_to_f32(tl.load(ptr + row_off + 2 * j, mask=mask, other=0))
-    o = _bf16_to_f32(tl.load(ptr + row_off + 2 * j + 1, mask=mask, other=0))
+    e = bf16_to_fp32(tl.load(ptr + row_off + 2 * j, mask=mask, other=0))
+    o = bf16_to_fp32(tl.load(ptr + row_off + 2 * j + 1, mask=mask, other=0))
     return e, o
-
-
-@triton.jit
-def _rms_norm_pairs(e, o, w_ptr, eps, D: tl.constexpr):
-    """RMSNorm of each row given as pairs (fp32 [R, D/2] each), bf16 weight (int16 view) -> bf16-rounded fp32."""
-    j = tl.arange(0, D // 2)[None, :]
-    we = _bf16_to_f32(tl.load(w_ptr + 2 * j))
-    wo = _bf16_to_f32(tl.load(w_ptr + 2 * j + 1))
-    ss = tl.sum(e * e, axis=1) + tl.sum(o * o, axis=1)
-    r = tl.math.div_rn(1.0, tl.sqrt_rn(ss / D + eps))[:, None]
-    return _round_bf16((we * e) * r), _round_bf16((wo * o) * r)  # w * x is exact in fp32: one rounding
-
-
-@triton.jit
-def _rope_pairs(e, o, pos, cs_ptr, mask, D: tl.constexpr, RD: tl.constexpr):
-    """Rotate the last RD dims of rows given as pairs at positions pos [R, 1] (int64) -> bf16-rounded fp32."""
-    t = tl.arange(0, D // 2)[None, :] - (D - RD) // 2  # pair index inside the rotated tail
-    rot = t >= 0
-    m = mask & rot
-    c = tl.load(cs_ptr + pos * RD + 2 * t, mask=m, other=1.0)
-    s = tl.load(cs_ptr + pos * RD + 2 * t + 1, mask=m, other=0.0)
-    re, ro = _rotate(e, o, c, s, False)
-    return tl.where(rot, _round_bf16(re), e), tl.where(rot, _round_bf16(ro), o)
 
 
 @triton.jit
@@ -118,19 +95,19 @@ def _mxfp4_codes(e, o, D: tl.constexpr, R: tl.constexpr):
 
 
 @triton.jit
-def _write_rows(e, o, out_ptr, rec, mask, D: tl.constexpr, R: tl.constexpr, FMT: tl.constexpr):
+def write_rows(e, o, out_ptr, rec, mask, D: tl.constexpr, R: tl.constexpr, FMT: tl.constexpr):
     """Rows as pairs -> FMT at out_ptr + rec [R, 1] (record byte offset; element offset for FMT_BF16)."""
     j = tl.arange(0, D // 2)[None, :]
     if FMT == 0:  # bf16 [N, D] (int16 view)
-        tl.store(out_ptr + rec + 2 * j, _bf16_bits(e), mask=mask)
-        tl.store(out_ptr + rec + 2 * j + 1, _bf16_bits(o), mask=mask)
+        tl.store(out_ptr + rec + 2 * j, bf16_bits(e), mask=mask)
+        tl.store(out_ptr + rec + 2 * j + 1, bf16_bits(o), mask=mask)
     elif FMT == 1:  # SWA: E4M3 codes in element order, then UE8M0 per 32 (16 pairs)
         e3 = tl.reshape(e, (R, D // 32, 16))
         o3 = tl.reshape(o, (R, D // 32, 16))
         amax = tl.maximum(tl.maximum(tl.max(tl.abs(e3), axis=2), tl.max(tl.abs(o3), axis=2)), 1e-4)
-        ex, inv_s = _ue8m0(amax, _INV_FP8_MAX)
-        qe = _e4m3_code(_round_e4m3(tl.minimum(tl.maximum(e3 * inv_s[:, :, None], -448.0), 448.0)))
-        qo = _e4m3_code(_round_e4m3(tl.minimum(tl.maximum(o3 * inv_s[:, :, None], -448.0), 448.0)))
+        ex, inv_s = _ue8m0(amax, INV_FP8_MAX)
+        qe = e4m3_code(round_e4m3(tl.minimum(tl.maximum(e3 * inv_s[:, :, None], -448.0), 448.0)))
+        qo = e4m3_code(round_e4m3(tl.minimum(tl.maximum(o3 * inv_s[:, :, None], -448.0), 448.0)))
         tl.store(out_ptr + rec + 2 * j, tl.reshape(qe, (R, D // 2)), mask=mask)
         tl.store(out_ptr + rec + 2 * j + 1, tl.reshape(qo, (R, D // 2)), mask=mask)
         tl.store(out_ptr + rec + D + tl.arange(0, D // 32)[None, :], ex.to(tl.uint8), mask=mask)
@@ -138,16 +115,16 @@ def _write_rows(e, o, out_ptr, rec, mask, D: tl.constexpr, R: tl.constexpr, FMT:
         e3 = tl.reshape(e, (R, D // 16, 8))
         o3 = tl.reshape(o, (R, D // 16, 8))
         amax = tl.maximum(tl.maximum(tl.max(tl.abs(e3), axis=2), tl.max(tl.abs(o3), axis=2)), _NVFP4_AMIN)
-        s = _round_e4m3(tl.minimum(tl.math.div_rn(amax, 6.0), 448.0))
+        s = round_e4m3(tl.minimum(tl.math.div_rn(amax, 6.0), 448.0))
         ce = _e2m1_code(tl.minimum(tl.maximum(tl.math.div_rn(e3, s[:, :, None]), -6.0), 6.0))
         co = _e2m1_code(tl.minimum(tl.maximum(tl.math.div_rn(o3, s[:, :, None]), -6.0), 6.0))
         tl.store(out_ptr + rec + j, tl.reshape(ce | (co << 4), (R, D // 2)).to(tl.uint8), mask=mask)
-        tl.store(out_ptr + rec + D // 2 + tl.arange(0, D // 16)[None, :], _e4m3_code(s), mask=mask)
+        tl.store(out_ptr + rec + D // 2 + tl.arange(0, D // 16)[None, :], e4m3_code(s), mask=mask)
     elif FMT == 4:  # MXFP4 QDQ values as bf16 [N, D] (int16 view): e2m1(x / s) · s, exact in bf16
         ex, ce, co = _mxfp4_codes(e, o, D, R)
         s = (ex << 23).to(tl.float32, bitcast=True)[:, :, None]
-        tl.store(out_ptr + rec + 2 * j, _bf16_bits(tl.reshape(_e2m1_value(ce) * s, (R, D // 2))), mask=mask)
-        tl.store(out_ptr + rec + 2 * j + 1, _bf16_bits(tl.reshape(_e2m1_value(co) * s, (R, D // 2))), mask=mask)
+        tl.store(out_ptr + rec + 2 * j, bf16_bits(tl.reshape(_e2m1_value(ce) * s, (R, D // 2))), mask=mask)
+        tl.store(out_ptr + rec + 2 * j + 1, bf16_bits(tl.reshape(_e2m1_value(co) * s, (R, D // 2))), mask=mask)
     else:  # index K (MXFP4): E2M1 pairs, then UE8M0 scale per 32 (16 pairs)
         ex, ce, co = _mxfp4_codes(e, o, D, R)
         tl.store(out_ptr + rec + j, tl.reshape(ce | (co << 4), (R, D // 2)).to(tl.uint8), mask=mask)
@@ -170,11 +147,11 @@ def _store_rows_kernel(x_ptr, w_ptr, pos_ptr, cs_ptr, slot_ptr, out_ptr, N, eps,
     ok = ok[:, None]
     e, o = _load_pairs(x_ptr, rows.to(tl.int64)[:, None] * D, ok, D)
     if NORM:
-        e, o = _rms_norm_pairs(e, o, w_ptr, eps, D)
+        e, o = rms_norm_pairs(e, o, w_ptr, eps, D)
     if ROPE:
         pos = tl.load(pos_ptr + rows // HEADS, mask=in_range, other=0).to(tl.int64)[:, None]  # HEADS rows a token
-        e, o = _rope_pairs(e, o, pos, cs_ptr, ok, D, RD)
-    _write_rows(e, o, out_ptr, rec[:, None], ok, D, BLOCK_R, FMT)
+        e, o = rope_pairs(e, o, pos, cs_ptr, ok, D, RD)
+    write_rows(e, o, out_ptr, rec[:, None], ok, D, BLOCK_R, FMT)
 
 
 def rows_per_program(d: int) -> int:

@@ -32,10 +32,9 @@ import triton.language as tl
 from torch import Tensor
 
 from engine.kernels.cache_records import MAIN_KV_BLOCK, fp4_record_bytes
-from engine.kernels.cache_store import _rms_norm_pairs, _rope_pairs, _write_rows, store_index_k_fused
-from engine.kernels.fp8_linear import _bf16_bits
+from engine.kernels.cache_store import store_index_k_fused, write_rows
 from engine.kernels.rope import RopeTable
-from engine.kernels.sparse_attention import _round_bf16
+from engine.kernels.triton_common import bf16_bits, rms_norm_pairs, rope_pairs, round_bf16
 
 RATIO = 2
 _PLAN_COLS = 6  # src0, src1, out_row, group position, pending source row, pending slot
@@ -106,7 +105,7 @@ def _pool(k0_ptr, s0_ptr, k1_ptr, s1_ptr, offs):
     den = e0 + e1
     w0 = tl.math.div_rn(e0, den)
     w1 = tl.math.div_rn(e1, den)
-    return _round_bf16(tl.load(k0_ptr + offs) * w0 + tl.load(k1_ptr + offs) * w1)
+    return round_bf16(tl.load(k0_ptr + offs) * w0 + tl.load(k1_ptr + offs) * w1)
 
 
 @triton.jit
@@ -129,15 +128,15 @@ def _ratio2_kernel(kv_ptr, sc_ptr, pkv_ptr, psc_ptr, plan_ptr, w_ptr, cs_ptr, sl
         s1_ptr = sc_ptr + src1 * HD
         pe = _pool(k0_ptr, s0_ptr, k1_ptr, s1_ptr, 2 * j)
         po = _pool(k0_ptr, s0_ptr, k1_ptr, s1_ptr, 2 * j + 1)
-        ye, yo = _rms_norm_pairs(pe, po, w_ptr, eps, HD)
-        tl.store(lat_ptr + out_row * HD + 2 * j, _bf16_bits(ye))
-        tl.store(lat_ptr + out_row * HD + 2 * j + 1, _bf16_bits(yo))
+        ye, yo = rms_norm_pairs(pe, po, w_ptr, eps, HD)
+        tl.store(lat_ptr + out_row * HD + 2 * j, bf16_bits(ye))
+        tl.store(lat_ptr + out_row * HD + 2 * j + 1, bf16_bits(yo))
         if STORE_MAIN:
             one = tl.zeros((1, 1), dtype=tl.int64)
             slot = one + tl.load(slot_ptr + out_row).to(tl.int64)
             ok = slot >= 0
-            re, ro = _rope_pairs(ye, yo, one + tl.load(p + 3), cs_ptr, ok, HD, RD)
-            _write_rows(re, ro, pool_ptr, slot * REC, ok, HD, 1, 2)  # 2 = FMT_MAIN
+            re, ro = rope_pairs(ye, yo, one + tl.load(p + 3), cs_ptr, ok, HD, RD)
+            write_rows(re, ro, pool_ptr, slot * REC, ok, HD, 1, 2)  # 2 = FMT_MAIN
     if psrc >= 0:  # this chunk ends mid-group: its last token waits in the pending slot
         tl.debug_barrier()  # the pending token above was read by every thread before it is overwritten
         pslot = tl.load(p + 5)

@@ -24,8 +24,8 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from engine.kernels.fp8_linear import _bf16_bits
 from engine.kernels.norm import row_warps
+from engine.kernels.triton_common import bf16_bits
 
 
 @triton.jit
@@ -44,7 +44,7 @@ def _engram_gate_kernel(h_ptr, kv_ptr, q_ptr, k_ptr, out_ptr, D, eps, inv_sqrt_d
     dot = tl.sum(h * w * key, axis=0) * rstd * inv_sqrt_d
     mag = tl.sqrt_rn(tl.maximum(tl.abs(dot), 1e-6))
     gate = 1.0 / (1.0 + tl.exp(-tl.where(dot < 0, -mag, mag)))
-    tl.store(out_ptr + (row * HC + c) * D + dd, _bf16_bits(h + gate * value), mask=ok)
+    tl.store(out_ptr + (row * HC + c) * D + dd, bf16_bits(h + gate * value), mask=ok)
 
 
 def engram_gate(h: Tensor, kv: Tensor, q_weight: Tensor, k_weight: Tensor, eps: float) -> Tensor:

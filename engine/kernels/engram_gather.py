@@ -41,7 +41,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from engine.kernels.fp8_linear import _bf16_bits, _e8m0_to_fp32
+from engine.kernels.triton_common import bf16_bits, e8m0_to_fp32
 from engine.model.engram import EngramEmbedding
 
 SCALE_BLOCK = 32  # one E8M0 scale per 32 elements of a row
@@ -51,7 +51,7 @@ _CUDA_HOST_REGISTER_PORTABLE_MAPPED = 0x01 | 0x02  # cudaHostRegisterPortable | 
 @triton.jit
 def _e4m3_to_fp32_signed(b):
     """int32 E4M3 codes (0..255, no NaN) -> fp32, sign bit copied from the code so that 0x80 gives -0.0
-    (sparse_attention._e4m3_to_fp32 negates with 0 - x, which turns -0 into +0: not bitwise the golden)."""
+    (triton_common.e4m3_to_fp32 negates with 0 - x, which turns -0 into +0: not bitwise the golden)."""
     e = (b >> 3) & 15
     m = b & 7
     sub = (m.to(tl.float32) * 0.001953125).to(tl.int32, bitcast=True)  # subnormal: m * 2^-9 (exact)
@@ -73,9 +73,9 @@ def _engram_gather_kernel(w_ptr, s_ptr, ids_ptr, out_ptr, num_ids, C, ids_stride
     # host memory over PCIe (or device memory): 64-bit row offsets, rows * D exceeds 2^31 on real tables
     q = tl.load(w_ptr + row[:, None] * D + cols[None, :], mask=ok, other=0).to(tl.int32)  # [BR, D] E4M3 codes
     s = tl.load(s_ptr + row[:, None] * G + tl.arange(0, G)[None, :], mask=ok, other=127)  # [BR, G] E8M0 codes
-    v = tl.reshape(_e4m3_to_fp32_signed(q), (BLOCK_R, G, 32)) * _e8m0_to_fp32(s)[:, :, None]  # exact
+    v = tl.reshape(_e4m3_to_fp32_signed(q), (BLOCK_R, G, 32)) * e8m0_to_fp32(s)[:, :, None]  # exact
     out = r.to(tl.int64)[:, None] * D + cols[None, :]
-    tl.store(out_ptr + out, _bf16_bits(tl.reshape(v, (BLOCK_R, D))), mask=in_range[:, None])
+    tl.store(out_ptr + out, bf16_bits(tl.reshape(v, (BLOCK_R, D))), mask=in_range[:, None])
 
 
 def _unregister(weight: Tensor, scale: Tensor) -> None:

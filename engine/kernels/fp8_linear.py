@@ -39,58 +39,12 @@ from torch import Tensor
 
 from engine.config import ModelConfig
 from engine.kernels.fp8_gemv import fp8_gemv, gemv_applies
+from engine.kernels.triton_common import act_quant_blocks, bf16_bits, cdiv, e4m3_code, e8m0_to_fp32, launch_sms
 from engine.model.layers import Linear
 from engine.quant import BLOCK, act_quant, cat_8bit, check_fp8_linear_args
 
-_INV_FP8_MAX = tl.constexpr(1.0 / 448.0)  # rounded to fp32 where used, as engine.quant._fp32(1/448)
-_MAX_TICKETS = 1 << 16
+MAX_TICKETS = 1 << 16
 _TICKETS: dict[tuple[torch.device, int], Tensor] = {}  # (device, stream) -> its tickets
-
-
-@triton.jit
-def _e8m0_to_fp32(u8):
-    """uint8 E8M0 codes -> fp32 2^(u - 127) (codes 1..254; weights never use 0 or the NaN code 255)."""
-    return (u8.to(tl.int32) << 23).to(tl.float32, bitcast=True)
-
-
-@triton.jit
-def _round_e4m3(v):
-    """fp32 in [-448, 448] -> the nearest E4M3 value (ties to even) as fp32, in exact integer/fp32 steps."""
-    bits = v.to(tl.int32, bitcast=True)
-    mag = bits & 0x7FFFFFFF
-    e = tl.maximum(mag >> 23, 121)  # biased exponent; E4M3 subnormals share 2^-6's quantum 2^-9
-    magic = ((e + 20) << 23).to(tl.float32, bitcast=True)  # ulp(magic) = the E4M3 quantum at exponent e
-    r = (mag.to(tl.float32, bitcast=True) + magic) - magic  # |v| rounded to that quantum, RNE, exact
-    return (r.to(tl.int32, bitcast=True) | ((bits >> 31) << 31)).to(tl.float32, bitcast=True)
-
-
-@triton.jit
-def _e4m3_code(r):
-    """E4M3-representable fp32 -> its uint8 code (sign, 4-bit exponent biased 7, 3-bit mantissa)."""
-    rb = r.to(tl.int32, bitcast=True)
-    mag = rb & 0x7FFFFFFF
-    normal = (((mag >> 23) - 120) << 3) | ((mag >> 20) & 7)
-    subnormal = (tl.minimum(mag, 121 << 23).to(tl.float32, bitcast=True) * 512.0).to(tl.int32)  # k 2^-9 -> k
-    return (tl.where(mag >= (121 << 23), normal, subnormal) | ((rb >> 24) & 0x80)).to(tl.uint8)
-
-
-@triton.jit
-def _quant_blocks(x):
-    """fp32 [R, G, 32] -> (E4M3 values as fp32 [R, G, 32], UE8M0 scales fp32 [R, G]): act_quant's math."""
-    amax = tl.maximum(tl.max(tl.abs(x), axis=2), 1e-4)
-    y = (amax * _INV_FP8_MAX).to(tl.int32, bitcast=True)
-    e = ((y >> 23) & 0xFF) + ((y & 0x7FFFFF) != 0).to(tl.int32)  # 2^ceil(log2 y) from the bits
-    s = (e << 23).to(tl.float32, bitcast=True)
-    inv_s = ((254 - e) << 23).to(tl.float32, bitcast=True)  # 1/s exactly, so x * inv_s == x / s
-    v = tl.minimum(tl.maximum(x * inv_s[:, :, None], -448.0), 448.0)
-    return _round_e4m3(v), s
-
-
-@triton.jit
-def _bf16_bits(x):
-    """fp32 -> int16 bit pattern of bf16(x), round to nearest even (finite x)."""
-    u = x.to(tl.int32, bitcast=True)
-    return ((u + 0x7FFF + ((u >> 16) & 1)) >> 16).to(tl.int16)
 
 
 @triton.jit
@@ -100,11 +54,11 @@ def _act_quant_kernel(x_ptr, q_ptr, s_ptr, R, K, BLOCK_R: tl.constexpr, BLOCK_K:
     ok = (rows < R)[:, None]
     offs = rows[:, None] * K + cols[None, :]
     x = tl.load(x_ptr + offs, mask=ok, other=0.0).to(tl.float32)
-    q, s = _quant_blocks(tl.reshape(x, (BLOCK_R, BLOCK_K // 32, 32)))
+    q, s = act_quant_blocks(tl.reshape(x, (BLOCK_R, BLOCK_K // 32, 32)))
     if QDQ:  # bf16 q * s (exact), the prefill GEMM's input
-        tl.store(q_ptr + offs, _bf16_bits(tl.reshape(q * s[:, :, None], (BLOCK_R, BLOCK_K))), mask=ok)
+        tl.store(q_ptr + offs, bf16_bits(tl.reshape(q * s[:, :, None], (BLOCK_R, BLOCK_K))), mask=ok)
     else:
-        tl.store(q_ptr + offs, tl.reshape(_e4m3_code(q), (BLOCK_R, BLOCK_K)), mask=ok)
+        tl.store(q_ptr + offs, tl.reshape(e4m3_code(q), (BLOCK_R, BLOCK_K)), mask=ok)
         s_cols = tl.program_id(1) * (BLOCK_K // 32) + tl.arange(0, BLOCK_K // 32)
         tl.store(s_ptr + rows[:, None] * (K // 32) + s_cols[None, :], s, mask=ok)
 
@@ -138,11 +92,11 @@ def _fp8_linear_kernel(
     for k in range(k_lo, k_hi, BLOCK_K):
         # dequantise in registers: qw * sw and q * sa are exact in bf16 (<= 4 significant bits, power-of-two
         # scales), so one 16-bit MMA with fp32 accumulation sums the exact block products
-        sw = _e8m0_to_fp32(tl.load(ws_ptrs + k // 32))  # [BN, G]
+        sw = e8m0_to_fp32(tl.load(ws_ptrs + k // 32))  # [BN, G]
         w = tl.reshape(tl.load(w_ptrs + k).to(tl.float32), (BLOCK_N, BLOCK_K // 32, 32)) * sw[:, :, None]
         w = tl.reshape(w, (BLOCK_N, BLOCK_K))
         if QUANT_X:
-            q, sa = _quant_blocks(tl.reshape(tl.load(x_ptrs + k).to(tl.float32), (BLOCK_M, BLOCK_K // 32, 32)))
+            q, sa = act_quant_blocks(tl.reshape(tl.load(x_ptrs + k).to(tl.float32), (BLOCK_M, BLOCK_K // 32, 32)))
             xq = tl.reshape(q * sa[:, :, None], (BLOCK_M, BLOCK_K))
         else:
             xq = tl.load(x_ptrs + k)
@@ -154,7 +108,7 @@ def _fp8_linear_kernel(
     mask = (offs_n < N)[:, None] & (offs_m < M)[None, :]
     out = offs_m[None, :] * N + offs_n[:, None]  # [BN, BM] into row-major [M, N]
     if num_splits == 1:
-        tl.store(y_ptr + out, _bf16_bits(acc), mask=mask)
+        tl.store(y_ptr + out, bf16_bits(acc), mask=mask)
     else:
         tl.store(part_ptr + pid_k * M * N + out, acc, mask=mask)
         tl.debug_barrier()  # every thread's partial is issued before the ticket releases it
@@ -164,7 +118,7 @@ def _fp8_linear_kernel(
             total = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
             for s in range(num_splits):
                 total += tl.load(part_ptr + s * M * N + out, mask=mask, other=0.0, cache_modifier=".cg")
-            tl.store(y_ptr + out, _bf16_bits(total), mask=mask)
+            tl.store(y_ptr + out, bf16_bits(total), mask=mask)
             tl.atomic_xchg(ticket_ptr + pid_n * num_m_tiles + pid_m, 0)
 
 
@@ -182,14 +136,6 @@ class Fp8LinearConfig:
     fuse_quant: bool
 
 
-def _cdiv(a: int, b: int) -> int:
-    return -(-a // b)
-
-
-def _num_sms(device: torch.device) -> int:
-    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 132
-
-
 def pick_config(m: int, n: int, k: int, num_sms: int = 132) -> Fp8LinearConfig:
     """Launch shape by M (tuned with `benchmarks/kernels.py --sweep` on an H200, 2026-11-30).
 
@@ -201,12 +147,12 @@ def pick_config(m: int, n: int, k: int, num_sms: int = 132) -> Fp8LinearConfig:
       less than a wave (at M = 512 wq_a has 40 tiles and wkv 16 on 132 SMs).
     """
     if m > 64:
-        tiles = _cdiv(n, 128) * _cdiv(m, 128)
+        tiles = cdiv(n, 128) * cdiv(m, 128)
         split = max(1, min(num_sms // tiles, k // 1024))
         return Fp8LinearConfig(128, 128, 64, split, num_warps=8, num_stages=3, fuse_quant=False)
     fused = m <= 16
     block_n, block_m = (128, 16) if fused else (64, 32 if m <= 32 else 64)
-    tiles = _cdiv(n, block_n) * _cdiv(m, block_m)
+    tiles = cdiv(n, block_n) * cdiv(m, block_m)
     split = max(1, min(2 * num_sms // tiles, k // ((32 if fused else 8) * m)))
     return Fp8LinearConfig(block_n, block_m, 128, split, num_warps=8 if fused else 4, num_stages=3,
                            fuse_quant=fused)
@@ -219,7 +165,7 @@ def split_k_tickets(device: torch.device) -> Tensor:
     stream = torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0
     key = (device, stream)
     if key not in _TICKETS:
-        _TICKETS[key] = torch.zeros(_MAX_TICKETS, dtype=torch.int32, device=device)
+        _TICKETS[key] = torch.zeros(MAX_TICKETS, dtype=torch.int32, device=device)
     return _TICKETS[key]
 
 
@@ -239,7 +185,7 @@ def _act_quant_launch(x2: Tensor, qdq: bool) -> tuple[Tensor, Tensor]:
         s = torch.empty(r, k // BLOCK, dtype=torch.float32, device=x2.device)
     if r:
         block_r, block_k = 16, _block_k(k)
-        _act_quant_kernel[(_cdiv(r, block_r), k // block_k)](
+        _act_quant_kernel[(cdiv(r, block_r), k // block_k)](
             x2, q.view(torch.int16) if qdq else q.view(torch.uint8), s, r, k,
             BLOCK_R=block_r, BLOCK_K=block_k, QDQ=qdq)
     return q, s
@@ -279,15 +225,15 @@ def fp8_linear(x: Tensor, weight: Tensor, scale: Tensor, config: Fp8LinearConfig
     y = torch.empty(m, n, dtype=torch.bfloat16, device=x.device)
     if m == 0:
         return y.view(*x.shape[:-1], n)
-    cfg = config or pick_config(m, n, k, _num_sms(x.device))
+    cfg = config or pick_config(m, n, k, launch_sms(x.device))
     block_k = _block_k(k, cfg.block_k)
-    k_per_split = block_k * _cdiv(k // block_k, max(1, cfg.split_k))
-    num_splits = _cdiv(k, k_per_split)
-    tiles = _cdiv(n, cfg.block_n) * _cdiv(m, cfg.block_m)
+    k_per_split = block_k * cdiv(k // block_k, max(1, cfg.split_k))
+    num_splits = cdiv(k, k_per_split)
+    tiles = cdiv(n, cfg.block_n) * cdiv(m, cfg.block_m)
     xq = x2 if cfg.fuse_quant else fp8_act_qdq(x2)
     tickets = split_k_tickets(x.device)
     if num_splits > 1:
-        assert tiles <= _MAX_TICKETS, f"{tiles} tiles exceed the {_MAX_TICKETS} split-K tickets"
+        assert tiles <= MAX_TICKETS, f"{tiles} tiles exceed the {MAX_TICKETS} split-K tickets"
         part = torch.empty(num_splits, m, n, dtype=torch.float32, device=x.device)
     else:
         part = tickets.view(torch.float32)  # not read or written without a split

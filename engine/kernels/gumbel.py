@@ -40,6 +40,8 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
+from engine.kernels.triton_common import cdiv
+
 
 def _f32(v: float) -> float:
     """v rounded to fp32 (returned as the exactly representable Python float), so constants are exact."""
@@ -118,7 +120,7 @@ def _reduce(y):
 
 
 @triton.jit
-def _gumbel_from_bits(h):
+def gumbel_from_bits(h):
     """uint32 -> fp32 standard Gumbel -log(-log1p(-w)), w = (h + 1/2) 2^-32 (see the module docstring)."""
     w = tl.minimum(h.to(tl.float32) + 0.5, _C_W_MAX) * _C_TWO_M32
     fy, ky = _reduce(1.0 - w)
@@ -146,7 +148,7 @@ def _tile_noise(k0, k1, s0, s1, tile, BLOCK_J: tl.constexpr):
     lane = tl.arange(0, 4)[None, :]
     h = tl.where(lane == 0, r0[:, None], tl.where(lane == 1, r1[:, None], tl.where(lane == 2, r2[:, None],
                                                                                     r3[:, None])))
-    return j[:, None] * 4 + lane, _gumbel_from_bits(h)
+    return j[:, None] * 4 + lane, gumbel_from_bits(h)
 
 
 @triton.jit
@@ -183,10 +185,6 @@ def _gumbel_argmax_kernel(x_ptr, seed_ptr, step_ptr, val_ptr, idx_ptr, V, stride
 
 # --- host wrappers -----------------------------------------------------------------------------------------------
 
-def _cdiv(a: int, b: int) -> int:
-    return -(-a // b)
-
-
 def _check_keys(seeds: Tensor, steps: Tensor, num_rows: int, device: torch.device) -> None:
     for name, t in (("seeds", seeds), ("steps", steps)):
         assert t.dtype == torch.int64 and t.dim() == 1 and t.is_contiguous(), (
@@ -202,7 +200,7 @@ def gumbel_noise(seeds: Tensor, steps: Tensor, vocab_size: int) -> Tensor:
     assert 0 < vocab_size < 2**31 - 4, f"vocab_size {vocab_size} out of range"
     out = torch.empty(seeds.size(0), vocab_size, dtype=torch.float32, device=seeds.device)
     if seeds.size(0):
-        _gumbel_noise_kernel[(seeds.size(0), _cdiv(vocab_size, 4 * BLOCK_J))](
+        _gumbel_noise_kernel[(seeds.size(0), cdiv(vocab_size, 4 * BLOCK_J))](
             seeds, steps, out, vocab_size, BLOCK_J=BLOCK_J, enable_fp_fusion=False)
     return out
 
@@ -224,12 +222,12 @@ def gumbel_argmax(x: Tensor, seeds: Tensor, steps: Tensor, num_splits: int | Non
     assert 0 < vocab_size < 2**31 - 4 * 4 * block_j, f"vocab_size {vocab_size} out of range"
     if num_rows == 0:
         return torch.empty(0, dtype=torch.int64, device=x.device)
-    num_tiles = _cdiv(vocab_size, 4 * block_j)
+    num_tiles = cdiv(vocab_size, 4 * block_j)
     if num_splits is None:
         sms = torch.cuda.get_device_properties(x.device).multi_processor_count if x.is_cuda else 4
-        num_splits = _cdiv(_PROGRAMS_PER_SM * sms, num_rows)
-    tiles_per_split = _cdiv(num_tiles, max(1, min(num_splits, num_tiles)))
-    num_splits = _cdiv(num_tiles, tiles_per_split)
+        num_splits = cdiv(_PROGRAMS_PER_SM * sms, num_rows)
+    tiles_per_split = cdiv(num_tiles, max(1, min(num_splits, num_tiles)))
+    num_splits = cdiv(num_tiles, tiles_per_split)
     val = torch.empty(num_rows, num_splits, dtype=torch.float32, device=x.device)
     idx = torch.empty(num_rows, num_splits, dtype=torch.int32, device=x.device)
     _gumbel_argmax_kernel[(num_rows, num_splits)](
@@ -285,7 +283,7 @@ def _reduce_ref(y: Tensor) -> tuple[Tensor, Tensor]:
 
 
 def gumbel_from_bits_ref(h: Tensor) -> Tensor:
-    """int64 tensor of uint32 values -> fp32 Gumbel noise, op for op the kernel's _gumbel_from_bits."""
+    """int64 tensor of uint32 values -> fp32 Gumbel noise, op for op the kernel's gumbel_from_bits."""
     w = torch.clamp_max(h.to(torch.float32) + 0.5, _W_MAX) * _TWO_M32
     fy, ky = _reduce_ref(1.0 - w)
     near0 = w <= _W_NEAR0
@@ -296,7 +294,7 @@ def gumbel_from_bits_ref(h: Tensor) -> Tensor:
 
 def philox_bits_ref(seeds: Tensor, steps: Tensor, vocab_size: int) -> Tensor:
     """The 32 hash bits of every (row, token): int64 [N, V] holding uint32 values."""
-    j = torch.arange(_cdiv(vocab_size, 4), dtype=torch.int64, device=seeds.device)[None, :]  # [1, J]
+    j = torch.arange(cdiv(vocab_size, 4), dtype=torch.int64, device=seeds.device)[None, :]  # [1, J]
     zero = torch.zeros_like(j)
     r = philox4x32_10_ref((j, zero, (steps & _MASK32)[:, None], ((steps >> 32) & _MASK32)[:, None]),
                           (seeds & _MASK32)[:, None], ((seeds >> 32) & _MASK32)[:, None])  # 4 x [N, J]

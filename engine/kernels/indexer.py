@@ -37,7 +37,7 @@ import triton.language as tl
 from torch import Tensor
 
 from engine.kernels.cache_records import INDEX_K_BLOCK, fp4_record_bytes, unpack_index_k
-from engine.kernels.sparse_attention import _e2m1_to_fp32, _round_bf16
+from engine.kernels.triton_common import e2m1_to_fp32, round_bf16
 
 
 @triton.jit
@@ -52,14 +52,14 @@ def _tile_scores(q, w, pool_ptr, slot, t_ok, D: tl.constexpr, BLOCK_M: tl.conste
     code = tl.interleave(b & 15, b >> 4)  # [BT, D]: even element in the low nibble
     s = tl.load(pool_ptr + rec[:, None] + D // 2 + tl.arange(0, D // 32)[None, :], mask=t_ok[:, None],
                 other=0).to(tl.int32)
-    k = tl.reshape(_e2m1_to_fp32(code), (BLOCK_T, D // 32, 32)) * (s << 23).to(tl.float32, bitcast=True)[:, :, None]
+    k = tl.reshape(e2m1_to_fp32(code), (BLOCK_T, D // 32, 32)) * (s << 23).to(tl.float32, bitcast=True)[:, :, None]
     k = tl.reshape(k, (BLOCK_T, D))
     if DOT_F32:
         sh = tl.dot(q, tl.trans(k), input_precision="ieee")  # [MH, BT]
     else:
         sh = tl.dot(q, tl.trans(k.to(tl.bfloat16)))
-    p = _round_bf16(_round_bf16(tl.maximum(_round_bf16(sh), 0.0)) * w[:, None])  # bf16(relu(bf16 s) * w)
-    return _round_bf16(tl.sum(tl.reshape(p, (BLOCK_M, BLOCK_H, BLOCK_T)), axis=1))  # [BM, BT]
+    p = round_bf16(round_bf16(tl.maximum(round_bf16(sh), 0.0)) * w[:, None])  # bf16(relu(bf16 s) * w)
+    return round_bf16(tl.sum(tl.reshape(p, (BLOCK_M, BLOCK_H, BLOCK_T)), axis=1))  # [BM, BT]
 
 
 @triton.jit

@@ -49,10 +49,10 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from engine.kernels.fp8_linear import _bf16_bits, _cdiv, _MAX_TICKETS, _num_sms, split_k_tickets
+from engine.kernels.fp8_linear import MAX_TICKETS, split_k_tickets
 from engine.kernels.mhc_cuda import hc_mixes_cuda, mixes_cuda_applies
-from engine.kernels.norm import _rms_normalize, row_warps
-from engine.kernels.sparse_attention import _round_bf16
+from engine.kernels.norm import row_warps
+from engine.kernels.triton_common import bf16_bits, cdiv, launch_sms, rms_normalize, round_bf16
 from engine.model import mhc as golden
 from engine.model.layers import RMSNorm
 
@@ -195,9 +195,9 @@ def _hc_post_mixes_kernel(y_ptr, res_ptr, post_ptr, comb_ptr, out_ptr, fn_ptr, s
             cj = tl.load(comb_ptr + rows_m[:, None] * (HC * HC) + j * HC + kk[None, :])  # comb[m, j, k]
             rj = tl.load(res_ptr + (rows_m[:, None] * HC + j) * D + d[None, :]).to(tl.float32)
             xk += cj[:, :, None] * rj[:, None, :]
-        xk = _round_bf16(xk)  # the stream is bf16: the mixes see the rounded values
+        xk = round_bf16(xk)  # the stream is bf16: the mixes see the rounded values
         tl.store(out_ptr + (rows_m[:, None, None] * HC + kk[None, :, None]) * D + d[None, None, :],
-                 _bf16_bits(xk), mask=m_ok)
+                 bf16_bits(xk), mask=m_ok)
         x2 = tl.reshape(xk, (BLOCK_M, HC * BLOCK_D))
         sq += tl.sum(x2 * x2, axis=1)
         f = tl.load(fn_ptr + rows_f[:, None, None] * K + (kk * D)[None, :, None] + d[None, None, :])  # [W, HC, BD]
@@ -216,10 +216,10 @@ def _hc_pre_kernel(x_ptr, pre_ptr, w_ptr, out_ptr, D, eps, HC: tl.constexpr, BLO
     for k in tl.static_range(HC):
         xk = tl.load(x_ptr + (row * HC + k) * D + dd, mask=ok, other=0.0).to(tl.float32)
         c += tl.load(pre_ptr + row * HC + k) * xk
-    c = _round_bf16(c)  # the collapse is a bf16 tensor in the reference
+    c = round_bf16(c)  # the collapse is a bf16 tensor in the reference
     if NORM:  # one program holds the row (BLOCK_D >= D)
-        c = _rms_normalize(c, w_ptr, D, eps, BLOCK_D)
-    tl.store(out_ptr + row * D + dd, _bf16_bits(c), mask=ok)
+        c = rms_normalize(c, w_ptr, D, eps, BLOCK_D)
+    tl.store(out_ptr + row * D + dd, bf16_bits(c), mask=ok)
 
 
 @triton.jit
@@ -234,7 +234,7 @@ def _hc_post_kernel(y_ptr, res_ptr, post_ptr, comb_ptr, out_ptr, D, HC: tl.const
         cj = tl.load(comb_ptr + row * (HC * HC) + j * HC + kk)  # comb[j, k] over k: consumed transposed
         rj = tl.load(res_ptr + (row * HC + j) * D + dd, mask=ok, other=0.0).to(tl.float32)
         acc += cj[:, None] * rj[None, :]
-    tl.store(out_ptr + (row * HC + kk[:, None]) * D + dd[None, :], _bf16_bits(acc), mask=ok[None, :])
+    tl.store(out_ptr + (row * HC + kk[:, None]) * D + dd[None, :], bf16_bits(acc), mask=ok[None, :])
 
 
 # --- host wrappers -----------------------------------------------------------------------------------------------
@@ -268,7 +268,7 @@ def _check_post(y: Tensor, residual: Tensor, post: Tensor, comb: Tensor) -> tupl
 def _d_block(n: int, d: int, num_sms: int) -> int:
     """Largest power-of-two D tile in [128, 1024] that still gives >= 2 programs per SM."""
     bd = 1024
-    while bd > 128 and n * _cdiv(d, bd) < 2 * num_sms:
+    while bd > 128 and n * cdiv(d, bd) < 2 * num_sms:
         bd //= 2
     return min(bd, triton.next_power_of_2(d))
 
@@ -287,7 +287,7 @@ def mixes_launch_shape(m: int, k: int, num_sms: int = 132) -> tuple[int, int, in
         block_m, block_k, splits = 16, 64, max(1, min(80, k // 256))
     else:
         block_m, block_k = _block_m(m), 64
-        splits = max(1, min(2 * num_sms // max(1, _cdiv(m, block_m)), k // 512))
+        splits = max(1, min(2 * num_sms // max(1, cdiv(m, block_m)), k // 512))
     while k % block_k:
         block_k //= 2
     return block_m, block_k, splits
@@ -301,7 +301,7 @@ def post_mixes_launch_shape(m: int, d: int, hc: int, num_sms: int = 132) -> tupl
     block_d = max(4, (64 if block_m <= 32 else 32) // hc)
     while d % block_d:
         block_d //= 2
-    return block_m, block_d, max(1, min(2 * num_sms // max(1, _cdiv(m, block_m)), hc * d // 512))
+    return block_m, block_d, max(1, min(2 * num_sms // max(1, cdiv(m, block_m)), hc * d // 512))
 
 
 def _check_mix_params(fn: Tensor, scale: Tensor, base: Tensor, hc: int, d: int, iters: int,
@@ -321,7 +321,7 @@ def _mixes_buffers(n: int, hc: int, tiles: int, num_splits: int, device: torch.d
     post = torch.empty(n, hc, dtype=torch.float32, device=device)
     comb = torch.empty(n, hc, hc, dtype=torch.float32, device=device)
     if num_splits > 1:
-        assert tiles <= _MAX_TICKETS, f"{tiles} row tiles exceed the {_MAX_TICKETS} split-K tickets"
+        assert tiles <= MAX_TICKETS, f"{tiles} row tiles exceed the {MAX_TICKETS} split-K tickets"
         part = torch.empty(num_splits, n, g * hc, dtype=torch.float32, device=device)
     else:
         part = pre  # not read or written without a split
@@ -344,10 +344,10 @@ def hc_mixes(x: Tensor, fn: Tensor, scale: Tensor, base: Tensor, hc: int, iters:
     _check_mix_params(fn, scale, base, hc, d, iters, x.device)
     if launch is None and mixes_cuda_applies(x, hc):
         return hc_mixes_cuda(x, fn, scale, base, hc, iters, hc_eps, norm_eps, beside=beside)
-    block_m, block_k, splits = launch or mixes_launch_shape(n, k, _num_sms(x.device))
+    block_m, block_k, splits = launch or mixes_launch_shape(n, k, launch_sms(x.device))
     assert k % block_k == 0 and block_k >= 16, f"block_k = {block_k} must divide K = {k} (and be >= 16)"
-    k_per_split = block_k * _cdiv(k // block_k, max(1, splits))
-    num_splits, tiles = _cdiv(k, k_per_split), _cdiv(n, block_m)
+    k_per_split = block_k * cdiv(k // block_k, max(1, splits))
+    num_splits, tiles = cdiv(k, k_per_split), cdiv(n, block_m)
     pre, post, comb, part, tickets, g = _mixes_buffers(n, hc, tiles, num_splits, x.device)
     if n:
         _hc_mixes_kernel[(tiles * num_splits,)](
@@ -367,10 +367,10 @@ def hc_post_mixes(y: Tensor, residual: Tensor, post: Tensor, comb: Tensor, fn: T
     bounds. launch = (block_m, block_d, splits) overrides post_mixes_launch_shape."""
     n, d, hc = _check_post(y, residual, post, comb)
     _check_mix_params(fn, scale, base, hc, d, iters, y.device)
-    block_m, block_d, splits = launch or post_mixes_launch_shape(n, d, hc, _num_sms(y.device))
+    block_m, block_d, splits = launch or post_mixes_launch_shape(n, d, hc, launch_sms(y.device))
     assert d % block_d == 0 and hc * block_d >= 16, f"block_d = {block_d} must divide D = {d} (hc·block_d >= 16)"
-    d_per_split = block_d * _cdiv(d // block_d, max(1, splits))
-    num_splits, tiles = _cdiv(d, d_per_split), _cdiv(n, block_m)
+    d_per_split = block_d * cdiv(d // block_d, max(1, splits))
+    num_splits, tiles = cdiv(d, d_per_split), cdiv(n, block_m)
     out = torch.empty_like(residual)
     npre, npost, ncomb, part, tickets, g = _mixes_buffers(n, hc, tiles, num_splits, y.device)
     if n:
@@ -389,8 +389,8 @@ def _collapse(x: Tensor, pre: Tensor, w: Tensor | None, eps: float) -> Tensor:
     if n == 0:
         return out
     if w is None:
-        bd = _d_block(n, d, _num_sms(x.device))
-        _hc_pre_kernel[(n, _cdiv(d, bd))](x, pre, x, out.view(torch.int16), d, 0.0, HC=x.size(1), BLOCK_D=bd,
+        bd = _d_block(n, d, launch_sms(x.device))
+        _hc_pre_kernel[(n, cdiv(d, bd))](x, pre, x, out.view(torch.int16), d, 0.0, HC=x.size(1), BLOCK_D=bd,
                                           NORM=False, num_warps=4)
     else:
         assert w.dtype == torch.bfloat16 and tuple(w.shape) == (d,), (
@@ -418,8 +418,8 @@ def hc_post(y: Tensor, residual: Tensor, post: Tensor, comb: Tensor) -> Tensor:
     n, d, hc = _check_post(y, residual, post, comb)
     out = torch.empty_like(residual)
     if n:
-        bd = _d_block(n, d, _num_sms(y.device))
-        _hc_post_kernel[(n, _cdiv(d, bd))](y, residual, post, comb, out.view(torch.int16), d, HC=hc, BLOCK_D=bd,
+        bd = _d_block(n, d, launch_sms(y.device))
+        _hc_post_kernel[(n, cdiv(d, bd))](y, residual, post, comb, out.view(torch.int16), d, HC=hc, BLOCK_D=bd,
                                            num_warps=4)
     return out
 

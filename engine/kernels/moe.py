@@ -51,14 +51,13 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from engine.kernels.fp8_linear import (_MAX_TICKETS, _bf16_bits, _cdiv, _num_sms, _quant_blocks,
-                                       split_k_tickets, fp8_act_qdq, fp8_linear, stacked_fp8)
+from engine.kernels.fp8_linear import MAX_TICKETS, fp8_act_qdq, fp8_linear, split_k_tickets, stacked_fp8
 from engine.kernels.moe_fp4 import (MAX_PAIRS_PER_TILE, fp4_applies, moe_down_fp4, moe_up_fp4, plan_and_quant,
                                     route_cuda)
 from engine.kernels.side_stream import fork
-from engine.kernels.sparse_attention import _round_bf16
+from engine.kernels.triton_common import act_quant_blocks, bf16_bits, cdiv, launch_sms, round_bf16
 from engine.model.moe import MoE
-from engine.quant import BLOCK, _act_dequant, act_quant, act_quant_qdq, dequant_fp4_weight, exact_matmul
+from engine.quant import BLOCK, act_dequant, act_quant, act_quant_qdq, dequant_fp4_weight, exact_matmul
 
 _MAX_SCALE_CODE = 240  # E8M0 weight scales folded with 2^14 (see _fp4_pair) must stay below 2^127
 
@@ -99,7 +98,7 @@ def _x_tile(x_ptrs, xe_ptrs, k, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, QU
     """Columns k .. k + BK of the tile's activation rows as (even, odd, all) columns. QUANT_X: the rows are raw
     x and are act-quantised here (QDQ, exact); otherwise they already are."""
     if QUANT_X:
-        q, s = _quant_blocks(tl.reshape(tl.load(x_ptrs + k).to(tl.float32), (BLOCK_M, BLOCK_K // 32, 32)))
+        q, s = act_quant_blocks(tl.reshape(tl.load(x_ptrs + k).to(tl.float32), (BLOCK_M, BLOCK_K // 32, 32)))
         xn = tl.reshape(q * s[:, :, None], (BLOCK_M, BLOCK_K))
         xe, xo = tl.split(tl.reshape(xn, (BLOCK_M, BLOCK_K // 2, 2)))
     elif DOT_SCALED:
@@ -198,12 +197,12 @@ def gate_scores(x: Tensor, gate_weight: Tensor) -> Tensor:
     e = gate_weight.size(0)
     assert d % 32 == 0, f"D = {d} must be a multiple of 32"
     block_e, block_t, block_k = 64, 16, 128 if d % 128 == 0 else 32
-    programs = _cdiv(e, block_e) * max(1, _cdiv(t, block_t))
-    split = max(1, min(2 * _num_sms(x.device) // programs, d // (2 * block_k)))
-    k_per_split = block_k * _cdiv(d // block_k, split)
-    part = torch.empty(_cdiv(d, k_per_split), t, e, dtype=torch.float32, device=x.device)
+    programs = cdiv(e, block_e) * max(1, cdiv(t, block_t))
+    split = max(1, min(2 * launch_sms(x.device) // programs, d // (2 * block_k)))
+    k_per_split = block_k * cdiv(d // block_k, split)
+    part = torch.empty(cdiv(d, k_per_split), t, e, dtype=torch.float32, device=x.device)
     if t:
-        _gate_kernel[(_cdiv(e, block_e), part.size(0), _cdiv(t, block_t))](
+        _gate_kernel[(cdiv(e, block_e), part.size(0), cdiv(t, block_t))](
             x, gate_weight, part, t, e, d, k_per_split, BLOCK_E=block_e, BLOCK_T=block_t, BLOCK_K=block_k,
             DOT_F32=not x.is_cuda, num_warps=4)
     return part
@@ -314,12 +313,12 @@ def moe_plan(ids: Tensor, num_experts: int, block_m: int) -> MoePlan:
 @triton.jit
 def _up_epilogue(acc1, acc3, rw, out_ptr, rows, offs_n, mask, N, limit,
                  BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr, QDQ_OUT: tl.constexpr):
-    g, u = _round_bf16(acc1), _round_bf16(acc3)  # the golden's w1(x), w3(x) are bf16 linears
-    h = _round_bf16(_swiglu(g, u, limit) * rw[None, :])  # [BN, BM]
+    g, u = round_bf16(acc1), round_bf16(acc3)  # the golden's w1(x), w3(x) are bf16 linears
+    h = round_bf16(_swiglu(g, u, limit) * rw[None, :])  # [BN, BM]
     if QDQ_OUT:  # act_quant of h per 32 along N: the W2 GEMM's input
-        q, s = _quant_blocks(tl.reshape(tl.trans(h), (BLOCK_M, BLOCK_N // 32, 32)))
+        q, s = act_quant_blocks(tl.reshape(tl.trans(h), (BLOCK_M, BLOCK_N // 32, 32)))
         h = tl.trans(tl.reshape(q * s[:, :, None], (BLOCK_M, BLOCK_N)))
-    tl.store(out_ptr + rows[None, :] * N + offs_n[:, None], _bf16_bits(h), mask=mask)
+    tl.store(out_ptr + rows[None, :] * N + offs_n[:, None], bf16_bits(h), mask=mask)
 
 
 @triton.jit
@@ -420,7 +419,7 @@ def pick_gemm_config(max_tiles: int, n: int, k: int, block_m: int, num_sms: int 
     """128 weight rows per tile; K split until ~2 waves of programs stream the weights (decode); x quantised
     inside the up GEMM at 16-token tiles (re-quantising 32+ rows per weight tile costs more than a launch)."""
     block_n = 128 if n >= 128 else max(32, triton.next_power_of_2(n) // 2)
-    programs = max(1, max_tiles * _cdiv(n, block_n))
+    programs = max(1, max_tiles * cdiv(n, block_n))
     split = max(1, min(2 * num_sms // programs, k // 512))
     return MoeGemmConfig(block_n, 128, split, num_warps=8, num_stages=3, fuse_quant=block_m <= 16)
 
@@ -437,19 +436,19 @@ def _launch(x: Tensor, w: Tensor, ws: Tensor, out: Tensor, rw: Tensor, plan: Moe
     r, max_tiles = plan.sorted_pairs.numel(), plan.tile_rows.numel()
     if max_tiles == 0:
         return
-    cfg = config or pick_gemm_config(max_tiles, n, k, plan.block_m, _num_sms(x.device))
+    cfg = config or pick_gemm_config(max_tiles, n, k, plan.block_m, launch_sms(x.device))
     assert n % 32 == 0 and cfg.block_n % 32 == 0, f"N = {n} and block_n = {cfg.block_n} must be multiples of 32"
     assert not (cfg.dot_scaled and not x.is_cuda), "dot_scaled needs CUDA"
     quant_x = up and cfg.fuse_quant
     if up and not quant_x:
         x = fp8_act_qdq(x)
     block_k = _block_k(k, cfg.block_k)
-    k_per_split = block_k * _cdiv(k // block_k, max(1, cfg.split_k))
-    num_splits = _cdiv(k, k_per_split)
-    n_tiles = _cdiv(n, cfg.block_n)
+    k_per_split = block_k * cdiv(k // block_k, max(1, cfg.split_k))
+    num_splits = cdiv(k, k_per_split)
+    n_tiles = cdiv(n, cfg.block_n)
     tickets = split_k_tickets(x.device)
     if num_splits > 1:
-        assert n_tiles * max_tiles <= _MAX_TICKETS, f"{n_tiles * max_tiles} tiles exceed the split-K tickets"
+        assert n_tiles * max_tiles <= MAX_TICKETS, f"{n_tiles * max_tiles} tiles exceed the split-K tickets"
         part = torch.empty(num_splits, r, (2 if up else 1) * n, dtype=torch.float32, device=x.device)
         assert part.numel() < 2**31, f"int32 offsets: {tuple(part.shape)} partials"
     else:
@@ -548,7 +547,7 @@ def _swiglu_kernel(gu_ptr, h_ptr, N, limit, BLOCK: tl.constexpr):
     ok = offs < N
     g = tl.load(gu_ptr + t * 2 * N + offs, mask=ok, other=0.0).to(tl.float32)
     u = tl.load(gu_ptr + t * 2 * N + N + offs, mask=ok, other=0.0).to(tl.float32)
-    tl.store(h_ptr + t * N + offs, _bf16_bits(_swiglu(g, u, limit)), mask=ok)
+    tl.store(h_ptr + t * N + offs, bf16_bits(_swiglu(g, u, limit)), mask=ok)
 
 
 def shared_expert(x: Tensor, experts: ExpertWeights, limit: float) -> Tensor:
@@ -558,7 +557,7 @@ def shared_expert(x: Tensor, experts: ExpertWeights, limit: float) -> Tensor:
     gu = fp8_linear(x, experts.shared_w13, experts.shared_s13)  # [T, 2I]: bf16 w1(x) | bf16 w3(x)
     h = torch.empty(t, inter, dtype=torch.bfloat16, device=x.device)
     if t:
-        _swiglu_kernel[(t, _cdiv(inter, 1024))](gu, h.view(torch.int16), inter, float(limit), BLOCK=1024, num_warps=4)
+        _swiglu_kernel[(t, cdiv(inter, 1024))](gu, h.view(torch.int16), inter, float(limit), BLOCK=1024, num_warps=4)
     return fp8_linear(h, experts.shared_w2, experts.shared_s2)
 
 
@@ -572,9 +571,9 @@ def _combine_kernel(o_ptr, ids_ptr, shared_ptr, y_ptr, D, topk, BLOCK: tl.conste
     for j in range(topk):
         used = tl.load(ids_ptr + t * topk + j) >= 0
         o = tl.load(o_ptr + (t * topk + j).to(tl.int64) * D + offs, mask=ok & used, other=0.0)
-        acc += _round_bf16(o)  # the golden rounds each expert's W2 output to bf16
+        acc += round_bf16(o)  # the golden rounds each expert's W2 output to bf16
     acc += tl.load(shared_ptr + t * D + offs, mask=ok, other=0.0).to(tl.float32)
-    tl.store(y_ptr + t * D + offs, _bf16_bits(acc), mask=ok)
+    tl.store(y_ptr + t * D + offs, bf16_bits(acc), mask=ok)
 
 
 def moe_forward(x: Tensor, moe: MoE, experts: ExpertWeights, ids: Tensor | None = None,
@@ -611,7 +610,7 @@ def moe_forward(x: Tensor, moe: MoE, experts: ExpertWeights, ids: Tensor | None 
         shared = shared_expert(x, experts, moe.shared_experts.limit)
     y = torch.empty_like(x)
     if t:
-        _combine_kernel[(t, _cdiv(d, 1024))](o, ids, shared, y.view(torch.int16), d, ids.size(1), BLOCK=1024,
+        _combine_kernel[(t, cdiv(d, 1024))](o, ids, shared, y.view(torch.int16), d, ids.size(1), BLOCK=1024,
                                              num_warps=4)
     return y
 
@@ -625,7 +624,7 @@ def moe_up_ref(x: Tensor, experts: ExpertWeights, weights: Tensor, ids: Tensor, 
     then act_quant QDQ when qdq_out."""
     t, k = ids.shape
     inter = experts.inter
-    a = _act_dequant(*act_quant(x), BLOCK)  # [T, D] fp32, exact
+    a = act_dequant(*act_quant(x), BLOCK)  # [T, D] fp32, exact
     h = torch.zeros(t * k, inter, dtype=torch.bfloat16, device=x.device)
     for e in torch.unique(ids[ids >= 0]).tolist():
         rows, slot = torch.where(ids == e)
@@ -642,7 +641,7 @@ def moe_down_ref(h: Tensor, experts: ExpertWeights, ids: Tensor) -> Tensor:
     """Golden W2 per pair: h bf16 [T*k, I] by pair id -> fp32 [T*k, D] (the exact product rounded once to
     fp32; the golden then rounds to bf16). Rows of id -1 are zero."""
     flat = ids.reshape(-1)
-    a = _act_dequant(*act_quant(h), BLOCK)
+    a = act_dequant(*act_quant(h), BLOCK)
     out = torch.zeros(h.size(0), experts.w2.size(1), dtype=torch.float32, device=h.device)
     for e in torch.unique(flat[flat >= 0]).tolist():
         rows = torch.where(flat == e)[0]

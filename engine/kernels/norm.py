@@ -11,7 +11,7 @@ Like the reference's fp32 math, rows need Σ x^2 < 3.4e38 (|x| below ~1e17 at D 
 float64 has no such limit. An all-zero row gives zeros (0 · rsqrt(1e-20) = 0), as in the golden.
 
 Interpreter (TRITON_INTERPRET=1): inputs are upcast right after loading and the bf16 output is rounded
-with integer round-to-nearest-even (_bf16_bits), the same bits as on the GPU.
+with integer round-to-nearest-even (triton_common.bf16_bits), the same bits as on the GPU.
 """
 
 from __future__ import annotations
@@ -21,17 +21,8 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from engine.kernels.fp8_linear import _bf16_bits
+from engine.kernels.triton_common import bf16_bits, rms_normalize
 from engine.model.layers import RMSNorm
-
-
-@triton.jit
-def _rms_normalize(c, w_ptr, D, eps, BLOCK_D: tl.constexpr):
-    """fp32 row c [BLOCK_D] (zero past D) -> fp32 w * (c * rsqrt(mean(c^2) + eps)) [BLOCK_D]."""
-    dd = tl.arange(0, BLOCK_D)
-    w = tl.load(w_ptr + dd, mask=dd < D, other=0.0).to(tl.float32)
-    rstd = 1.0 / tl.sqrt_rn(tl.sum(c * c, axis=0) / D + eps)
-    return w * (c * rstd)
 
 
 @triton.jit
@@ -40,7 +31,7 @@ def _rms_norm_kernel(x_ptr, w_ptr, y_ptr, D, eps, BLOCK_D: tl.constexpr):
     dd = tl.arange(0, BLOCK_D)
     ok = dd < D
     x = tl.load(x_ptr + row * D + dd, mask=ok, other=0.0).to(tl.float32)
-    tl.store(y_ptr + row * D + dd, _bf16_bits(_rms_normalize(x, w_ptr, D, eps, BLOCK_D)), mask=ok)
+    tl.store(y_ptr + row * D + dd, bf16_bits(rms_normalize(x, w_ptr, D, eps, BLOCK_D)), mask=ok)
 
 
 def row_warps(block_d: int) -> int:

@@ -4,8 +4,8 @@
     out[..., D-rd+2j+1] = bf16(x_o * c_j + x_e * s_j)        (c, s) = the complex64 table at the position
     inverse: s -> -s (the conjugate). The first D-rd dims are copied unchanged.
 
-fp32 math (the reference's), with each product made exact by splitting cos/sin (see _rotate); the golden
-does the product in float64, so a result can differ by one bf16 ULP only where the fp32 sum lands within
+fp32 math (the reference's), with each product made exact by splitting cos/sin (see triton_common.rotate_pair);
+the golden does the product in float64, so a result can differ by one bf16 ULP only where the fp32 sum lands within
 ~2^-24 of a bf16 rounding tie (fp32 -> bf16 double rounding).
 The (cos, sin) table is the golden's complex64 table, viewed as real: fp32 [L, rd/2, 2].
 
@@ -25,7 +25,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from engine.kernels.fp8_linear import _bf16_bits
+from engine.kernels.triton_common import bf16_bits, bf16_to_fp32, rotate_pair
 from engine.model.rope import RotaryTable, apply_rotary
 
 
@@ -59,36 +59,6 @@ def check_positions(positions: Tensor, n: int, table: RopeTable, device: torch.d
 
 
 @triton.jit
-def _bf16_to_f32(bits):
-    """int16 bf16 bit patterns -> fp32 (exact)."""
-    return ((bits.to(tl.int32) & 0xFFFF) << 16).to(tl.float32, bitcast=True)
-
-
-@triton.jit
-def _split16(c):
-    """fp32 -> (hi, lo), hi = c's top 16 significant bits, lo = c - hi (<= 8 bits): a bf16 times either is exact."""
-    hi = (c.to(tl.int32, bitcast=True) & -256).to(tl.float32, bitcast=True)
-    return hi, c - hi
-
-
-@triton.jit
-def _rotate(e, o, c, s, INVERSE: tl.constexpr):
-    """One complex product per pair, (e + i o) * (c ± i s), for bf16-valued e, o and fp32 c, s.
-
-    The products are split so that every one is exact in fp32: (e c_hi - o s_hi) + (e c_lo - o s_lo)
-    carries an error of ~2^-24 of the result plus ~2^-40 of the terms, where a plain fp32 e c - o s has
-    2^-24 of the terms: under heavy cancellation (|result| < ~2^-16 |e c|) that exceeded a bf16 ULP of
-    the result. (An FMA contraction on the GPU changes nothing: the products are exact.)"""
-    if INVERSE:
-        s = -s
-    c_hi, c_lo = _split16(c)
-    s_hi, s_lo = _split16(s)
-    re = (e * c_hi - o * s_hi) + (e * c_lo - o * s_lo)
-    ro = (o * c_hi + e * s_hi) + (o * c_lo + e * s_lo)
-    return re, ro
-
-
-@triton.jit
 def _rope_kernel(x_ptr, out_ptr, pos_ptr, cs_ptr, H,
                  D: tl.constexpr, RD: tl.constexpr, BLOCK_H: tl.constexpr, HEAD_P2: tl.constexpr,
                  INVERSE: tl.constexpr, COPY_HEAD: tl.constexpr):
@@ -102,11 +72,11 @@ def _rope_kernel(x_ptr, out_ptr, pos_ptr, cs_ptr, H,
     c = tl.load(cs_ptr + pos * RD + 2 * j)[None, :]
     s = tl.load(cs_ptr + pos * RD + 2 * j + 1)[None, :]
     col = D - RD + 2 * j[None, :]
-    e = _bf16_to_f32(tl.load(x_ptr + row + col, mask=hm, other=0))
-    o = _bf16_to_f32(tl.load(x_ptr + row + col + 1, mask=hm, other=0))
-    re, ro = _rotate(e, o, c, s, INVERSE)
-    tl.store(out_ptr + row + col, _bf16_bits(re), mask=hm)
-    tl.store(out_ptr + row + col + 1, _bf16_bits(ro), mask=hm)
+    e = bf16_to_fp32(tl.load(x_ptr + row + col, mask=hm, other=0))
+    o = bf16_to_fp32(tl.load(x_ptr + row + col + 1, mask=hm, other=0))
+    re, ro = rotate_pair(e, o, c, s, INVERSE)
+    tl.store(out_ptr + row + col, bf16_bits(re), mask=hm)
+    tl.store(out_ptr + row + col + 1, bf16_bits(ro), mask=hm)
     if COPY_HEAD:
         hc = tl.arange(0, HEAD_P2)[None, :]
         hmask = hm & (hc < D - RD)

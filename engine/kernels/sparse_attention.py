@@ -41,35 +41,10 @@ from torch import Tensor
 
 from engine.kernels.cache_records import (MAIN_KV_BLOCK, SWA_BLOCK, fp4_record_bytes, swa_record_bytes,
                                           unpack_main_kv, unpack_swa)
+from engine.kernels.triton_common import e2m1_to_fp32, e4m3_to_fp32, round_bf16
 from engine.model.attention import sparse_attn
 
 SINK_FREE_MAX = tl.constexpr(-1e30)  # as engine.model.attention: running max seed
-
-
-@triton.jit
-def _e4m3_to_fp32(b):
-    """int32 E4M3 codes (0..255, no NaN) -> fp32."""
-    e = (b >> 3) & 15
-    m = b & 7
-    normal = (((e + 120) << 23) | (m << 20)).to(tl.float32, bitcast=True)
-    mag = tl.where(e == 0, m.to(tl.float32) * 0.001953125, normal)  # subnormal: m * 2^-9
-    return tl.where((b & 0x80) != 0, -mag, mag)
-
-
-@triton.jit
-def _e2m1_to_fp32(c):
-    """int32 E2M1 codes (0..15) -> fp32: 0, 0.5, 1, 1.5, 2, 3, 4, 6 with bit 3 the sign."""
-    e = (c >> 1) & 3
-    m = (c & 1).to(tl.float32)
-    mag = tl.where(e == 0, m * 0.5, (2.0 + m) * ((e + 125) << 23).to(tl.float32, bitcast=True))  # (2+m) 2^(e-2)
-    return tl.where((c & 8) != 0, -mag, mag)
-
-
-@triton.jit
-def _round_bf16(x):
-    """fp32 -> fp32 holding bf16(x), round to nearest even (finite x)."""
-    u = x.to(tl.int32, bitcast=True)
-    return ((u + 0x7FFF + ((u >> 16) & 1)) & -65536).to(tl.float32, bitcast=True)
 
 
 @triton.jit
@@ -84,17 +59,17 @@ def _load_rows(pool_ptr, idx_ptr, n0, n_rows, IS_MAIN: tl.constexpr, D: tl.const
         b = tl.load(pool_ptr + rec[:, None] + tl.arange(0, D // 2)[None, :], mask=ok, other=0).to(tl.int32)
         code = tl.interleave(b & 15, b >> 4)  # [BN, D]: even element in the low nibble
         s = tl.load(pool_ptr + rec[:, None] + D // 2 + tl.arange(0, D // 16)[None, :], mask=ok, other=0)
-        kv = tl.reshape(_e2m1_to_fp32(code), (BLOCK_N, D // 16, 16)) * _e4m3_to_fp32(s.to(tl.int32))[:, :, None]
+        kv = tl.reshape(e2m1_to_fp32(code), (BLOCK_N, D // 16, 16)) * e4m3_to_fp32(s.to(tl.int32))[:, :, None]
     else:
         rec = tl.maximum(slot, 0).to(tl.int64) * (D + D // 32)
         b = tl.load(pool_ptr + rec[:, None] + tl.arange(0, D)[None, :], mask=ok, other=0).to(tl.int32)
         s = tl.load(pool_ptr + rec[:, None] + D + tl.arange(0, D // 32)[None, :], mask=ok, other=0).to(tl.int32)
-        kv = tl.reshape(_e4m3_to_fp32(b), (BLOCK_N, D // 32, 32)) * (s << 23).to(tl.float32, bitcast=True)[:, :, None]
+        kv = tl.reshape(e4m3_to_fp32(b), (BLOCK_N, D // 32, 32)) * (s << 23).to(tl.float32, bitcast=True)[:, :, None]
     return tl.reshape(kv, (BLOCK_N, D)), valid
 
 
 @triton.jit
-def _logits(q, kv, valid, scale, DOT_F32: tl.constexpr):
+def masked_logits(q, kv, valid, scale, DOT_F32: tl.constexpr):
     """q [BH, D], kv fp32 [BN, D] -> scale * q kv^T [BH, BN] fp32, -inf where the row is invalid."""
     if DOT_F32:
         s = tl.dot(q, tl.trans(kv), input_precision="ieee")
@@ -108,7 +83,7 @@ def _max_denom_pass(q, pool_ptr, idx_ptr, lo, hi, m_i, l_i, scale,
                     IS_MAIN: tl.constexpr, D: tl.constexpr, BLOCK_N: tl.constexpr, DOT_F32: tl.constexpr):
     for n0 in range(lo, hi, BLOCK_N):
         kv, valid = _load_rows(pool_ptr, idx_ptr, n0, hi, IS_MAIN, D, BLOCK_N)
-        s = _logits(q, kv, valid, scale, DOT_F32)
+        s = masked_logits(q, kv, valid, scale, DOT_F32)
         m_new = tl.maximum(m_i, tl.max(s, axis=1))
         l_i = l_i * tl.exp(m_i - m_new) + tl.sum(tl.exp(s - m_new[:, None]), axis=1)
         m_i = m_new
@@ -120,7 +95,7 @@ def _pv_pass(q, pool_ptr, idx_ptr, lo, hi, m_i, acc, scale,
              IS_MAIN: tl.constexpr, D: tl.constexpr, BLOCK_N: tl.constexpr, DOT_F32: tl.constexpr):
     for n0 in range(lo, hi, BLOCK_N):
         kv, valid = _load_rows(pool_ptr, idx_ptr, n0, hi, IS_MAIN, D, BLOCK_N)
-        p = _round_bf16(tl.exp(_logits(q, kv, valid, scale, DOT_F32) - m_i[:, None]))  # golden: bf16(p)
+        p = round_bf16(tl.exp(masked_logits(q, kv, valid, scale, DOT_F32) - m_i[:, None]))  # golden: bf16(p)
         if DOT_F32:
             acc = tl.dot(p, kv, acc, input_precision="ieee")
         else:

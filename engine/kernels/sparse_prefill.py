@@ -40,8 +40,8 @@ import triton.language as tl
 from torch import Tensor
 
 from engine.kernels.sparse_decode import decode_applies, sparse_attn_decode
-from engine.kernels.sparse_attention import (SINK_FREE_MAX, _e4m3_to_fp32, _logits, _round_bf16, check_attn_args,
-                                              sparse_attn_paged)
+from engine.kernels.sparse_attention import SINK_FREE_MAX, check_attn_args, masked_logits, sparse_attn_paged
+from engine.kernels.triton_common import e4m3_to_fp32, round_bf16
 
 # Queries per call up to which `sparse_attn` runs the decode kernel: its row splits (10 programs per
 # query and head block at KW = 128, KM = 512) keep the 132 SMs busy when M·H/64 programs would not.
@@ -87,7 +87,7 @@ def _dequant(codes, scales, IS_MAIN: tl.constexpr, D: tl.constexpr, BLOCK_N: tl.
     are split off with in-thread joins, so each thread's 8 (main) or 4 (SWA) values are consecutive."""
     if IS_MAIN:
         wi = tl.arange(0, D // 8)
-        s = _e4m3_to_fp32((scales >> (8 * ((wi // 2) % 4))[None, :]) & 255)  # [BN, D/8]
+        s = e4m3_to_fp32((scales >> (8 * ((wi // 2) % 4))[None, :]) & 255)  # [BN, D/8]
         c = _halves(_halves(_halves(codes, 16), 8), 4)  # [BN, D/8, 2, 2, 2]: element 8w + 4h + 2b + n
         x = (((c & 8) << 28) | ((c & 7) << 22)).to(tl.float32, bitcast=True) * 8.507059173023462e37  # 2^126
         kv = x * s[:, :, None, None, None]
@@ -121,9 +121,9 @@ def _list_pass(q, pool_ptr, idx_ptr, K, scale, m_i, l_i, acc,
         else:
             codes, scales = _fetch(pool_ptr, slot, IS_MAIN, D)
         kv = _dequant(codes, scales, IS_MAIN, D, BLOCK_N)
-        s = _logits(q, kv, slot >= 0, scale, DOT_F32)
+        s = masked_logits(q, kv, slot >= 0, scale, DOT_F32)
         if PV:
-            p = _round_bf16(tl.exp(s - m_i[:, None]))  # golden: bf16(p) with the final max
+            p = round_bf16(tl.exp(s - m_i[:, None]))  # golden: bf16(p) with the final max
             if DOT_F32:
                 acc = tl.dot(p, kv, acc, input_precision="ieee")
             else:

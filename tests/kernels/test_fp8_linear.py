@@ -18,7 +18,7 @@ import torch
 from engine.kernels.fp8_linear import (Fp8LinearConfig, split_k_tickets, fp8_act_qdq, fp8_act_quant, fp8_linear,
                                        fp8_linear_ref, layer_shapes, pick_config)
 from engine.presets import full_config
-from engine.quant import _act_dequant, act_quant, act_quant_qdq, dequant_fp8_weight, linear, quant_fp8_weight
+from engine.quant import act_dequant, act_quant, act_quant_qdq, dequant_fp8_weight, linear, quant_fp8_weight
 
 CPU_EPS = 2.0**-16
 GPU_EPS = 2.0**-14
@@ -39,7 +39,7 @@ def _problem(m: int, n: int, k: int, device: str = "cpu", seed: int = 0):
 
 def _abs_sum(x, qw, sw):
     """S[m, n] = Σ_k |a[m, k]| |w[n, k]| with the dequantised operands (float64)."""
-    a = _act_dequant(*act_quant(x), 32).double().abs()
+    a = act_dequant(*act_quant(x), 32).double().abs()
     return a @ dequant_fp8_weight(qw, sw).double().abs().T
 
 

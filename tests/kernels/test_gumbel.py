@@ -17,7 +17,7 @@ import torch
 import triton
 import triton.language as tl
 
-from engine.kernels.gumbel import (_gumbel_from_bits, gumbel_argmax, gumbel_argmax_ref, gumbel_from_bits_ref,
+from engine.kernels.gumbel import (gumbel_argmax, gumbel_argmax_ref, gumbel_from_bits, gumbel_from_bits_ref,
                                    gumbel_noise, gumbel_noise_ref, philox4x32_10_ref, philox_bits_ref)
 
 gpu = pytest.mark.gpu
@@ -75,7 +75,7 @@ def _randint4x_kernel(out_ptr, seed, BLOCK: tl.constexpr):
 def _bits_to_gumbel_kernel(h_ptr, out_ptr, n, BLOCK: tl.constexpr):
     offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     h = tl.load(h_ptr + offs, mask=offs < n, other=0).to(tl.uint32)
-    tl.store(out_ptr + offs, _gumbel_from_bits(h), mask=offs < n)
+    tl.store(out_ptr + offs, gumbel_from_bits(h), mask=offs < n)
 
 
 def bits_to_gumbel(h: torch.Tensor) -> torch.Tensor:

@@ -30,7 +30,7 @@ from engine.kernels.indexer import index_scores, index_scores_ref
 from engine.kernels.indexer_cuda import (MAX_ROWS, RECORD_BYTES, ScanParams, declare, grid_size, index_scores_cuda,
                                          pick_params, scan_applies, shape_supported, smem_bytes, valid_params)
 from engine.presets import full_config
-from engine.quant import _fp4_byte_table
+from engine.quant import fp4_byte_table
 from tests.kernels.test_indexer import _problem
 from tests.kernels.test_moe_fp4 import _e2m1_pair  # dsv41::e2m1_pair<J> of cuda/common.cuh (bits low, high)
 
@@ -257,7 +257,7 @@ def test_emulation_fails_under_a_mutated_index(mutation):
 
 
 def test_e2m1_pair_places_the_value_times_2_pow_minus_14():
-    table = _fp4_byte_table(torch.device("cpu")).view(256, 2)
+    table = fp4_byte_table(torch.device("cpu")).view(256, 2)
     for wd in (0x76543210, 0xFEDCBA98, 0x0F1E2D3C, 0x89ABCDEF):
         values = [table[(wd >> (8 * b)) & 0xFF, i].item() for b in range(4) for i in range(2)]
         for j in range(4):

@@ -38,7 +38,7 @@ from engine.model.layers import Linear
 from engine.model.moe import MoE
 from engine.presets import full_config, tiny_config
 from engine.tools.random_moe import random_moe
-from engine.quant import (_act_dequant, act_quant, act_quant_qdq, dequant_fp4_weight, dequant_fp8_weight,
+from engine.quant import (act_dequant, act_quant, act_quant_qdq, dequant_fp4_weight, dequant_fp8_weight,
                           quant_fp4_weight, quant_fp8_weight)
 
 gpu = pytest.mark.gpu
@@ -193,7 +193,7 @@ def _gu_ref(x: torch.Tensor, ex: ExpertWeights, ids: torch.Tensor) -> tuple[torc
     """Golden bf16 pre-activations [w1(x) | w3(x)] per pair, float64 [T*k, 2I], and S = Σ_i |A(x)_i| |W_i| of
     each (the scale of the fp32 summation-order error)."""
     t, k = ids.shape
-    a = _act_dequant(*act_quant(x), 32).double()
+    a = act_dequant(*act_quant(x), 32).double()
     out = torch.zeros(t * k, 2 * ex.inter, dtype=torch.float64, device=x.device)
     mag = torch.zeros_like(out)
     for e in torch.unique(ids[ids >= 0]).tolist():  # dropped pairs (id -1) stay zero, as moe_up_ref's
@@ -338,7 +338,7 @@ def _forward_bound(x: torch.Tensor, moe: MoE, ex: ExpertWeights, ref: torch.Tens
     mag += sh(x).double().abs()
     g, u = sh.w1(x).double(), sh.w3(x).double()
     h_sh = (F.silu(g.clamp(max=LIMIT)) * u.clamp(-LIMIT, LIMIT)).bfloat16()
-    a = _act_dequant(*act_quant(h_sh), 32).double().abs()
+    a = act_dequant(*act_quant(h_sh), 32).double().abs()
     s_shared = a @ dequant_fp8_weight(abs_ex.shared_w2, ex.shared_s2).double().T
     s = s_routed + s_shared
     return _ulp(ref) + 2.0**-7 * mag + 2.0**-8 * s

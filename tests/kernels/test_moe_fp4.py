@@ -17,7 +17,7 @@ import torch
 from engine.kernels import cuda_build
 from engine.kernels.moe_fp4 import CHUNK, Fp4Params, declare, dequant_rows, pick_params, smem_bytes
 from engine.presets import full_config
-from engine.quant import _fp4_byte_table
+from engine.quant import fp4_byte_table
 
 needs_nvcc = pytest.mark.skipif(cuda_build.nvcc_path() is None, reason="needs nvcc")
 CUDA_INVALID_VALUE = 1  # cudaErrorInvalidValue
@@ -96,7 +96,7 @@ def _f16(bits: int) -> float:
 
 
 def test_nibble_bit_placement_is_the_e2m1_value_times_2_pow_minus_14():
-    table = _fp4_byte_table(torch.device("cpu")).view(256, 2)  # byte -> (low nibble value, high nibble value)
+    table = fp4_byte_table(torch.device("cpu")).view(256, 2)  # byte -> (low nibble value, high nibble value)
     for w in (0x76543210, 0xFEDCBA98, 0x0F1E2D3C, 0x89ABCDEF):
         values = [table[(w >> (8 * b)) & 0xFF, i].item() for b in range(4) for i in range(2)]  # elements 0..7
         for j in range(4):
@@ -123,7 +123,7 @@ def test_fragments_compute_each_32_block_dot_product():
     """One 32-block of 16 weight rows x 8 tokens through the kernel's data path equals the plain product."""
     g_ = torch.Generator().manual_seed(0)
     wbytes = torch.randint(0, 256, (16, 16), generator=g_, dtype=torch.int32)  # rows x 16 bytes (32 elements)
-    table = _fp4_byte_table(torch.device("cpu")).view(256, 2).double()
+    table = fp4_byte_table(torch.device("cpu")).view(256, 2).double()
     w = table[wbytes.long()].reshape(16, 32)  # natural order: element 2i low nibble, 2i + 1 high nibble of byte i
     x = torch.randint(-448, 449, (8, 32), generator=g_).double()  # stand-ins for E4M3 codes (exact in f16/f64)
     x_perm = x.view(8, 4, 8)[:, :, PERM8].reshape(8, 32)  # as quant_rows stores them
