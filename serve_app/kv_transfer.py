@@ -89,7 +89,7 @@ class TransferAgent:
             f"dst {dst.dtype} {dst.shape}"
         t0 = time.perf_counter()
         peer = self.connect(peer_metadata)
-        local, remote = _coalesce(dst.ctypes.data, [b.address for b in blocks], nbytes)
+        local, remote = coalesce_reads(dst.ctypes.data, [b.address for b in blocks], nbytes)
         try:
             handle = self._agent.initialize_xfer("READ", self._agent.get_xfer_descs(local, "DRAM"),
                                                  self._agent.get_xfer_descs(remote, "DRAM"), peer)
@@ -165,7 +165,7 @@ class TransferAgent:
             self._staging = self._new_staging(self._staging.size)
 
 
-def _coalesce(local_base: int, remote: list[int], nbytes: int) -> tuple[list[tuple[int, int, int]], list[tuple[int, int, int]]]:
+def coalesce_reads(local_base: int, remote: list[int], nbytes: int) -> tuple[list[tuple[int, int, int]], list[tuple[int, int, int]]]:
     """NIXL descriptor lists (address, length, device) for reading blocks at `remote` into consecutive
     rows at local_base, one descriptor per run of adjacent remote slots (a stored chain usually is one)."""
     local_descs, remote_descs = [], []

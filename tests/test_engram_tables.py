@@ -20,7 +20,7 @@ from engine.engram_tables import (
     next_history,
     token_map_cache_name,
 )
-from engine.tokenizer import _package_file, load_tokenizer, write_tokenizer_files
+from engine.tokenizer import load_tokenizer, package_file, write_tokenizer_files
 
 # the released config (spec 2.2 / 4.3)
 LAYERS, MAX_N, HEADS, VOCAB_START, PAD = (1, 14), 4, 8, 16000000, 2
@@ -66,7 +66,7 @@ def test_token_map_on_v41_tokenizer(tok, token_map):
 
 
 def test_v4_and_v41_maps_agree(token_map):
-    v4 = tokenizers.Tokenizer.from_file(str(_package_file("tokenizer.json")))
+    v4 = tokenizers.Tokenizer.from_file(str(package_file("tokenizer.json")))
     v4_map, v4_num = compute_compressed_token_map(v4)
     assert v4_num == token_map[1] and np.array_equal(v4_map, token_map[0])
 

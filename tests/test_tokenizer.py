@@ -5,9 +5,9 @@ import pytest
 
 from engine.tokenizer import (
     V41_RENAMES,
-    _package_file,
-    _patch_v41_spellings,
     load_tokenizer,
+    package_file,
+    patch_v41_spellings,
     v41_tokenizer_json,
     write_tokenizer_files,
 )
@@ -49,7 +49,7 @@ def tok(ckpt_dir):
 
 
 def test_patched_json_renames_exactly_two_tokens():
-    v4 = json.loads(_package_file("tokenizer.json").read_text(encoding="utf-8"))
+    v4 = json.loads(package_file("tokenizer.json").read_text(encoding="utf-8"))
     text = v41_tokenizer_json()
     v41 = json.loads(text)
     assert "<｜place▁holder▁no▁799｜>" not in text and "<｜image2｜>" not in text
@@ -69,12 +69,12 @@ def test_patched_json_renames_exactly_two_tokens():
 
 
 def test_patch_refuses_unexpected_v4_file():
-    v4 = json.loads(_package_file("tokenizer.json").read_text(encoding="utf-8"))
+    v4 = json.loads(package_file("tokenizer.json").read_text(encoding="utf-8"))
     for t in v4["added_tokens"]:
         if t["id"] == 129264:
             t["content"] = "<｜something▁else｜>"
     with pytest.raises(ValueError, match="129264"):
-        _patch_v41_spellings(json.dumps(v4, ensure_ascii=False))
+        patch_v41_spellings(json.dumps(v4, ensure_ascii=False))
 
 
 def test_special_ids_match_spec(tok):

@@ -146,7 +146,7 @@ def _scale_name(weight_name: str) -> str:
     return weight_name.removesuffix(".weight") + ".scale"
 
 
-def _split_shards(names: list[str], sizes: dict[str, int], max_shard_bytes: int) -> list[list[str]]:
+def split_shards(names: list[str], sizes: dict[str, int], max_shard_bytes: int) -> list[list[str]]:
     """Consecutive runs of tensors, each under max_shard_bytes unless one tensor is larger; at least two."""
     shards: list[list[str]] = [[]]
     used = 0
@@ -169,7 +169,7 @@ def make_checkpoint(out_dir: str | Path, cfg: ModelConfig, seed: int = 0, *,
     (out_dir / "inference").mkdir(parents=True, exist_ok=True)
     tensors = generate_tensors(cfg, seed)
     sizes = {n: t.numel() * t.element_size() for n, t in tensors.items()}
-    shards = _split_shards(list(tensors), sizes, max_shard_bytes)
+    shards = split_shards(list(tensors), sizes, max_shard_bytes)
     weight_map: dict[str, str] = {}
     for k, names in enumerate(shards, start=1):
         fname = f"model-{k:05d}-of-{len(shards):05d}.safetensors"

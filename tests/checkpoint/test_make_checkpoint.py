@@ -16,7 +16,7 @@ from engine.checkpoint import expected_tensors, load_checkpoint
 from engine.config import ModelConfig, load_config
 from engine.quant import dequant_fp4_weight, dequant_fp8_weight
 from engine.tokenizer import load_tokenizer
-from engine.tools.make_checkpoint import _split_shards, main, make_checkpoint, unquantized_weight
+from engine.tools.make_checkpoint import main, make_checkpoint, split_shards, unquantized_weight
 
 REPO = Path(__file__).resolve().parents[2]
 SHARD_RE = re.compile(r"model-(\d{5})-of-(\d{5})\.safetensors")
@@ -132,5 +132,5 @@ def test_cli_needs_out_for_tiny(capsys):
 
 def test_split_shards():
     sizes = {"a": 10, "b": 10, "c": 25, "d": 1}
-    assert _split_shards(list(sizes), sizes, 20) == [["a", "b"], ["c"], ["d"]]
-    assert _split_shards(list(sizes), sizes, 10**9) == [["a", "b"], ["c", "d"]]  # always at least two
+    assert split_shards(list(sizes), sizes, 20) == [["a", "b"], ["c"], ["d"]]
+    assert split_shards(list(sizes), sizes, 10**9) == [["a", "b"], ["c", "d"]]  # always at least two

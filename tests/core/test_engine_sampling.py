@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine.core.engine import _SEED_STEP, EngineConfig, LLMEngine, RequestError
+from engine.core.engine import EngineConfig, LLMEngine, RequestError
 from engine.core.request import FinishReason
 from engine.core.sampling_params import SamplingParams
 from tests.core.conftest import random_prompt, run_engine
@@ -14,6 +14,9 @@ from tests.core.conftest import random_prompt, run_engine
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 SAMPLED = SamplingParams(max_tokens=6, temperature=0.9, top_p=0.95, top_k=50, seed=1234)
+# The engine's rule (engine.core.engine._sibling_seed), stated here as the contract: choice i of a seeded
+# n > 1 request draws with seed (seed + i * SIBLING_SEED_STEP) mod 2^63.
+SIBLING_SEED_STEP = 0x9E3779B97F4A7C15
 
 
 def fresh(model, **kw) -> LLMEngine:
@@ -64,7 +67,7 @@ def test_n_choices_share_one_prompt_computation(tiny_model):
     choices = [results["g"][0], results["g/1"][0], results["g/2"][0]]
     assert engine.stats.num_computed_tokens == len(prompt) + 3 * (SAMPLED.max_tokens - 1)
     for i, tokens in enumerate(choices):
-        seed = (SAMPLED.seed + i * _SEED_STEP) % 2**63
+        seed = (SAMPLED.seed + i * SIBLING_SEED_STEP) % 2**63
         alone = run_engine(fresh(model), {"c": prompt}, SamplingParams(**{**_kw(SAMPLED), "seed": seed}))["c"][0]
         assert tokens == alone, f"choice {i}"
     assert len({tuple(c) for c in choices}) == 3

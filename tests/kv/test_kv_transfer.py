@@ -121,8 +121,8 @@ def test_pull_from_an_owner_process_then_the_owner_dies():
 
 
 def test_adjacent_slots_coalesce_into_one_descriptor():
-    from serve_app.kv_transfer import _coalesce
+    from serve_app.kv_transfer import coalesce_reads
 
-    local, remote = _coalesce(1000, [50, 60, 70, 10, 20, 90], 10)
+    local, remote = coalesce_reads(1000, [50, 60, 70, 10, 20, 90], 10)
     assert remote == [(50, 30, 0), (10, 20, 0), (90, 10, 0)]
     assert local == [(1000, 30, 0), (1030, 20, 0), (1050, 10, 0)]
