@@ -50,7 +50,7 @@ def _name(p: DecodeParams) -> str:
 def _within_tol(o, args, scale) -> bool:
     import pytest
 
-    from tests.kernels.test_sparse_attention import assert_attn_close  # the test's tolerance
+    from tests.kernels.numeric import assert_attn_close  # the test's tolerance
     try:
         assert_attn_close(o, sparse_attn_paged_ref(*args, scale), args, scale, "bench")
     except (AssertionError, pytest.fail.Exception):

@@ -15,7 +15,7 @@ import triton.language as tl
 
 from engine.kernels.sparse_attention import sparse_attn_paged, sparse_attn_paged_ref
 from tests.kernels.bounds_check import BoundsChecker
-from tests.kernels.test_sparse_attention import _problem, assert_attn_close
+from tests.kernels.numeric import assert_attn_close, sparse_attn_problem
 
 gpu = pytest.mark.gpu
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
@@ -53,7 +53,7 @@ def test_sparse_attn_paged_in_bounds_cpu(m, h, block_h, rows_per_split):
     """The tiny preset's decode attention (H = 4 heads of 64 in a head block of 16 or 32, several splits):
     every access inside its tensors, and the output still the golden's."""
     kw, km, d = 19, 23, 64
-    args = _problem(m, h, d, kw, km, swa_slots=32, main_slots=48, seed=7 + m)
+    args = sparse_attn_problem(m, h, d, kw, km, swa_slots=32, main_slots=48, seed=7 + m)
     scale = d ** -0.5
     with BoundsChecker() as bc:
         o = sparse_attn_paged(*args, scale, block_h=block_h, block_n=16, rows_per_split=rows_per_split)
@@ -70,7 +70,7 @@ def test_sparse_attn_paged_tiny_heads_cuda(m):
     read faults on the GPU only by allocation layout: run this under `compute-sanitizer --tool memcheck`
     to check the accesses themselves (the CPU tests above check them exactly)."""
     kw, km, d, h = 19, 23, 64, 4
-    args = _problem(m, h, d, kw, km, swa_slots=32, main_slots=48, device="cuda", seed=7 + m)
+    args = sparse_attn_problem(m, h, d, kw, km, swa_slots=32, main_slots=48, device="cuda", seed=7 + m)
     scale = d ** -0.5
     o = sparse_attn_paged(*args, scale)
     torch.cuda.synchronize()

@@ -12,7 +12,7 @@ import torch
 
 from engine.kernels.engram_gate import engram_gate, engram_gate_ref
 from engine.presets import full_config
-from tests.kernels.test_norm_mhc import assert_bf16_close
+from tests.kernels.numeric import assert_bf16_close
 
 gpu = pytest.mark.gpu
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")

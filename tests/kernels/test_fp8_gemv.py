@@ -2,7 +2,7 @@
 
 CPU: the source compiles with nvcc (skipped without nvcc), the launcher rejects parameters outside its
 contract before touching a device, the Python wrapper asserts its contract, launch shapes are valid.
-GPU: real shapes x M against fp8_linear_ref (|y - ref| <= 1 bf16 ULP + GPU_EPS * Σ|a||w|, see
+GPU: real shapes x M against fp8_linear_ref (|y - ref| <= 1 bf16 ULP + FP8_LINEAR_GPU_EPS * Σ|a||w|, see
 test_fp8_linear.py), every kernel instance on odd shapes, the fused act_quant bitwise (identity weight),
 determinism, CUDA-graph capture, and fp8_linear's dispatch.
 
@@ -34,7 +34,9 @@ from engine.kernels.fp8_gemv import (MAX_K, MAX_M, GemvParams, bf16_exact_stage,
 from engine.kernels.fp8_linear import fp8_linear, fp8_linear_ref
 from engine.presets import full_config
 from engine.quant import act_quant_qdq, dequant_fp8_weight, quant_fp8_weight
-from tests.kernels.test_fp8_linear import GPU_EPS, _awkward_rows, _problem, assert_fp8_linear_close, real_shapes
+from tests.kernels.numeric import (FP8_LINEAR_GPU_EPS, assert_fp8_linear_close, awkward_act_rows, bf16_ulp,
+                                   fp8_linear_problem)
+from tests.kernels.test_fp8_linear import real_shapes
 
 gpu = pytest.mark.gpu
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
@@ -122,7 +124,7 @@ def test_build_is_keyed_by_source(tmp_path, monkeypatch):
 
 
 def test_contract_is_asserted():
-    x, qw, sw = _problem(3, 64, 64)
+    x, qw, sw = fp8_linear_problem(3, 64, 64)
     with pytest.raises(AssertionError, match="bf16"):
         fp8_gemv(x.float(), qw, sw)
     with pytest.raises(AssertionError, match="float8_e4m3fn"):
@@ -136,7 +138,7 @@ def test_contract_is_asserted():
     with pytest.raises(AssertionError, match="needs scale"):
         fp8_gemv(x, qw, sw[:1].contiguous())
     with pytest.raises(AssertionError, match=f"at most {MAX_M} rows"):
-        fp8_gemv(_problem(MAX_M + 1, 64, 64)[0], qw, sw)
+        fp8_gemv(fp8_linear_problem(MAX_M + 1, 64, 64)[0], qw, sw)
     with pytest.raises(AssertionError, match="CUDA device"):
         fp8_gemv(x, qw, sw)
     assert not gemv_applies(x, qw), "CPU tensors must stay on the Triton path"
@@ -178,8 +180,7 @@ def assert_bf16_exact_close(y, x, qw, sw, groups: int, what: str, min_bitwise: f
     s_abs = torch.einsum("mgd,grd->mgr", xd.abs(), w).flatten()
     t_tiny = torch.einsum("mgd,grd->mgr", (xd - _staged(x.reshape(-1, groups, k))).abs(), w).flatten()
     yf, rf = y.double().flatten(), ref.double().flatten()
-    _, e = torch.frexp(rf.abs().clamp_min(2.0**-100))
-    ulp = torch.ldexp(torch.ones_like(rf), (e - 8).clamp_min(-132))  # bf16: 8 bits; subnormal quantum 2^-133
+    ulp = bf16_ulp(rf, 2.0**-100)
     allowed = ulp + exact_eps(k) * s_abs + t_tiny
     err = (yf - rf).abs()
     bad = ~(err <= allowed)  # NaN fails
@@ -195,7 +196,7 @@ def assert_bf16_exact_close(y, x, qw, sw, groups: int, what: str, min_bitwise: f
 
 def _grouped_problem(m: int, groups: int, n: int, k: int, device: str = "cpu", seed: int = 0):
     """x bf16 [m, G, K] (wide dynamic range, a zero row, a loud block) and the stacked FP8 weight [G·n, K]."""
-    x, qw, sw = _problem(m, groups * n, groups * k, seed=seed)  # x [m, G·K]: the same value mix
+    x, qw, sw = fp8_linear_problem(m, groups * n, groups * k, seed=seed)  # x [m, G·K]: the same value mix
     w = torch.randn(groups * n, k, generator=torch.Generator().manual_seed(seed + 1)) * 0.02
     perm = torch.randperm(groups * n, generator=torch.Generator().manual_seed(seed))
     w *= torch.logspace(-1, 1, groups * n)[perm][:, None]
@@ -208,7 +209,7 @@ def test_bf16_exact_stage_derivation():
     power of two (1 for zero blocks), |xs| <= 65280, sa·xs == x for |x| >= amax·2^-32, and below that an
     error <= 2^(floor(log2 amax) - 40)."""
     g = torch.Generator().manual_seed(7)
-    rows = [_awkward_rows(64)]
+    rows = [awkward_act_rows(64)]
     edge = torch.zeros(10, 32)
     edge[0, 0] = 2.0**-133  # the smallest subnormal bf16 as amax: sa floored at 2^-126
     edge[0, 1:] = torch.randint(-127, 128, (31,), generator=g) * 2.0**-133
@@ -296,10 +297,10 @@ def test_pick_params_grouped_are_launchable():
 @pytest.mark.parametrize("name", list(real_shapes()))
 def test_fp8_gemv_real_shapes_gpu(name, m):
     n, k = real_shapes()[name]
-    x, qw, sw = _problem(m, n, k, "cuda", seed=m)
+    x, qw, sw = fp8_linear_problem(m, n, k, "cuda", seed=m)
     y = fp8_gemv(x, qw, sw)
     what = f"{name} M={m} N={n} K={k} {pick_params(m, n, k)}"
-    assert_fp8_linear_close(y, fp8_linear_ref(x, qw, sw), x, qw, sw, GPU_EPS, what)
+    assert_fp8_linear_close(y, fp8_linear_ref(x, qw, sw), x, qw, sw, FP8_LINEAR_GPU_EPS, what)
     assert torch.equal(y, fp8_gemv(x, qw, sw)), f"{what}: not deterministic"
 
 
@@ -308,10 +309,10 @@ def test_fp8_gemv_real_shapes_gpu(name, m):
 @pytest.mark.parametrize("p", ODD_PARAMS, ids=str)
 @pytest.mark.parametrize("m,n,k", [(3, 1000, 1056), (8, 72, 64), (1, 16, 32), (7, 4111, 2304)])
 def test_fp8_gemv_every_instance_on_odd_shapes_gpu(m, n, k, p):
-    x, qw, sw = _problem(m, n, k, "cuda", seed=n)
+    x, qw, sw = fp8_linear_problem(m, n, k, "cuda", seed=n)
     y = fp8_gemv(x, qw, sw, p)
     what = f"M={m} N={n} K={k} {p.normalised(k)}"
-    assert_fp8_linear_close(y, fp8_linear_ref(x, qw, sw), x, qw, sw, GPU_EPS, what)
+    assert_fp8_linear_close(y, fp8_linear_ref(x, qw, sw), x, qw, sw, FP8_LINEAR_GPU_EPS, what)
     assert torch.equal(y, fp8_gemv(x, qw, sw, p)), f"{what}: not deterministic"
 
 
@@ -323,7 +324,7 @@ def test_fp8_gemv_every_instance_on_odd_shapes_gpu(m, n, k, p):
 def test_ring_form_is_bitwise_the_register_form_gpu(m, n, k, p, stages):
     """fp8_gemv_ring (weights through the shared-memory ring) against fp8_gemv with the same launch shape: the
     same products, sums and order, so equal bit for bit (odd K ranges leave partial ring stages)."""
-    x, qw, sw = _problem(m, n, k, "cuda", seed=n + stages)
+    x, qw, sw = fp8_linear_problem(m, n, k, "cuda", seed=n + stages)
     ring = replace(p, ring=stages)
     if smem_bytes(k, ring.normalised(k)) > 200 * 1024:
         pytest.skip("over the shared-memory opt-in")
@@ -335,7 +336,7 @@ def test_ring_form_is_bitwise_the_register_form_gpu(m, n, k, p, stages):
 @pytest.mark.parametrize("stages", [2, 4])
 def test_ring_form_grouped_bf16_exact_gpu(stages):
     g, r, k = wo_a_shape()
-    _, qw, sw = _problem(1, g * r, k, "cuda", seed=3)
+    _, qw, sw = fp8_linear_problem(1, g * r, k, "cuda", seed=3)
     x = torch.randn(5, g, k, device="cuda", generator=torch.Generator(device="cuda").manual_seed(4)).bfloat16()
     p = pick_params(5, r, k, groups=g)
     assert torch.equal(fp8_gemv_grouped(x, qw, sw, g, False, replace(p, ring=stages)),
@@ -348,7 +349,7 @@ def test_ring_form_grouped_bf16_exact_gpu(stages):
 def test_fused_act_quant_is_bitwise_gpu():
     """Identity weight (E4M3 1.0, scale 2^0): y = bf16(qa * sa) exactly, i.e. act_quant_qdq bit for bit."""
     k = 512
-    rows = _awkward_rows(k).cuda()
+    rows = awkward_act_rows(k).cuda()
     qw = (torch.eye(k, device="cuda")).to(torch.float8_e4m3fn)
     sw = torch.ones(k // 32, k // 32, device="cuda").to(torch.float8_e8m0fnu)
     for lo in range(0, rows.size(0), MAX_M):
@@ -364,7 +365,7 @@ def test_fused_act_quant_is_bitwise_gpu():
 @gpu
 @needs_cuda
 def test_leading_dims_and_empty_rows_gpu():
-    x, qw, sw = _problem(6, 512, 5120, "cuda")
+    x, qw, sw = fp8_linear_problem(6, 512, 5120, "cuda")
     y = fp8_gemv(x.view(2, 3, -1), qw, sw)
     assert y.shape == (2, 3, 512) and torch.equal(y.view(6, 512), fp8_gemv(x, qw, sw))
     assert fp8_gemv(x[:0], qw, sw).shape == (0, 512)
@@ -379,8 +380,8 @@ def test_fp8_gemv_chain_in_cuda_graph_gpu(pdl):
     checks that x is read only after the previous kernel completed."""
     (n1, k1), (n2, k2) = real_shapes()["wq_a"], real_shapes()["wq_b"]
     assert n1 == k2
-    _, w1, s1 = _problem(1, n1, k1, "cuda", seed=1)
-    _, w2, s2 = _problem(1, n2, k2, "cuda", seed=2)
+    _, w1, s1 = fp8_linear_problem(1, n1, k1, "cuda", seed=1)
+    _, w2, s2 = fp8_linear_problem(1, n2, k2, "cuda", seed=2)
     ms = (1, 4, 8)
     srcs = [torch.zeros(m, k1, dtype=torch.bfloat16, device="cuda") for m in ms]
     xs = [torch.empty_like(src) for src in srcs]
@@ -400,7 +401,7 @@ def test_fp8_gemv_chain_in_cuda_graph_gpu(pdl):
         outs = step()
     for seed in (5, 6):
         for m, src in zip(ms, srcs):
-            src.copy_(_problem(m, n1, k1, "cuda", seed=seed + m)[0])
+            src.copy_(fp8_linear_problem(m, n1, k1, "cuda", seed=seed + m)[0])
         g.replay()
         eager = step()
         torch.cuda.synchronize()
@@ -421,11 +422,11 @@ def test_fp8_linear_dispatches_to_gemv_gpu(monkeypatch):
     monkeypatch.setattr(fp8_linear_mod, "fp8_gemv", counting)
     n, k = real_shapes()["wq_a"]
     for m in (1, 8, 9):
-        x, qw, sw = _problem(m, n, k, "cuda")
+        x, qw, sw = fp8_linear_problem(m, n, k, "cuda")
         y = fp8_linear(x, qw, sw)
-        assert_fp8_linear_close(y, fp8_linear_ref(x, qw, sw), x, qw, sw, GPU_EPS, f"fp8_linear M={m}")
+        assert_fp8_linear_close(y, fp8_linear_ref(x, qw, sw), x, qw, sw, FP8_LINEAR_GPU_EPS, f"fp8_linear M={m}")
     assert [s[0] for s in calls] == [1, 8], f"expected the GEMV for M = 1 and 8 only, got {calls}"
-    x, qw, sw = _problem(4, n, k, "cuda")
+    x, qw, sw = fp8_linear_problem(4, n, k, "cuda")
     fp8_linear(x, qw, sw, fp8_linear_mod.pick_config(4, n, k))  # an explicit config keeps the Triton path
     assert len(calls) == 2
 
@@ -459,7 +460,7 @@ def test_grouped_act_quant_is_per_group_fp8_gemv_gpu(m):
     for g in range(groups):
         xg, wg, sg = x[:, g].contiguous(), qw[g * r:(g + 1) * r], sw[g * r // 32:(g + 1) * r // 32]
         assert torch.equal(y[:, g], fp8_gemv(xg, wg, sg, p)), f"M={m} group {g}: differs from fp8_gemv"
-        assert_fp8_linear_close(y[:, g].contiguous(), fp8_linear_ref(xg, wg, sg), xg, wg, sg, GPU_EPS,
+        assert_fp8_linear_close(y[:, g].contiguous(), fp8_linear_ref(xg, wg, sg), xg, wg, sg, FP8_LINEAR_GPU_EPS,
                                 f"M={m} group {g}")
 
 
@@ -479,7 +480,7 @@ def test_grouped_every_instance_on_odd_shapes_gpu(m, groups, n, k, p, quant_x):
         for g in range(groups):
             xg, wg, sg = x[:, g].contiguous(), qw[g * n:(g + 1) * n], sw[g * n // 32:-(-(g + 1) * n // 32)]
             yg = (y[:, g] if groups > 1 else y).contiguous()
-            assert_fp8_linear_close(yg, fp8_linear_ref(xg, wg, sg), xg, wg, sg, GPU_EPS, f"{what} group {g}")
+            assert_fp8_linear_close(yg, fp8_linear_ref(xg, wg, sg), xg, wg, sg, FP8_LINEAR_GPU_EPS, f"{what} group {g}")
     else:
         assert_bf16_exact_close(y, xin, qw, sw, groups, what)
     assert torch.equal(y, fp8_gemv_grouped(xin, qw, sw, groups, quant_x, p)), f"{what}: not deterministic"
@@ -492,7 +493,7 @@ def test_bf16_exact_staging_is_bitwise_gpu():
     every finite bf16 pattern and the quantiser's awkward blocks (a flushed f16 subnormal or a wrong scale
     shows up as a mismatch)."""
     groups, k = 2, 256
-    rows = _awkward_rows(groups * k).view(-1, groups, k).cuda()
+    rows = awkward_act_rows(groups * k).view(-1, groups, k).cuda()
     qw = torch.eye(k, device="cuda").repeat(groups, 1).to(torch.float8_e4m3fn)
     sw = torch.ones(groups * k // 32, k // 32, device="cuda").to(torch.float8_e8m0fnu)
     for lo in range(0, rows.size(0), MAX_M):
@@ -553,7 +554,7 @@ def test_wo_a_then_wo_b_in_cuda_graph_gpu(pdl):
     n2, k2 = real_shapes()["wo_b"]
     assert k2 == groups * r
     _, w1, s1 = _grouped_problem(1, groups, r, k, "cuda", seed=1)
-    _, w2, s2 = _problem(1, n2, k2, "cuda", seed=2)
+    _, w2, s2 = fp8_linear_problem(1, n2, k2, "cuda", seed=2)
     ms = (1, 4, 8)
     srcs = [torch.zeros(m, groups, k, dtype=torch.bfloat16, device="cuda") for m in ms]
     xs = [torch.empty_like(src) for src in srcs]

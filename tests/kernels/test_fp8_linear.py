@@ -18,47 +18,12 @@ import torch
 from engine.kernels.fp8_linear import (Fp8LinearConfig, split_k_tickets, fp8_act_qdq, fp8_act_quant, fp8_linear,
                                        fp8_linear_ref, layer_shapes, pick_config)
 from engine.presets import full_config
-from engine.quant import act_dequant, act_quant, act_quant_qdq, dequant_fp8_weight, linear, quant_fp8_weight
+from engine.quant import act_quant, act_quant_qdq, linear, quant_fp8_weight
+from tests.kernels.numeric import (FP8_LINEAR_CPU_EPS, FP8_LINEAR_GPU_EPS, assert_fp8_linear_close, awkward_act_rows,
+                                   fp8_linear_problem)
 
-CPU_EPS = 2.0**-16
-GPU_EPS = 2.0**-14
 gpu = pytest.mark.gpu
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-
-
-def _problem(m: int, n: int, k: int, device: str = "cpu", seed: int = 0):
-    g = torch.Generator().manual_seed(seed)
-    x = torch.randn(m, k, generator=g) * torch.logspace(-2, 1, k)[torch.randperm(k, generator=g)]
-    if m > 2:
-        x[1] = 0  # an all-zero row: the amax clamp picks its scales
-        x[2, :32] *= 1e3  # a loud block next to quiet ones
-    w = torch.randn(n, k, generator=g) * 0.02 * torch.logspace(-1, 1, n)[:, None]
-    qw, sw = quant_fp8_weight(w)
-    return x.bfloat16().to(device), qw.to(device), sw.to(device)
-
-
-def _abs_sum(x, qw, sw):
-    """S[m, n] = Σ_k |a[m, k]| |w[n, k]| with the dequantised operands (float64)."""
-    a = act_dequant(*act_quant(x), 32).double().abs()
-    return a @ dequant_fp8_weight(qw, sw).double().abs().T
-
-
-def assert_fp8_linear_close(y, ref, x, qw, sw, eps: float, what: str) -> None:
-    assert y.shape == ref.shape and y.dtype == torch.bfloat16, f"{what}: got {y.dtype} {tuple(y.shape)}"
-    yf, rf = y.double().view(-1, ref.size(-1)), ref.double().view(-1, ref.size(-1))
-    _, e = torch.frexp(rf.abs().clamp_min(2.0**-100))
-    ulp = torch.ldexp(torch.ones_like(rf), e - 8)  # bf16 keeps 8 significant bits
-    allowed = ulp + eps * _abs_sum(x.view(-1, x.size(-1)), qw, sw)
-    err = (yf - rf).abs()
-    bad = ~(err <= allowed)  # NaN fails
-    if bad.any():
-        worst = int(torch.where(bad, (err / allowed).nan_to_num(nan=1e30, posinf=1e30), -1.0).argmax())
-        m, n = divmod(worst, rf.size(1))
-        pytest.fail(
-            f"{what}: {int(bad.sum())}/{bad.numel()} elements out of tolerance; worst [m={m}, n={n}]: "
-            f"y={yf[m, n].item():.6g} ref={rf[m, n].item():.6g} err={err[m, n].item():.3g} "
-            f"allowed={allowed[m, n].item():.3g} ({err[m, n].item() / ulp[m, n].item():.1f} ULP)"
-        )
 
 
 def test_close_names_the_worst_element():
@@ -75,27 +40,6 @@ def test_close_names_the_worst_element():
     y[0, 3] = float("nan")
     with pytest.raises(pytest.fail.Exception, match=r"worst \[m=0, n=3\]"):
         assert_fp8_linear_close(y, ref, x, qw, sw, 0.0, "probe")
-
-
-def _awkward_rows(k: int) -> torch.Tensor:
-    """Rows of 32-blocks that stress the quantiser: zeros, -0.0, saturation, E4M3 ties and carries,
-    subnormal E4M3 results, and every finite bf16 bit pattern, shuffled into blocks."""
-    g = torch.Generator().manual_seed(3)
-    every = torch.arange(-32768, 32768, dtype=torch.int32).to(torch.int16).view(torch.bfloat16)
-    every = every[torch.isfinite(every)]
-    every = every[torch.randperm(every.numel(), generator=g)]
-    every = every[: every.numel() // k * k].view(-1, k)
-    special = torch.randn(8, k, generator=g).bfloat16()
-    special[0] = 0
-    special[1] = -0.0
-    special[2, :16] = 1e4  # saturating block
-    special[3, 0] = 448.0  # scale exactly 1: ties are at the bf16-visible E4M3 midpoints
-    special[3, 1:32] = torch.tensor([1.0625, 1.1875, 1.9375, 3.875, 0.0029296875, 0.0048828125, 0.01171875,
-                                     -1.0625, -1.9375, -0.0029296875] + [0.0] * 21)
-    special[4] = special[3] * 2.0**-20  # the same pattern in a tiny block (still a normal scale)
-    special[5] = special[3] * 2.0**60
-    special[6, ::2] = 0.25
-    return torch.cat([special, every])
 
 
 def _check_act_quant_bitwise(x: torch.Tensor) -> None:
@@ -117,7 +61,7 @@ def _check_act_quant_bitwise(x: torch.Tensor) -> None:
 
 @pytest.mark.filterwarnings("ignore:overflow encountered:RuntimeWarning")  # QDQ of ~bf16-max blocks is inf, as in act_quant_qdq
 def test_act_quant_kernel_is_bitwise_act_quant():
-    _check_act_quant_bitwise(_awkward_rows(64))
+    _check_act_quant_bitwise(awkward_act_rows(64))
 
 
 CPU_SHAPES = [(64, 96), (96, 256), (160, 64)]
@@ -129,34 +73,34 @@ CPU_CONFIGS = [None, Fp8LinearConfig(32, 16, 128, 1, 4, 2, True), Fp8LinearConfi
 @pytest.mark.parametrize("n,k", CPU_SHAPES)
 @pytest.mark.parametrize("cfg", CPU_CONFIGS, ids=["auto", "bn32", "bn64-split3", "prequant-split2"])
 def test_fp8_linear_matches_reference(m, n, k, cfg):
-    x, qw, sw = _problem(m, n, k)
+    x, qw, sw = fp8_linear_problem(m, n, k)
     y = fp8_linear(x, qw, sw, cfg)
     ref = fp8_linear_ref(x, qw, sw)
-    assert_fp8_linear_close(y, ref, x, qw, sw, CPU_EPS, f"M={m} N={n} K={k} {cfg}")
+    assert_fp8_linear_close(y, ref, x, qw, sw, FP8_LINEAR_CPU_EPS, f"M={m} N={n} K={k} {cfg}")
     # the golden model's float64 product agrees with the oracle as closely
-    assert_fp8_linear_close(linear(x, qw, sw), ref, x, qw, sw, CPU_EPS, f"golden M={m} N={n} K={k}")
+    assert_fp8_linear_close(linear(x, qw, sw), ref, x, qw, sw, FP8_LINEAR_CPU_EPS, f"golden M={m} N={n} K={k}")
     assert not split_k_tickets(x.device).any(), "split-K tickets were not reset"
 
 
 def test_prefill_path_prequantises_x():
-    x, qw, sw = _problem(70, 64, 96)  # M > 64: act_quant runs once, the GEMM reads FP8 x
+    x, qw, sw = fp8_linear_problem(70, 64, 96)  # M > 64: act_quant runs once, the GEMM reads FP8 x
     y = fp8_linear(x, qw, sw)
-    assert_fp8_linear_close(y, fp8_linear_ref(x, qw, sw), x, qw, sw, CPU_EPS, "M=70 N=64 K=96")
+    assert_fp8_linear_close(y, fp8_linear_ref(x, qw, sw), x, qw, sw, FP8_LINEAR_CPU_EPS, "M=70 N=64 K=96")
 
 
 def test_prefill_splits_k_when_the_tiles_fill_less_than_a_wave():
     assert pick_config(512, 1280, 5120).split_k == 3  # wq_a: 40 tiles of 128 x 128 on 132 SMs
     assert pick_config(4096, 1280, 5120).split_k == 1  # 320 tiles
     assert pick_config(512, 5120, 8192).split_k == 1  # wo_b: 160 tiles
-    x, qw, sw = _problem(70, 64, 2048)  # one tile: K split in two (>= 1024 per split)
+    x, qw, sw = fp8_linear_problem(70, 64, 2048)  # one tile: K split in two (>= 1024 per split)
     assert pick_config(70, 64, 2048).split_k == 2
     y = fp8_linear(x, qw, sw)
-    assert_fp8_linear_close(y, fp8_linear_ref(x, qw, sw), x, qw, sw, CPU_EPS, "M=70 N=64 K=2048 split")
+    assert_fp8_linear_close(y, fp8_linear_ref(x, qw, sw), x, qw, sw, FP8_LINEAR_CPU_EPS, "M=70 N=64 K=2048 split")
     assert not split_k_tickets(x.device).any(), "split-K tickets were not reset"
 
 
 def test_leading_dims_and_empty_rows():
-    x, qw, sw = _problem(6, 64, 64)
+    x, qw, sw = fp8_linear_problem(6, 64, 64)
     y = fp8_linear(x.view(2, 3, 64), qw, sw)
     assert y.shape == (2, 3, 64)
     assert torch.equal(y.view(6, 64), fp8_linear(x, qw, sw))
@@ -164,7 +108,7 @@ def test_leading_dims_and_empty_rows():
 
 
 def test_contract_is_asserted():
-    x, qw, sw = _problem(3, 64, 64)
+    x, qw, sw = fp8_linear_problem(3, 64, 64)
     with pytest.raises(AssertionError, match="bf16"):
         fp8_linear(x.float(), qw, sw)
     with pytest.raises(AssertionError, match="float8_e4m3fn"):
@@ -189,7 +133,7 @@ def real_shapes() -> dict[str, tuple[int, int]]:
 @gpu
 @needs_cuda
 def test_act_quant_kernel_is_bitwise_act_quant_gpu():
-    _check_act_quant_bitwise(_awkward_rows(512).cuda())
+    _check_act_quant_bitwise(awkward_act_rows(512).cuda())
 
 
 @gpu
@@ -198,9 +142,9 @@ def test_act_quant_kernel_is_bitwise_act_quant_gpu():
 @pytest.mark.parametrize("name", list(real_shapes()))
 def test_fp8_linear_real_shapes_gpu(name, m):
     n, k = real_shapes()[name]
-    x, qw, sw = _problem(m, n, k, "cuda", seed=m)
+    x, qw, sw = fp8_linear_problem(m, n, k, "cuda", seed=m)
     y = fp8_linear(x, qw, sw)
-    assert_fp8_linear_close(y, fp8_linear_ref(x, qw, sw), x, qw, sw, GPU_EPS, f"{name} M={m} N={n} K={k}")
+    assert_fp8_linear_close(y, fp8_linear_ref(x, qw, sw), x, qw, sw, FP8_LINEAR_GPU_EPS, f"{name} M={m} N={n} K={k}")
     assert torch.equal(y, fp8_linear(x, qw, sw)), "split-K result is not deterministic"
     assert not split_k_tickets(x.device).any(), "split-K tickets were not reset"
 
@@ -210,8 +154,8 @@ def test_fp8_linear_real_shapes_gpu(name, m):
 @pytest.mark.parametrize("name,m", [("wq_a", 4096), ("wo_b", 512), ("shared_w2", 333), ("wq_a", 512), ("wkv", 333)])
 def test_fp8_linear_prefill_gpu(name, m):
     n, k = real_shapes()[name]
-    x, qw, sw = _problem(m, n, k, "cuda")
+    x, qw, sw = fp8_linear_problem(m, n, k, "cuda")
     y = fp8_linear(x, qw, sw)
-    assert_fp8_linear_close(y, fp8_linear_ref(x, qw, sw), x, qw, sw, GPU_EPS, f"{name} M={m} N={n} K={k}")
+    assert_fp8_linear_close(y, fp8_linear_ref(x, qw, sw), x, qw, sw, FP8_LINEAR_GPU_EPS, f"{name} M={m} N={n} K={k}")
     assert torch.equal(y, fp8_linear(x, qw, sw)), "split-K result is not deterministic"  # wq_a / wkv at 512 / 333
     assert not split_k_tickets(x.device).any(), "split-K tickets were not reset"

@@ -1,5 +1,5 @@
 """The CUDA mHC mixes (cuda/hc_mixes.cu, engine/kernels/mhc_cuda.py) against the golden's float64 math, with
-test_norm_mhc's bounds (check_mixes_bounds: the GEMM error bound times the epilogue's gain, plus fp32 slack).
+test_norm_mhc's bounds (numeric.check_mixes_bounds: the GEMM error bound times the epilogue's gain, plus fp32 slack).
 
 CPU (nvcc only): the source builds and the launcher rejects parameters outside its contract before any CUDA
 call; pick_launch's splits divide K. GPU (@gpu, sm_90 + nvcc): several split counts at the real D = 5120 for
@@ -17,7 +17,7 @@ from engine.kernels.mhc import hc_mixes
 from engine.kernels.mhc_cuda import (MAX_SPLITS, SIDE_SPLITS, THREADS, declare, hc_mixes_cuda, mixes_cuda_applies,
                                      pick_launch)
 from engine.presets import full_config
-from tests.kernels.test_norm_mhc import HC, HC_EPS, ITERS, NORM_EPS, _mix_params, _stream, check_mixes_bounds
+from tests.kernels.numeric import HC, HC_EPS, ITERS, NORM_EPS, check_mixes_bounds, mhc_mix_params, mhc_stream
 
 gpu = pytest.mark.gpu
 needs_nvcc = pytest.mark.skipif(cuda_build.nvcc_path() is None, reason="needs nvcc")
@@ -51,7 +51,7 @@ def test_pick_launch_divides_k():
     assert pick_launch(20480) == 160 and pick_launch(20480, 6) == 80
     assert pick_launch(20480, 1, beside=True) == pick_launch(20480, 6, beside=True) == SIDE_SPLITS
     assert pick_launch(12, 1, beside=True) == 3, "beside: still a divisor of the column quads"
-    assert not mixes_cuda_applies(_stream(1, 256), HC), "CPU tensors never go to the CUDA kernel"
+    assert not mixes_cuda_applies(mhc_stream(1, 256), HC), "CPU tensors never go to the CUDA kernel"
 
 
 LAUNCHES = [80, 160, 40, 128, 5, 1, SIDE_SPLITS]  # 128: 10 column quads a CTA (lanes 10..31 idle)
@@ -63,9 +63,9 @@ LAUNCHES = [80, 160, 40, 128, 5, 1, SIDE_SPLITS]  # 128: 10 column quads a CTA (
 @pytest.mark.parametrize("launch", LAUNCHES, ids=[f"splits{s}" for s in LAUNCHES])
 def test_real_shapes_within_the_bounds(n, launch):
     d = full_config().dim
-    x = _stream(n, d, "cuda", seed=11 + n)
+    x = mhc_stream(n, d, "cuda", seed=11 + n)
     for sharp in (False, True):
-        params = _mix_params(d, "cuda", sharp=sharp)
+        params = mhc_mix_params(d, "cuda", sharp=sharp)
         got = hc_mixes_cuda(x, *params, HC, ITERS, HC_EPS, NORM_EPS, launch)
         measured = check_mixes_bounds(got, x, *params, f"CUDA N={n} launch={launch} sharp={sharp}", ITERS)
         print(f"hc_mixes_cuda N={n} {launch} sharp={sharp}: max |err| "
@@ -77,8 +77,8 @@ def test_real_shapes_within_the_bounds(n, launch):
 @pytest.mark.parametrize("iters", [1, 2])
 def test_few_sinkhorn_rounds(iters):
     d = full_config().dim
-    x = _stream(5, d, "cuda", seed=7)
-    params = _mix_params(d, "cuda", sharp=True)
+    x = mhc_stream(5, d, "cuda", seed=7)
+    params = mhc_mix_params(d, "cuda", sharp=True)
     check_mixes_bounds(hc_mixes_cuda(x, *params, HC, iters, HC_EPS, NORM_EPS), x, *params, f"iters={iters}", iters)
 
 
@@ -86,8 +86,8 @@ def test_few_sinkhorn_rounds(iters):
 @needs_kernels
 def test_hc_mixes_routes_decode_to_cuda_and_is_graph_capturable():
     d = full_config().dim
-    x = _stream(6, d, "cuda", seed=3)
-    params = _mix_params(d, "cuda")
+    x = mhc_stream(6, d, "cuda", seed=3)
+    params = mhc_mix_params(d, "cuda")
     want = hc_mixes_cuda(x, *params, HC, ITERS, HC_EPS, NORM_EPS)
     first = hc_mixes(x, *params, HC, ITERS, HC_EPS, NORM_EPS)
     assert all(torch.equal(a, b) for a, b in zip(first, want)), "hc_mixes did not take the CUDA kernel"

@@ -11,62 +11,30 @@ CPU interpreter and H200 (H=32, D=128, T=4096 and 1M, M=1 and 6); `-s` prints th
 import pytest
 import torch
 
-from engine.kernels.cache_records import pack_index_k, unpack_index_k
-from engine.kernels.indexer import index_scores, index_scores_batched, index_scores_ref
+from engine.kernels.indexer import index_scores, index_scores_batched
 from engine.presets import full_config
-from engine.quant import fp4_qdq
+from tests.kernels.numeric import assert_index_scores_close, index_problem
 
 gpu = pytest.mark.gpu
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
 
-def _problem(m, h, d, t, entries, device="cpu", seed=0):
-    g = torch.Generator().manual_seed(seed)
-    q = fp4_qdq((torch.randn(m, h, d, generator=g) * 2).bfloat16(), 32, "ue8m0")
-    w = (torch.randn(m, h, generator=g) * (d ** -0.5 * h ** -0.5)).bfloat16()
-    pool = pack_index_k((torch.randn(entries, d, generator=g) * torch.logspace(-1, 0.5, d)).bfloat16())
-    slots = torch.randperm(entries, generator=g)[:t].to(torch.int32)
-    visible = torch.randint(0, t + 1, (m,), generator=g)
-    visible[0] = t
-    if m > 1:
-        visible[1] = 0  # a query that sees nothing: all -inf
-    return [x.to(device) for x in (q, w, pool, slots, visible)]
-
-
 def _check(q, w, pool, slots, visible, min_equal=0.99):
-    out = index_scores(q, w, pool, slots, visible)
-    ref = index_scores_ref(q, w, pool, slots, visible)
-    assert out.shape == ref.shape and out.dtype == torch.bfloat16
-    inf = torch.isinf(ref)
-    assert torch.equal(torch.isinf(out), inf), "-inf pattern differs"
-    o, r = out.float()[~inf], ref.float()[~inf]
-    kd = unpack_index_k(pool.reshape(-1, pool.size(-1))[slots.long()], q.size(-1)).double()
-    sh = torch.einsum("mhd,td->mht", q.double(), kd).bfloat16().relu()
-    mag = (sh * w.unsqueeze(-1)).double().abs().sum(1).float()[~inf]  # Σ_h |bf16(relu(s_h) w_h)|
-    ulp = torch.ldexp(torch.ones_like(r), torch.frexp(r.abs().clamp_min(2.0**-126))[1] - 8)
-    err = (o - r).abs()
-    bound = ulp + 2.0**-8 * mag
-    equal = (err == 0).float().mean().item() if err.numel() else 1.0
-    worst = (err - bound).argmax().item() if err.numel() else 0
-    assert (err <= bound).all(), (f"M,H,D,T={tuple(q.shape)},{slots.numel()}: worst err {err[worst]:.3e} "
-                                  f"bound {bound[worst]:.3e} out {o[worst]} ref {r[worst]}")
-    assert equal >= min_equal, f"only {100 * equal:.2f}% bitwise equal"
-    print(f"M,H,D,T={tuple(q.shape)},{slots.numel()}: {err.numel() - int(equal * err.numel() + 0.5)} "
-          f"of {err.numel()} elements differ, max {err.max().item() if err.numel() else 0:.3e}")
+    assert_index_scores_close(index_scores(q, w, pool, slots, visible), q, w, pool, slots, visible, min_equal)
 
 
 @pytest.mark.parametrize("m,h,d,t", [(1, 2, 32, 37), (3, 4, 64, 100), (3, 2, 64, 37), (1, 4, 32, 100), (3, 2, 128, 37)])
 def test_index_scores_matches_golden(m, h, d, t):
-    _check(*_problem(m, h, d, t, entries=t + 23))
+    _check(*index_problem(m, h, d, t, entries=t + 23))
 
 
 def test_paged_pool_and_int64_slots():
-    q, w, pool, slots, visible = _problem(3, 4, 32, 37, entries=64, seed=1)
+    q, w, pool, slots, visible = index_problem(3, 4, 32, 37, entries=64, seed=1)
     _check(q, w, pool.view(16, 4, -1), slots.long(), visible)
 
 
 def test_empty_request():
-    q, w, pool, slots, visible = _problem(1, 2, 32, 5, entries=8)
+    q, w, pool, slots, visible = index_problem(1, 2, 32, 5, entries=8)
     assert index_scores(q, w, pool, slots[:0], visible * 0).shape == (1, 0)
 
 
@@ -75,7 +43,7 @@ def _check_batched(b, h, d, t, device="cpu", seed=0):
     same tile math), whose oracle is the golden (_check); entries past a row's visible count are never
     read (poisoned with out-of-range slots here), and a row that sees nothing is all -inf."""
     g = torch.Generator().manual_seed(seed)
-    q, w, pool, _, visible = _problem(b, h, d, t, entries=t + 23, seed=seed)
+    q, w, pool, _, visible = index_problem(b, h, d, t, entries=t + 23, seed=seed)
     entries = torch.stack([torch.randperm(t + 23, generator=g)[:t] for _ in range(b)]).to(torch.int32)
     entries = torch.where(torch.arange(t) < visible[:, None], entries, 10**9)
     q, w, pool, entries, visible = (x.to(device) for x in (q, w, pool, entries, visible))
@@ -108,4 +76,4 @@ def test_index_scores_batched_real_shape(b, t):
 @pytest.mark.parametrize("t", [4096, 1 << 20])
 def test_index_scores_real_shape(m, t):
     cfg = full_config()
-    _check(*_problem(m, cfg.index_n_heads, cfg.index_head_dim, t, entries=t + 1000, device="cuda", seed=m))
+    _check(*index_problem(m, cfg.index_n_heads, cfg.index_head_dim, t, entries=t + 1000, device="cuda", seed=m))

@@ -31,8 +31,7 @@ from engine.kernels.indexer_cuda import (MAX_ROWS, RECORD_BYTES, ScanParams, dec
                                          pick_params, scan_applies, shape_supported, smem_bytes, valid_params)
 from engine.presets import full_config
 from engine.quant import fp4_byte_table
-from tests.kernels.test_indexer import _problem
-from tests.kernels.test_moe_fp4 import _e2m1_pair  # dsv41::e2m1_pair<J> of cuda/common.cuh (bits low, high)
+from tests.kernels.numeric import assert_index_scores_close, e2m1_pair, index_problem
 
 gpu = pytest.mark.gpu
 needs_nvcc = pytest.mark.skipif(cuda_build.nvcc_path() is None, reason="needs nvcc")
@@ -102,7 +101,7 @@ def test_shape_rules():
     assert shape_supported(8, 32, 128, 1 << 20) and shape_supported(1, 16, 128, 0)
     assert not shape_supported(9, 32, 128, 10) and not shape_supported(1, 32, 64, 10)
     assert not shape_supported(1, 24, 128, 10) and not shape_supported(6, 48, 128, 10)
-    q, w, pool, slots, vis = _problem(1, 32, 128, 5, entries=8)
+    q, w, pool, slots, vis = index_problem(1, 32, 128, 5, entries=8)
     assert not scan_applies(q, w, pool, slots, vis), "CPU tensors never go to the CUDA scan"
 
 
@@ -189,7 +188,7 @@ def _emulate_scan(q, w, key_pool, slots, visible, groups=2, mutation=None) -> to
                             qb = stored[rb, 32 * b + 8 * t: 32 * b + 8 * t + 8].tolist()
                             word = lambda k, v: (v[2 * k], v[2 * k + 1])  # noqa: E731  f16x2 word k of the load
                             wd = words[grp, b, lane]
-                            pairs = [tuple(_F16[h].item() for h in _e2m1_pair(wd, j)) for j in range(4)]
+                            pairs = [tuple(_F16[h].item() for h in e2m1_pair(wd, j)) for j in range(4)]
                             if mutation == "b_pair_order":
                                 pairs = [pairs[1], pairs[0], pairs[2], pairs[3]]
                             # mma(cc, qa.x, qb.x, qa.y, qb.y, pair0, pair1)
@@ -234,7 +233,7 @@ def test_emulated_kernel_is_bitwise_the_golden_and_triton():
     h, d = full_config().index_n_heads, full_config().index_head_dim
     cases = [(1, 19, 2, 0), (3, 21, 1, 1), (2, 37, 4, 2)]  # (M, T, groups, seed): partial last units, visible 0
     for m, t, groups, seed in cases:
-        q, w, pool, slots, vis = _problem(m, h, d, t, entries=t + 11, seed=seed)
+        q, w, pool, slots, vis = index_problem(m, h, d, t, entries=t + 11, seed=seed)
         vis[-1] = t - 5 if m == 1 else 0  # some -inf columns in every case
         if seed == 2:
             pool, slots = pool[: 48].view(3, 16, -1), torch.randperm(48)[:t].long()  # paged pool, int64 slots
@@ -251,7 +250,7 @@ def test_emulated_kernel_is_bitwise_the_golden_and_triton():
                                       "w_row_g"])
 def test_emulation_fails_under_a_mutated_index(mutation):
     h, d = full_config().index_n_heads, full_config().index_head_dim
-    q, w, pool, slots, vis = _problem(1, h, d, 9, entries=20, seed=3)
+    q, w, pool, slots, vis = index_problem(1, h, d, 9, entries=20, seed=3)
     emu = _emulate_scan(q, w, pool, slots, vis, 1, mutation)
     assert not torch.equal(emu, index_scores_ref(q, w, pool, slots, vis)), f"{mutation} went unnoticed"
 
@@ -261,7 +260,7 @@ def test_e2m1_pair_places_the_value_times_2_pow_minus_14():
     for wd in (0x76543210, 0xFEDCBA98, 0x0F1E2D3C, 0x89ABCDEF):
         values = [table[(wd >> (8 * b)) & 0xFF, i].item() for b in range(4) for i in range(2)]
         for j in range(4):
-            lo, hi = _e2m1_pair(wd, j)
+            lo, hi = e2m1_pair(wd, j)
             assert _F16[lo] == values[j] * 2.0**-14 and _F16[hi] == values[j + 4] * 2.0**-14, (hex(wd), j)
 
 
@@ -342,7 +341,7 @@ def _gpu_problem(m, t, seed, slot_dtype=torch.int32, page=64, h=None, d=None):
     cfg = full_config()
     h, d = h or cfg.index_n_heads, d or cfg.index_head_dim
     entries = (t + 1000 + page - 1) // page * page
-    q, w, pool, slots, vis = _problem(m, h, d, t, entries=entries, seed=seed)
+    q, w, pool, slots, vis = index_problem(m, h, d, t, entries=entries, seed=seed)
     g = torch.Generator().manual_seed(seed + 100)
     vis = torch.randint(0, t + 1, (m,), generator=g)
     vis[0] = t
@@ -423,13 +422,6 @@ def test_deterministic_and_graph_capturable():
 def test_plain_bf16_queries_match_triton_within_the_indexer_tolerance():
     """q not MXFP4 (randn bf16, as benchmarks/kernels.py's bench_indexer uses): the staging is still exact
     (|q| >= amax·2^-32); only fp32 sums may round. Against the golden within test_indexer's bound."""
-    import tests.kernels.test_indexer as ti  # noqa: PLC0415
-
     q, w, pool, slots, vis = _gpu_problem(4, 65536, seed=11)
     q = torch.randn(q.shape, device="cuda").bfloat16()
-    orig = ti.index_scores
-    ti.index_scores = index_scores_cuda  # ti._check calls the index_scores of its module: point it at ours
-    try:
-        ti._check(q, w, pool, slots, vis)
-    finally:
-        ti.index_scores = orig
+    assert_index_scores_close(index_scores_cuda(q, w, pool, slots, vis), q, w, pool, slots, vis)

@@ -40,6 +40,7 @@ from engine.presets import full_config, tiny_config
 from engine.tools.random_moe import random_moe
 from engine.quant import (act_dequant, act_quant, act_quant_qdq, dequant_fp4_weight, dequant_fp8_weight,
                           quant_fp4_weight, quant_fp8_weight)
+from tests.kernels.numeric import bf16_ulp
 
 gpu = pytest.mark.gpu
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
@@ -109,11 +110,6 @@ def _route(x: torch.Tensor, moe: MoE) -> tuple[torch.Tensor, torch.Tensor]:
 def _unsort(h: torch.Tensor, plan) -> torch.Tensor:
     """Rows by sorted position -> rows by pair id (all pairs valid)."""
     return h[torch.argsort(plan.sorted_pairs.long())]
-
-
-def _ulp(ref: torch.Tensor) -> torch.Tensor:
-    _, e = torch.frexp(ref.double().abs().clamp_min(2.0**-126))
-    return torch.ldexp(torch.ones_like(ref, dtype=torch.float64), e - 8)
 
 
 def _fail_worst(bad: torch.Tensor, err: torch.Tensor, allowed: torch.Tensor, y, ref, what: str) -> None:
@@ -212,7 +208,7 @@ def assert_up_close(h: torch.Tensor, x, ex, w, ids, what: str, min_bitwise: floa
     inter = ex.inter
     eps = GPU_EPS if h.is_cuda else CPU_EPS
     g0, u0 = gu[:, :inter], gu[:, inter:]
-    dg_max, du_max = _ulp(g0) + eps * mag[:, :inter], _ulp(u0) + eps * mag[:, inter:]
+    dg_max, du_max = bf16_ulp(g0) + eps * mag[:, :inter], bf16_ulp(u0) + eps * mag[:, inter:]
     wd = w.double().view(-1, 1)
     cands = []
     for dg in (-1, 0, 1):
@@ -221,7 +217,7 @@ def assert_up_close(h: torch.Tensor, x, ex, w, ids, what: str, min_bitwise: floa
             u = (u0 + du * du_max).clamp(-LIMIT, LIMIT)
             cands.append((wd * F.silu(g) * u).bfloat16().double())
     lo, hi = torch.stack(cands).amin(0), torch.stack(cands).amax(0)
-    lo, hi = lo - _ulp(lo), hi + _ulp(hi)
+    lo, hi = lo - bf16_ulp(lo), hi + bf16_ulp(hi)
     y = h.double()
     bad = ~((y >= lo) & (y <= hi))
     _fail_worst(bad, (y - ref).abs(), (hi - lo) / 2, y, ref, what)
@@ -256,7 +252,7 @@ def test_up_exact_problem():
     ref = moe_up_ref(x, ex, w, ids, LIMIT, qdq_out=False)
     hu = _unsort(h, plan)
     err = (hu.double() - ref.double()).abs()
-    _fail_worst(err > _ulp(ref), err, _ulp(ref), hu.double(), ref.double(), "exact up")
+    _fail_worst(err > bf16_ulp(ref), err, bf16_ulp(ref), hu.double(), ref.double(), "exact up")
     assert (hu == ref).double().mean().item() >= 0.95
 
 
@@ -341,7 +337,7 @@ def _forward_bound(x: torch.Tensor, moe: MoE, ex: ExpertWeights, ref: torch.Tens
     a = act_dequant(*act_quant(h_sh), 32).double().abs()
     s_shared = a @ dequant_fp8_weight(abs_ex.shared_w2, ex.shared_s2).double().T
     s = s_routed + s_shared
-    return _ulp(ref) + 2.0**-7 * mag + 2.0**-8 * s
+    return bf16_ulp(ref) + 2.0**-7 * mag + 2.0**-8 * s
 
 
 def assert_forward_close(y, ref, bound, what, rows=None):
@@ -380,7 +376,7 @@ def test_moe_forward_repeated_experts_and_dropped_slots():
                 ref[tok] += moe.experts[e](x[tok:tok + 1], weights[tok:tok + 1, j:j + 1].double()).double()[0]
     ref = (ref + moe.shared_experts(x).double()).bfloat16()
     err = (y.double() - ref.double()).abs()
-    _fail_worst(~(err <= 2 * _ulp(ref)), err, 2 * _ulp(ref), y.double(), ref.double(), "given routing")
+    _fail_worst(~(err <= 2 * bf16_ulp(ref)), err, 2 * bf16_ulp(ref), y.double(), ref.double(), "given routing")
     assert (y == ref).double().mean().item() >= 0.9
     assert moe_forward(x[:0], moe, ex).shape == (0, x.size(1))
 

@@ -18,6 +18,7 @@ from engine.kernels import cuda_build
 from engine.kernels.moe_fp4 import CHUNK, Fp4Params, declare, dequant_rows, pick_params, smem_bytes
 from engine.presets import full_config
 from engine.quant import fp4_byte_table
+from tests.kernels.numeric import e2m1_pair
 
 needs_nvcc = pytest.mark.skipif(cuda_build.nvcc_path() is None, reason="needs nvcc")
 CUDA_INVALID_VALUE = 1  # cudaErrorInvalidValue
@@ -81,16 +82,6 @@ def test_picked_shapes_are_launchable():
                 assert smem_bytes(k, x_rows, p) <= 100 * 1024, "two CTAs per SM"
 
 
-def _e2m1_pair(w: int, j: int) -> tuple[int, int]:
-    """dsv41::e2m1_pair<J> (cuda/common.cuh; moe_fp4.cu and indexer_scan.cu): the f16 bits (low, high) made from
-    32-bit word w."""
-    sign, mag = 12 - 4 * j, 9 - 4 * j
-    s = ((w << sign) if sign >= 0 else (w >> -sign)) & 0x80008000
-    m = ((w << mag) if mag >= 0 else (w >> -mag)) & 0x0E000E00
-    v = (s | m) & 0xFFFFFFFF
-    return v & 0xFFFF, v >> 16
-
-
 def _f16(bits: int) -> float:
     return torch.tensor([bits], dtype=torch.int32).to(torch.int16).view(torch.float16).item()
 
@@ -100,7 +91,7 @@ def test_nibble_bit_placement_is_the_e2m1_value_times_2_pow_minus_14():
     for w in (0x76543210, 0xFEDCBA98, 0x0F1E2D3C, 0x89ABCDEF):
         values = [table[(w >> (8 * b)) & 0xFF, i].item() for b in range(4) for i in range(2)]  # elements 0..7
         for j in range(4):
-            lo, hi = _e2m1_pair(w, j)
+            lo, hi = e2m1_pair(w, j)
             assert _f16(lo) == values[j] * 2.0**-14 and _f16(hi) == values[j + 4] * 2.0**-14, (hex(w), j)
 
 
@@ -133,7 +124,7 @@ def test_fragments_compute_each_32_block_dot_product():
         words = []
         for row in (g, g + 8):  # ldmatrix: bytes 4t..4t+3 of the row's 16 bytes
             words.append(sum(int(wbytes[row, 4 * t + i]) << (8 * i) for i in range(4)))
-        pairs = {(row, j): tuple(_f16(h) * 2.0**14 for h in _e2m1_pair(wd, j)) for row, wd in enumerate(words)
+        pairs = {(row, j): tuple(_f16(h) * 2.0**14 for h in e2m1_pair(wd, j)) for row, wd in enumerate(words)
                  for j in range(4)}
         q = x_perm[g, 8 * t: 8 * t + 8].tolist()  # the thread's 16-byte shared-memory load
         a_regs[lane] = ([pairs[(0, 0)], pairs[(1, 0)], pairs[(0, 1)], pairs[(1, 1)]],   # MMA 1

@@ -22,70 +22,21 @@ Tolerances, per element, against the golden (float64 math, one rounding):
 import pytest
 import torch
 
-from engine.kernels.mhc import (hc_mixes, hc_mixes_ref, hc_post, hc_post_mixes, hc_post_ref, hc_pre, hc_pre_norm,
-                                hc_pre_norm_ref, hc_pre_ref)
+from engine.kernels.mhc import (hc_mixes, hc_post, hc_post_mixes, hc_post_ref, hc_pre, hc_pre_norm, hc_pre_norm_ref,
+                                hc_pre_ref)
 from engine.kernels.norm import rms_norm, rms_norm_ref
 from engine.presets import full_config
+from tests.kernels.numeric import (HC, HC_EPS, ITERS, NORM_EPS, assert_bf16_close, bf16_ulp, check_mixes_bounds,
+                                   mhc_mix_params, mhc_stream)
 
 gpu = pytest.mark.gpu
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 SUM_EPS = 2.0**-20
-EPS_M = 2.0**-17
-SINKHORN_GAIN = 4.0
-HC, ITERS, HC_EPS, NORM_EPS = 4, 20, 1e-6, 1e-20
-
-
-def _ulp(ref: torch.Tensor) -> torch.Tensor:
-    _, e = torch.frexp(ref.abs().clamp_min(2.0**-133))
-    return torch.ldexp(torch.ones_like(ref), e - 8)  # bf16 keeps 8 significant bits
-
-
-def assert_bf16_close(y: torch.Tensor, ref: torch.Tensor, slack: torch.Tensor | float, what: str,
-                      min_equal: float = 0.99) -> None:
-    assert y.shape == ref.shape and y.dtype == torch.bfloat16, f"{what}: got {y.dtype} {tuple(y.shape)}"
-    yf, rf = y.double().cpu().flatten(), ref.double().cpu().flatten()
-    slack = torch.as_tensor(slack, dtype=torch.float64).cpu().expand(ref.shape).flatten()
-    allowed = _ulp(rf) + slack
-    err = (yf - rf).abs()
-    bad = ~(err <= allowed)  # NaN fails
-    if bad.any():
-        i = int(torch.where(bad, err / allowed, torch.inf).nan_to_num(posinf=1e30).argmax())
-        pytest.fail(f"{what}: {int(bad.sum())}/{bad.numel()} elements out of tolerance; worst at flat {i} "
-                    f"(of shape {tuple(ref.shape)}): y={yf[i].item():.6g} ref={rf[i].item():.6g} "
-                    f"err={err[i].item():.3g} allowed={allowed[i].item():.3g} "
-                    f"({err[i].item() / _ulp(rf)[i].item():.2f} ULP)")
-    equal = (y.cpu().view(torch.int16) == ref.cpu().view(torch.int16)).double().mean().item()
-    assert equal >= min_equal, f"{what}: only {100 * equal:.2f}% bitwise equal (want >= {100 * min_equal:.0f}%)"
-
-
-def _stream(n: int, d: int, device: str = "cpu", seed: int = 0, special: bool = True) -> torch.Tensor:
-    """bf16 [N, HC, D] with per-row magnitudes over 1e-2 .. 1e2; rows 1/2/3 (when present) are all-zero,
-    large (~1e12) and tiny (~1e-25, where eps = 1e-20 dominates the mean square)."""
-    g = torch.Generator().manual_seed(seed)
-    mag = torch.logspace(-2, 2, max(n, 1))[torch.randperm(max(n, 1), generator=g)][:n]
-    x = torch.randn(n, HC, d, generator=g) * mag[:, None, None]
-    if special and n > 3:
-        x[1] = 0
-        x[2] *= 1e12
-        x[3] *= 1e-25
-    return x.bfloat16().to(device)
 
 
 def _weights(d: int, device: str = "cpu", seed: int = 1) -> torch.Tensor:
     g = torch.Generator().manual_seed(seed)
     return (1.0 + 0.5 * torch.randn(d, generator=g)).bfloat16().to(device)
-
-
-def _mix_params(d: int, device: str = "cpu", seed: int = 2, sharp: bool = False):
-    """fn N(0, 1/K) as make_checkpoint; scale, base N(0, 0.25) (sharp: comb logits scaled by 8)."""
-    g = torch.Generator().manual_seed(seed)
-    k, mix = HC * d, (2 + HC) * HC
-    fn = torch.randn(mix, k, generator=g) / k**0.5
-    scale = torch.randn(3, generator=g) * 0.5
-    if sharp:
-        scale[2] = 8.0
-    base = torch.randn(mix, generator=g) * 0.5
-    return fn.to(device), scale.to(device), base.to(device)
 
 
 def _post_params(n: int, device: str = "cpu", seed: int = 3):
@@ -108,7 +59,7 @@ def check_hc_pre(x, pre, w, what: str) -> None:
     assert_bf16_close(hc_pre(x, pre), c_ref, SUM_EPS * abs_sum, f"hc_pre {what}")
     cf = c_ref.double()
     r = torch.rsqrt(cf.square().mean(-1, keepdim=True) + NORM_EPS)
-    slack = w.double().abs() * r * (_ulp(cf) + SUM_EPS * abs_sum)
+    slack = w.double().abs() * r * (bf16_ulp(cf, 2.0**-133) + SUM_EPS * abs_sum)
     assert_bf16_close(hc_pre_norm(x, pre, w, NORM_EPS), hc_pre_norm_ref(x, pre, w, NORM_EPS), slack,
                       f"hc_pre_norm {what}")
 
@@ -133,36 +84,12 @@ def check_hc_post_mixes(y, res, post, comb, fn, scale, base, what: str, launch=N
     return check_mixes_bounds(mixes, x, fn, scale, base, f"post+mixes {what}", ITERS)
 
 
-def check_mixes_bounds(got, x, fn, scale, base, what: str, iters: int) -> dict[str, float]:
-    """Checks the stated bounds; returns the measured max |Δ| per output (for the GPU tests' report)."""
-    ref = hc_mixes_ref(x, fn, scale, base, HC, iters, HC_EPS, NORM_EPS)
-    flat = x.flatten(1).double()
-    r = torch.rsqrt(flat.square().mean(-1, keepdim=True) + NORM_EPS)
-    dm = EPS_M * r * (flat.abs() @ fn.double().abs().T)  # [N, 24] bound on the GEMM error
-    s = scale.double().abs()
-    bounds = {"pre": s[0] / 4 * dm[:, :HC].amax(-1, keepdim=True) + 1e-6,
-              "post": s[1] / 2 * dm[:, HC:2 * HC].amax(-1, keepdim=True) + 1e-6,
-              "comb": (SINKHORN_GAIN * s[2] * dm[:, 2 * HC:].amax(-1) + 4e-6).view(-1, 1, 1)}
-    measured = {}
-    for name, g_, r_ in zip(("pre", "post", "comb"), got, ref):
-        assert g_.dtype == torch.float32 and g_.shape == r_.shape, f"{name}: {g_.dtype} {tuple(g_.shape)}"
-        err = (g_.double() - r_.double()).abs()
-        bad = ~(err <= bounds[name])
-        if bad.any():
-            i = tuple(bad.nonzero()[0].tolist())
-            pytest.fail(f"hc_mixes {what} {name}: {int(bad.sum())}/{bad.numel()} out of bound; first at {i}: "
-                        f"got={g_[i].item():.8g} ref={r_[i].item():.8g} err={err[i].item():.3g} "
-                        f"bound={bounds[name].expand_as(err)[i].item():.3g}")
-        measured[name] = err.max().item() if err.numel() else 0.0
-    return measured
-
-
 # --- CPU (interpreter) tests -------------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("n", [1, 3, 17])
 @pytest.mark.parametrize("d", [256, 200])
 def test_rms_norm(n, d):
-    x = _stream(n, d)[:, 0].contiguous()
+    x = mhc_stream(n, d)[:, 0].contiguous()
     check_rms_norm(x, _weights(d), f"N={n} D={d}")
 
 
@@ -181,7 +108,7 @@ def test_rms_norm_zero_and_extreme_rows():
 @pytest.mark.parametrize("n", [1, 3, 17])
 @pytest.mark.parametrize("d", [256, 200])
 def test_hc_pre_and_pre_norm(n, d):
-    x = _stream(n, d)
+    x = mhc_stream(n, d)
     pre, _, _ = _post_params(n)
     pre[0, 1] = -0.75  # negative pre values cancel
     check_hc_pre(x, pre, _weights(d), f"N={n} D={d}")
@@ -190,8 +117,8 @@ def test_hc_pre_and_pre_norm(n, d):
 @pytest.mark.parametrize("n", [1, 3, 17])
 @pytest.mark.parametrize("d", [256, 200])
 def test_hc_post(n, d):
-    res = _stream(n, d)
-    y = _stream(n, d, seed=5, special=False)[:, 0].contiguous()
+    res = mhc_stream(n, d)
+    y = mhc_stream(n, d, seed=5, special=False)[:, 0].contiguous()
     _, post, comb = _post_params(n)
     check_hc_post(y, res, post, comb, f"N={n} D={d}")
 
@@ -202,19 +129,19 @@ LAUNCHES = [None, (16, 128, 1), (16, 64, 3), (32, 32, 5), (64, 128, 8)]
 @pytest.mark.parametrize("n", [1, 3, 17])
 @pytest.mark.parametrize("launch", LAUNCHES, ids=["auto", "nosplit", "split3", "bm32-split5", "bm64-split8"])
 def test_hc_mixes(n, launch):
-    x = _stream(n, 256)
-    check_hc_mixes(x, *_mix_params(256), f"N={n} launch={launch}", launch=launch)
+    x = mhc_stream(n, 256)
+    check_hc_mixes(x, *mhc_mix_params(256), f"N={n} launch={launch}", launch=launch)
 
 
 @pytest.mark.parametrize("iters", [1, 2, 20])
 def test_hc_mixes_sharp_comb_and_iters(iters):
-    x = _stream(5, 256, seed=7)
-    check_hc_mixes(x, *_mix_params(256, sharp=True), f"sharp iters={iters}", iters=iters, launch=(16, 64, 2))
+    x = mhc_stream(5, 256, seed=7)
+    check_hc_mixes(x, *mhc_mix_params(256, sharp=True), f"sharp iters={iters}", iters=iters, launch=(16, 64, 2))
 
 
 def test_hc_mixes_is_deterministic_and_resets_tickets():
-    x = _stream(17, 256)
-    params = _mix_params(256)
+    x = mhc_stream(17, 256)
+    params = mhc_mix_params(256)
     a = hc_mixes(x, *params, HC, ITERS, HC_EPS, NORM_EPS, (16, 32, 7))
     b = hc_mixes(x, *params, HC, ITERS, HC_EPS, NORM_EPS, (16, 32, 7))
     assert all(torch.equal(u, v) for u, v in zip(a, b))
@@ -226,10 +153,10 @@ POST_LAUNCHES = [None, (16, 64, 1), (16, 32, 3), (32, 32, 2), (64, 16, 5)]
 @pytest.mark.parametrize("n", [1, 3, 17])
 @pytest.mark.parametrize("launch", POST_LAUNCHES, ids=["auto", "nosplit", "split3", "bm32-split2", "bm64-split5"])
 def test_hc_post_mixes(n, launch):
-    res = _stream(n, 256)
-    y = _stream(n, 256, seed=5, special=False)[:, 0].contiguous()
+    res = mhc_stream(n, 256)
+    y = mhc_stream(n, 256, seed=5, special=False)[:, 0].contiguous()
     _, post, comb = _post_params(n)
-    params = _mix_params(256, seed=4)
+    params = mhc_mix_params(256, seed=4)
     check_hc_post_mixes(y, res, post, comb, *params, f"N={n} launch={launch}", launch=launch)
     x, *_ = hc_post_mixes(y, res, post, comb, *params, ITERS, HC_EPS, NORM_EPS, launch)
     assert torch.equal(x.view(torch.int16), hc_post(y, res, post, comb).view(torch.int16)), "X differs from hc_post"
@@ -242,19 +169,19 @@ def test_empty_rows():
     assert rms_norm(x[:, 0], w, NORM_EPS).shape == (0, 256)
     assert hc_pre(x, pre).shape == (0, 256) and hc_pre_norm(x, pre, w, NORM_EPS).shape == (0, 256)
     assert hc_post(x[:, 0], x, pre, torch.empty(0, HC, HC)).shape == (0, HC, 256)
-    p, q, c = hc_mixes(x, *_mix_params(256), HC, ITERS, HC_EPS, NORM_EPS)
+    p, q, c = hc_mixes(x, *mhc_mix_params(256), HC, ITERS, HC_EPS, NORM_EPS)
     assert p.shape == (0, HC) and q.shape == (0, HC) and c.shape == (0, HC, HC)
-    out = hc_post_mixes(x[:, 0], x, pre, torch.empty(0, HC, HC), *_mix_params(256), ITERS, HC_EPS, NORM_EPS)
+    out = hc_post_mixes(x[:, 0], x, pre, torch.empty(0, HC, HC), *mhc_mix_params(256), ITERS, HC_EPS, NORM_EPS)
     assert [tuple(t.shape) for t in out] == [(0, HC, 256), (0, HC), (0, HC), (0, HC, HC)]
 
 
 def test_contract_asserts():
-    x = _stream(3, 256)
+    x = mhc_stream(3, 256)
     with pytest.raises(AssertionError):
         rms_norm(x[:, 0], _weights(256), NORM_EPS)  # not contiguous
     with pytest.raises(AssertionError):
         hc_pre(x.float(), torch.rand(3, HC))
-    fn, scale, base = _mix_params(256)
+    fn, scale, base = mhc_mix_params(256)
     with pytest.raises(AssertionError):
         hc_mixes(x, fn.double(), scale, base, HC, ITERS, HC_EPS, NORM_EPS)
 
@@ -269,12 +196,12 @@ GPU_N = [1, 6, 64, 4096]
 @pytest.mark.parametrize("n", GPU_N)
 def test_norm_and_collapse_real_shapes_gpu(n):
     d = full_config().dim
-    x = _stream(n, d, "cuda")
+    x = mhc_stream(n, d, "cuda")
     w = _weights(d, "cuda")
     check_rms_norm(x[:, 0].contiguous(), w, f"N={n} D={d}")
     pre, post, comb = _post_params(n, "cuda")
     check_hc_pre(x, pre, w, f"N={n} D={d}")
-    y = _stream(n, d, "cuda", seed=5, special=False)[:, 0].contiguous()
+    y = mhc_stream(n, d, "cuda", seed=5, special=False)[:, 0].contiguous()
     check_hc_post(y, x, post, comb, f"N={n} D={d}")
 
 
@@ -286,11 +213,11 @@ def test_hc_mixes_real_shapes_gpu(n, sharp):
     d = full_config().dim
     cfg = full_config()
     assert (cfg.hc_mult, cfg.hc_sinkhorn_iters, cfg.hc_eps, cfg.norm_eps) == (HC, ITERS, HC_EPS, NORM_EPS)
-    x = _stream(n, d, "cuda", seed=11)
-    params = _mix_params(d, "cuda", sharp=sharp)
+    x = mhc_stream(n, d, "cuda", seed=11)
+    params = mhc_mix_params(d, "cuda", sharp=sharp)
     measured = check_hc_mixes(x, *params, f"N={n} D={d} sharp={sharp}")
     print(f"hc_mixes N={n} D={d} sharp={sharp}: max |err| " + ", ".join(f"{k} {v:.3g}" for k, v in measured.items()))
-    y = _stream(n, d, "cuda", seed=5, special=False)[:, 0].contiguous()
+    y = mhc_stream(n, d, "cuda", seed=5, special=False)[:, 0].contiguous()
     _, post, comb = _post_params(n, "cuda")
     measured = check_hc_post_mixes(y, x, post, comb, *params, f"N={n} D={d} sharp={sharp}")
     print(f"hc_post_mixes N={n} D={d} sharp={sharp}: max |err| "

@@ -33,6 +33,7 @@ from engine.model.layers import RMSNorm
 from engine.model.rope import RotaryTable, apply_rotary
 from engine.presets import full_config, tiny_config
 from engine.quant import fp4_qdq
+from tests.kernels.numeric import bf16_ulp
 
 gpu = pytest.mark.gpu
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
@@ -74,12 +75,6 @@ def _slots(n: int, total: int, g: torch.Generator, device) -> torch.Tensor:
     return s.to(device)
 
 
-def _ulp(ref: torch.Tensor) -> torch.Tensor:
-    r = ref.double()
-    _, e = torch.frexp(r.abs().clamp_min(2.0**-126))
-    return torch.ldexp(torch.ones_like(r), e - 8)
-
-
 def assert_bf16_close(out: torch.Tensor, ref: torch.Tensor, what: str, min_exact: float = 0.99,
                       extra: torch.Tensor | None = None) -> None:
     """<= 1 bf16 ULP (+ extra, an error bound stated by the caller) everywhere, >= min_exact of the elements
@@ -87,7 +82,7 @@ def assert_bf16_close(out: torch.Tensor, ref: torch.Tensor, what: str, min_exact
     assert out.dtype == ref.dtype == torch.bfloat16 and out.shape == ref.shape, (
         f"{what}: {out.dtype} {tuple(out.shape)} vs {ref.dtype} {tuple(ref.shape)}")
     err = (out.double() - ref.double()).abs()
-    bad = ~(err <= _ulp(ref) + (0 if extra is None else extra))
+    bad = ~(err <= bf16_ulp(ref) + (0 if extra is None else extra))
     assert not bad.any(), (f"{what}: {int(bad.sum())} elements over 1 ULP; worst err {err.max().item():.3g} at "
                            f"{torch.unravel_index(err.argmax(), err.shape)}")
     exact = (out.view(torch.int16) == ref.view(torch.int16)).double().mean().item() if out.numel() else 1.0
@@ -323,7 +318,7 @@ def _pooling_bound(kv, score, pkv, psc, plan, w, eps) -> torch.Tensor:
     a = kv0.abs() * wts[0] + kv1.abs() * wts[1]
     r = torch.rsqrt(pooled.square().mean(-1, keepdim=True) + eps)
     out = torch.zeros(plan.num_groups, kv.size(1), dtype=torch.float64)
-    out[it[:, 2]] = w.double().cpu().abs() * r * (_ulp(pooled) + 2.0**-20 * a)
+    out[it[:, 2]] = w.double().cpu().abs() * r * (bf16_ulp(pooled) + 2.0**-20 * a)
     return out.to(kv.device)
 
 

@@ -27,7 +27,7 @@ from engine.kernels.sparse_attention import gather_rows_ref, sparse_attn_paged, 
 from engine.kernels.sparse_decode import (HEAD_DIM, MAX_SMEM, MAX_SPLITS, DecodeParams, decode_applies,
                                           params_fit, pick_params, smem_bytes, sparse_attn_decode)
 from engine.presets import full_config
-from tests.kernels.test_sparse_attention import _problem, assert_attn_close
+from tests.kernels.numeric import assert_attn_close, bf16_ulp, sparse_attn_problem
 
 gpu = pytest.mark.gpu
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
@@ -95,7 +95,7 @@ def test_smem_and_params_cpu():
 
 
 def test_wrapper_contract_cpu():
-    args = _problem(2, 16, 512, 8, 16, swa_slots=32, main_slots=32)
+    args = sparse_attn_problem(2, 16, 512, 8, 16, swa_slots=32, main_slots=32)
     assert not decode_applies(*args[:5])  # CPU tensors
     with pytest.raises(AssertionError):
         sparse_attn_decode(*args, 0.04)  # not on a CUDA device
@@ -186,7 +186,7 @@ def _kernel_model(q, swa_pool, swa_idx, main_pool, main_idx, sink, scale, p: Dec
 def test_split_decomposition_matches_golden_cpu(m, h, kw, km, params):
     """The kernel's split / merge arithmetic (not its code) within the GPU tolerance of the golden, with
     splits whose rows are all -1 or past the end and an all -1 query."""
-    args = _problem(m, h, HEAD_DIM, kw, km, swa_slots=256, main_slots=256, seed=kw + km)
+    args = sparse_attn_problem(m, h, HEAD_DIM, kw, km, swa_slots=256, main_slots=256, seed=kw + km)
     ref = sparse_attn_paged_ref(*args, 0.05)
     o = _kernel_model(*args, 0.05, params)
     assert_attn_close(o, ref, args, 0.05, f"model {params} M={m} H={h} KW={kw} KM={km}")
@@ -284,7 +284,7 @@ def test_shared_row_strides_are_bank_conflict_free_cpu():
 
 def _real_problem(m, seed, window_only=(), main_only=()):
     h, d = _real_shape()
-    args = _problem(m, h, d, 128, 512, swa_slots=4096, main_slots=8192, device="cuda", seed=seed)
+    args = sparse_attn_problem(m, h, d, 128, 512, swa_slots=4096, main_slots=8192, device="cuda", seed=seed)
     for i in window_only:
         args[4][i] = -1
     for i in main_only:
@@ -303,7 +303,7 @@ def _assert_close_to_triton(o, tri, ref, args, scale, what):
     a = torch.einsum("mhk,mkd->mhd", p, kv.double().abs()) / (p.sum(-1, keepdim=True)
                                                                + torch.exp(sink.double().view(1, -1, 1) - mx))
     rf = ref.double()
-    ulp = torch.ldexp(torch.ones_like(rf), torch.frexp(rf.abs().clamp_min(2.0**-100))[1] - 8)
+    ulp = bf16_ulp(rf, 2.0**-100)
     err = (o.double() - tri.double()).abs()
     bad = ~(err <= 4 * ulp + 2.0**-7 * a)
     assert not bad.any(), f"{what}: {int(bad.sum())} outputs differ from Triton by more than both tolerances"
@@ -351,7 +351,7 @@ def test_launch_shapes_gpu(hb, splits):
                                        (7, 64, 128, 512), (1, 64, 1, 1), (8, 64, 9, 4), (5, 32, 200, 300)])
 def test_odd_shapes_gpu(m, h, kw, km):
     """Lists that end mid-tile, splits with no valid row, one-CTA clusters, H = 16 / 48 (16-head CTAs only)."""
-    args = _problem(m, h, HEAD_DIM, kw, km, swa_slots=64, main_slots=96, device="cuda", seed=m + kw)
+    args = sparse_attn_problem(m, h, HEAD_DIM, kw, km, swa_slots=64, main_slots=96, device="cuda", seed=m + kw)
     n = kw + km
     for p in (None, DecodeParams(16, 1), DecodeParams(32, 2, False), DecodeParams(16, 8), DecodeParams(32, 5)):
         if p is not None and not (params_fit(p, h, n) and h % p.heads_per_cta == 0):
@@ -409,7 +409,7 @@ def test_large_pool_offsets_gpu():
         main_pool = torch.zeros(main_slots, 288, dtype=torch.uint8, device="cuda")
     except torch.OutOfMemoryError:
         pytest.skip("not enough GPU memory")
-    args = _problem(2, h, d, 16, 32, swa_slots=64, main_slots=64, device="cuda", seed=9)
+    args = sparse_attn_problem(2, h, d, 16, 32, swa_slots=64, main_slots=64, device="cuda", seed=9)
     swa_pool[-64:] = args[1].view(-1, 528)
     main_pool[-64:] = args[3].view(-1, 288)
     sw = torch.where(args[2] >= 0, args[2] + swa_slots - 64, -1).int()

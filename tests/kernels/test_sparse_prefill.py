@@ -18,7 +18,7 @@ import engine.kernels.sparse_prefill as sp
 from engine.kernels.sparse_attention import sparse_attn_paged, sparse_attn_paged_ref
 from engine.kernels.sparse_prefill import DECODE_MAX_M, sparse_attn, sparse_attn_prefill
 from benchmarks.kernel_benches.sparse_prefill import CONFIGS
-from tests.kernels.test_sparse_attention import _problem, assert_attn_close
+from tests.kernels.numeric import assert_attn_close, sparse_attn_problem
 
 gpu = pytest.mark.gpu
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
@@ -28,7 +28,7 @@ SCALE = D ** -0.5
 
 
 def _args(m, h, km, kw=KW, seed=0, device="cpu"):
-    return _problem(m, h, D, kw, km, swa_slots=64, main_slots=96, device=device, seed=seed)
+    return sparse_attn_problem(m, h, D, kw, km, swa_slots=64, main_slots=96, device=device, seed=seed)
 
 
 @pytest.mark.parametrize("km", [8, 40])
@@ -62,7 +62,7 @@ def test_bitwise_equals_decode_cpu(m, h, km):
 def test_real_head_dim_cpu():
     """D = 512 (the record layout's real word counts), one main tile: bitwise vs decode, and vs golden."""
     d = 512
-    args = _problem(3, 4, d, 16, 24, swa_slots=32, main_slots=48, seed=11)
+    args = sparse_attn_problem(3, 4, d, 16, 24, swa_slots=32, main_slots=48, seed=11)
     o = sparse_attn_prefill(*args, d ** -0.5, block_n=32)
     assert_attn_close(o, sparse_attn_paged_ref(*args, d ** -0.5), args, d ** -0.5, "D=512")
     dec = sparse_attn_paged(*args, d ** -0.5, block_h=16, block_n=32, rows_per_split=32)
@@ -81,7 +81,7 @@ def test_launch_shapes_cpu():
 
 @pytest.mark.parametrize("kw,km", [(9, 0), (0, 13), (0, 0)])
 def test_empty_lists_cpu(kw, km):
-    args = _args(2, 4, km, kw=kw, seed=kw + km)  # M = 2: _problem's duplicate rows need both lists
+    args = _args(2, 4, km, kw=kw, seed=kw + km)  # M = 2: sparse_attn_problem's duplicate rows need both lists
     o = sparse_attn_prefill(*args, SCALE, block_n=16)
     ref = sparse_attn_paged_ref(*args, SCALE)
     if kw + km == 0:  # no rows: the golden gives 0 (the checker needs a row to take a max over)
@@ -114,14 +114,14 @@ def test_dispatch_cpu(monkeypatch):
     monkeypatch.setattr(sp, "sparse_attn_paged", lambda *a: calls.append("decode") or sparse_attn_paged(*a))
     monkeypatch.setattr(sp, "sparse_attn_prefill", lambda *a: calls.append("prefill") or sparse_attn_prefill(*a))
     for m, d in ((1, D), (DECODE_MAX_M, D), (DECODE_MAX_M + 1, D), (DECODE_MAX_M + 1, 64)):
-        args = _problem(m, 4, d, KW, 8, swa_slots=64, main_slots=96, seed=m)
+        args = sparse_attn_problem(m, 4, d, KW, 8, swa_slots=64, main_slots=96, seed=m)
         o = sparse_attn(*args, d ** -0.5)
         assert_attn_close(o, sparse_attn_paged_ref(*args, d ** -0.5), args, d ** -0.5, f"sparse_attn M={m} D={d}")
     assert calls == ["decode", "decode", "prefill", "decode"]
 
 
 def test_head_dim_contract_cpu():
-    args = _problem(2, 4, 64, KW, 8, swa_slots=64, main_slots=96)
+    args = sparse_attn_problem(2, 4, 64, KW, 8, swa_slots=64, main_slots=96)
     with pytest.raises(AssertionError, match="multiple of 4"):
         sparse_attn_prefill(*args, 0.125)
 
@@ -131,7 +131,7 @@ def test_head_dim_contract_cpu():
 @pytest.mark.parametrize("m", [64, 1024, 4096])
 def test_matches_golden_real_shape_gpu(m):
     d = 512
-    args = _problem(m, 64, d, 128, 512, swa_slots=4096, main_slots=8192, device="cuda", seed=m)
+    args = sparse_attn_problem(m, 64, d, 128, 512, swa_slots=4096, main_slots=8192, device="cuda", seed=m)
     o = sparse_attn_prefill(*args, d ** -0.5)
     ref = sparse_attn_paged_ref(*args, d ** -0.5)
     assert_attn_close(o, ref, args, d ** -0.5, f"GPU M={m} H=64 D=512 KW=128 KM=512")
@@ -146,7 +146,7 @@ def test_launch_configs_real_shape_gpu(config):
     """Every launch shape the benchmark sweeps gives an answer within the tolerance."""
     block_h, block_n, warps, stages, prefetch = config
     d = 512
-    args = _problem(64, 64, d, 128, 512, swa_slots=4096, main_slots=8192, device="cuda", seed=3)
+    args = sparse_attn_problem(64, 64, d, 128, 512, swa_slots=4096, main_slots=8192, device="cuda", seed=3)
     o = sparse_attn_prefill(*args, d ** -0.5, block_h=block_h, block_n=block_n, num_warps=warps, num_stages=stages,
                             prefetch=prefetch)
     ref = sparse_attn_paged_ref(*args, d ** -0.5)
