@@ -1,5 +1,7 @@
-"""What starting the server imports: with KV sharing off, neither serve_app.kv_transfer nor NIXL (its UCX
-libraries load with it). Each check runs in a fresh interpreter, since this one may have imported anything."""
+"""What starting the server imports: the HTTP ingress and the plain-data modules it is built from import neither
+torch nor Triton (style.md: "The HTTP ingress imports no torch"), and with KV sharing off neither
+serve_app.kv_transfer nor NIXL (its UCX libraries load with it). Each check runs in a fresh interpreter, since this
+one may have imported anything."""
 
 from __future__ import annotations
 
@@ -8,8 +10,12 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[2]
 KV_MODULES = {"serve_app.kv_transfer", "serve_app.kv_sharing"}
+TORCH_FREE = ("serve_app.ingress", "serve_app.settings", "serve_app.protocol", "serve_app.records",
+              "serve_app.streaming")
 
 
 def modules_after(code: str) -> set[str]:
@@ -37,3 +43,19 @@ def test_the_app_with_kv_sharing_off_imports_no_nixl():
 def test_kv_sharing_imports_nixl():
     """The other side of the check above: the module KV sharing needs does bring NIXL in."""
     assert "nixl_cu13" in nixl_modules(modules_after("import serve_app.kv_sharing"))
+
+
+def heavy_modules(modules: set[str]) -> set[str]:
+    return {m for m in modules if m.split(".")[0] in ("torch", "triton")}
+
+
+@pytest.mark.parametrize("module", TORCH_FREE)
+def test_the_ingress_imports_no_torch_or_triton(module):
+    modules = modules_after(f"import {module}")
+    assert module in modules
+    assert not heavy_modules(modules), f"{module} loads {sorted(heavy_modules(modules))[:5]}"
+
+
+def test_the_torch_check_can_fail():
+    """The other side: the engine itself does bring torch and Triton in."""
+    assert {"torch", "triton"} <= heavy_modules(modules_after("import engine.core.engine"))
