@@ -46,7 +46,8 @@ def project_files() -> list[Path]:
 
 def test_no_module_imports_another_modules_private_names():
     assert len(project_files()) > 100, "the walk found too few modules"
-    found = [hit for p in project_files() for hit in private_imports(p.read_text(encoding="utf-8"), p.relative_to(ROOT))]
+    found = [hit for p in project_files()
+             for hit in private_imports(p.read_text(encoding="utf-8"), p.relative_to(ROOT))]
     assert not found, "private names imported across modules:\n" + "\n".join(found)
 
 
