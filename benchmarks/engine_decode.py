@@ -3,6 +3,12 @@ per step (the union of the kernels' intervals in a torch.profiler trace), and ou
 
     python benchmarks/engine_decode.py [--ckpt DIR] [--batches 1,16,64] [--prompt-len 100] [--steps 50]
         [--modes graph,device,legacy] [--sampling greedy|top_p] [--device cuda] [--top-kernels N]
+    python benchmarks/engine_decode.py --real-width --batches 1,6,16,64,256 --modes graph --layer-sum 1,6
+
+--real-width: instead of a checkpoint, ten layers of DeepSeek-V4.1-Flash's real widths with every layer role
+(benchmarks/random_model.py, built on the GPU: ~75 GB); --layer-sum B: at batch B, each layer's own CUDA-graph
+time on the decode step's metadata (its Engram mix included, the Engram row gather left out: the step overlaps
+it) plus the head's, against the step's model graph (target: step <= 1.1x the sum).
 
 Per mode and batch: `batch` requests with prompts of --prompt-len random tokens are prefilled, then every
 step is a decode step of the whole batch; the step is timed over --steps steps (median), after 5 warm-up
@@ -19,6 +25,7 @@ import argparse
 import statistics
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -60,6 +67,38 @@ def top_kernels(trace: torch.profiler.profile, steps: int, n: int) -> str:
     return "\n".join(lines)
 
 
+def layer_sum(engine: LLMEngine, plan) -> tuple[list[float], float, float]:
+    """(each layer's graph us, the head's, the step's model graph us) for a decode plan, on its own metadata."""
+    from benchmarks.gpu_timing import graph_time_us
+    from engine.core.kernel_ops import OPS, engram_rows
+
+    step = engine.executor.runner.decode
+    kr, cfg = step.runner, step.cfg
+    with torch.inference_mode():
+        v = step.stage(replace(plan, from_rows=None))
+        st = step.device_step(v)
+        ids = v.fields["ids"]
+        hashes = step.engram_hashes(v, ids)
+        h = torch.nn.functional.embedding(ids, kr.model.embed.weight).unsqueeze(1).repeat(1, cfg.hc_mult, 1)
+        pre = torch.zeros(ids.numel(), cfg.hc_mult, dtype=torch.float32, device=ids.device)
+        pre[:, 0] = 1.0
+        times = []
+        for i, layer in enumerate(kr.model.layers):
+            phase = st.phase(i, cfg.ced_cut)
+            rows = None if layer.engram is None else engram_rows(layer.engram, hashes[:, layer.role.engram_index],
+                                                                 ids.device)
+
+            def call(layer=layer, h=h, pre=pre, phase=phase, rows=rows):
+                x = h if rows is None else OPS.engram(layer.engram, h, rows)
+                return kr.layer_forward(layer, x, pre, st, phase)
+            times.append(graph_time_us([call]))
+            h, pre = call()
+        head = graph_time_us([lambda: kr.head(h, pre)])
+        graph = step._graphs[(v.B, v.C)]
+        whole = graph_time_us([graph.replay])
+    return times, head, whole
+
+
 def measure(engine: LLMEngine, batch: int, args: argparse.Namespace, params: SamplingParams) -> tuple[float, float]:
     g = torch.Generator().manual_seed(batch)
     for i in range(batch):
@@ -81,6 +120,16 @@ def measure(engine: LLMEngine, batch: int, args: argparse.Namespace, params: Sam
         torch.cuda.synchronize()
     if args.top_kernels:
         print(top_kernels(trace, n_prof, args.top_kernels), flush=True)
+    if batch in args.layer_sum and engine.executor.runner.decode is not None:
+        plans = []
+        launch = engine.executor.launch
+        engine.executor.launch = lambda plan: (plans.append(plan), launch(plan))[1]
+        engine.step()
+        engine.executor.launch = launch
+        times, head, whole = layer_sum(engine, plans[-1])
+        print(f"  batch {batch}: layers {' '.join(f'{t:.1f}' for t in times)} us; head {head:.1f} us; "
+              f"sum {sum(times) + head:.1f} us; the step's model graph {whole:.1f} us "
+              f"({whole / (sum(times) + head):.2f}x the sum)", flush=True)
     for rid in list(engine.requests):
         engine.abort(rid)
     return statistics.median(times) * 1000, busy_ms(trace, n_prof)
@@ -97,11 +146,22 @@ def main() -> None:
     p.add_argument("--device", default="cuda")
     p.add_argument("--cache-mib", type=int, default=2048)
     p.add_argument("--top-kernels", type=int, default=0, help="print the N most costly kernels of each run")
+    p.add_argument("--real-width", action="store_true", help="ten random real-width layers instead of --ckpt")
+    p.add_argument("--layer-sum", default="", help="batches at which to time each layer's graph")
     args = p.parse_args()
     batches = [int(b) for b in args.batches.split(",")]
-    ckpt = Path(args.ckpt) if args.ckpt else tiny_checkpoint()
-    loaded = load_model(ckpt, args.device, with_mtp=False, progress=False)
+    args.layer_sum = {int(b) for b in args.layer_sum.split(",") if b}
     max_tokens = args.prompt_len + args.steps + 64
+    if args.real_width:
+        from benchmarks.random_model import random_model, real_width_config
+
+        t0 = time.perf_counter()
+        model = random_model(real_width_config(max_model_len=max_tokens), args.device)
+        print(f"random real-width model built in {time.perf_counter() - t0:.0f} s, "
+              f"{torch.cuda.memory_allocated() / 2**30:.1f} GiB on the GPU", flush=True)
+    else:
+        model = load_model(Path(args.ckpt) if args.ckpt else tiny_checkpoint(), args.device, with_mtp=False,
+                           progress=False).model
     params = SamplingParams(max_tokens=10**6, ignore_eos=True) if args.sampling == "greedy" else \
         SamplingParams(max_tokens=10**6, ignore_eos=True, temperature=0.7, top_p=0.9, seed=1)
     rows = []
@@ -110,7 +170,7 @@ def main() -> None:
                               enable_prefix_caching=False, cache_memory_bytes=args.cache_mib << 20,
                               max_model_len=max_tokens, **MODES[mode])
         t0 = time.perf_counter()
-        engine = LLMEngine.local(loaded.model, config, progress=True, eos_token_id=-1)
+        engine = LLMEngine.local(model, config, progress=True, eos_token_id=-1)
         print(f"{mode}: engine ready in {time.perf_counter() - t0:.1f} s", flush=True)
         for batch in batches:
             step_ms, gpu_ms = measure(engine, batch, args, params)

@@ -35,6 +35,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.gpu_timing import copy_bandwidth, graph_time_us  # noqa: E402
+from benchmarks.random_model import randomize  # noqa: E402
 from engine.core.cache_manager import CacheLayout  # noqa: E402
 from engine.core.kernel_layers import KernelRunner  # noqa: E402
 from engine.core.kernel_ops import OPS, engram_rows, op_backends  # noqa: E402
@@ -45,9 +46,7 @@ from engine.core.step_rows import Segment  # noqa: E402
 from engine.model.block import Block  # noqa: E402
 from engine.model.engram import EngramEmbedding  # noqa: E402
 from engine.model.cache import StepShared  # noqa: E402
-from engine.model.layers import Linear, RMSNorm  # noqa: E402
 from engine.presets import full_config  # noqa: E402
-from engine.quant import quant_fp4_weight, quant_fp8_weight  # noqa: E402
 
 GLOBAL_BLOCK, SWA_BLOCK = 64, 16
 ENGRAM_ROWS = 1 << 20
@@ -57,34 +56,7 @@ def build_layer(cfg, layer_id: int, device: str = "cuda") -> Block:
     """A decoder layer with random weights in the checkpoint's storage formats, on `device`."""
     with torch.device("meta"):
         blk = Block(cfg, cfg.layer_role(layer_id))
-    g = torch.Generator(device=device).manual_seed(layer_id)
-
-    def randn(*shape: int) -> torch.Tensor:
-        return torch.randn(shape, generator=g, device=device)
-
-    for mod in blk.modules():
-        if isinstance(mod, EngramEmbedding):  # a small host table (the real one is ~98 GB)
-            dim = mod.weight.size(1)
-            mod.weight = torch.randn(ENGRAM_ROWS, dim).clamp(-448, 448).to(torch.float8_e4m3fn)
-            mod.scale = torch.randint(120, 128, (ENGRAM_ROWS, dim // 32), dtype=torch.uint8).view(torch.float8_e8m0fnu)
-            continue
-        for name, buf in list(mod.named_buffers(recurse=False)):
-            if isinstance(mod, Linear) and name == "scale":
-                continue  # made with its weight
-            if isinstance(mod, Linear) and name == "weight":
-                w = randn(mod.out_features, mod.in_features) * mod.in_features ** -0.5
-                if mod.fmt == "fp8":
-                    mod.weight, mod.scale = quant_fp8_weight(w)
-                elif mod.fmt == "fp4":
-                    mod.weight, mod.scale = quant_fp4_weight(w)
-                else:
-                    mod.weight = w.to(buf.dtype)
-            elif isinstance(mod, RMSNorm):
-                mod.weight = (1 + 0.1 * randn(*buf.shape)).to(buf.dtype)
-            elif buf.dim() == 2:
-                setattr(mod, name, (randn(*buf.shape) * buf.size(-1) ** -0.5).to(buf.dtype))
-            else:
-                setattr(mod, name, (randn(*buf.shape) * (0.05 if name == "bias" else 0.5)).to(buf.dtype))
+    randomize(blk, torch.Generator(device=device).manual_seed(layer_id), engram_rows=ENGRAM_ROWS)
     return blk
 
 

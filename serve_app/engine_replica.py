@@ -83,7 +83,7 @@ class EngineReplica:
         ckpt = Path(settings.checkpoint)
         cfg = load_config(ckpt)
         tokenizer = load_tokenizer(ckpt)
-        self.engine = LLMEngine(cfg, settings.to_engine_config(), make_shard_executor(settings),
+        self.engine = LLMEngine(cfg, settings.to_engine_config(), make_shard_executor(settings, cfg),
                                 eos_token_id=tokenizer.eos_id, weights_identity=str(ckpt.resolve()))
         self.executor: ShardExecutor = self.engine.executor
         self.metrics = ServeMetrics(settings.model_name)

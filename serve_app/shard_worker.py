@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import os
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import numpy as np
 import ray
@@ -18,7 +19,10 @@ import torch
 
 from engine.core import kv_blocks
 from engine.core.cache_manager import CacheLayout
-from engine.core.engine_config import RunnerKind, kernels_for
+from engine.config import ModelConfig
+from engine.core.decode_buckets import decode_takes
+from engine.core.engine import capture_decode_graphs
+from engine.core.engine_config import DecodeOptions, RunnerKind, decode_options, kernels_for
 from engine.core.kv_cache import PagedKVCache
 from engine.core.plan import StepPlan
 from engine.core.runner import ModelRunner
@@ -32,35 +36,40 @@ class ShardWorker:
     Decorate at the use site with `ray.remote(**shard_actor_options(settings))`."""
 
     def __init__(self, checkpoint: str, device: str, layout: CacheLayout, rank: int = 0, num_shards: int = 1,
-                 runner: RunnerKind = "auto"):
+                 runner: RunnerKind = "auto", decode: DecodeOptions | None = None):
         if num_shards != 1:
             raise NotImplementedError("the model has no tensor or expert parallelism yet: one shard per replica")
         self.rank, self.device = rank, torch.device(device)
         loaded = load_model(checkpoint, self.device, with_mtp=False, progress=False)
         self.kv = PagedKVCache(loaded.cfg, layout, self.device)
-        self.runner = ModelRunner(loaded.model, self.kv, kernels_for(runner))
+        self.runner = ModelRunner(loaded.model, self.kv, kernels_for(runner), decode)
+        self.graphs = capture_decode_graphs(self.runner, progress=True)  # the capture's time and memory, logged
 
     def ready(self) -> dict[str, object]:
         """Answers once the weights and pools are in place (and while a step runs: max_concurrency=2).
         placement_group: the replica's (the actor is captured into it), None when started outside one."""
         pg = ray.get_runtime_context().get_placement_group_id()
         return {"rank": self.rank, "device": str(self.device), "pid": os.getpid(), "placement_group": pg,
-                "cache_bytes": self.kv.nbytes}
+                "cache_bytes": self.kv.nbytes, "decode_step": self.runner.decode is not None, "graphs": self.graphs}
 
     def memory(self) -> int:
         """Bytes of the paged KV pools."""
         return self.kv.nbytes
 
+    @ray.method(concurrency_group="step")
     def execute(self, plan: StepPlan) -> StepOutput:
         """One step: its drawn token ids (sampled beside the model); kept logits come back on the CPU so
-        nothing device-bound crosses the process boundary."""
+        nothing device-bound crosses the process boundary. Steps run one at a time in the order sent (the
+        "step" concurrency group): a plan may read the previous step's draws on the device (from_rows)."""
         out = self.runner.execute(plan)
         return StepOutput(out.sample, {i: (first, rows.cpu()) for i, (first, rows) in out.rows.items()})
 
+    @ray.method(concurrency_group="step")
     def read_blocks(self, block_ids: list[int]) -> np.ndarray:
         """Global blocks' flat records on the host, uint8 [n, block_bytes] (engine/core/kv_blocks.py)."""
         return kv_blocks.read_blocks(self.kv, block_ids)
 
+    @ray.method(concurrency_group="step")
     def write_blocks(self, block_ids: list[int], data: np.ndarray) -> None:
         kv_blocks.write_blocks(self.kv, block_ids, data)
 
@@ -71,26 +80,37 @@ def shard_resources(settings: ServeSettings) -> dict[str, float]:
 
 
 def shard_actor_options(settings: ServeSettings) -> dict[str, object]:
-    # max_concurrency 2: `ready` (health pings) answers while `execute` runs; the engine itself sends
-    # one step at a time, so execute calls never overlap.
+    # `ready` (health pings) answers from the default group while a step runs in the "step" group, which
+    # runs one call at a time in submission order (the engine may send step k+1 before reading step k).
     res = shard_resources(settings)
-    return {"num_cpus": res["CPU"], "num_gpus": res.get("GPU", 0.0), "max_concurrency": 2}
+    return {"num_cpus": res["CPU"], "num_gpus": res.get("GPU", 0.0), "max_concurrency": 2,
+            "concurrency_groups": {"step": 1}}
 
 
 class ShardExecutor:
     """The engine's Executor over shard actors (one today). `execute` blocks on the actor; the AsyncEngine
-    calls it from its worker thread, never from the event loop."""
+    calls it from its worker thread, never from the event loop. `launch` sends a decode step without waiting
+    (when the actor runs the decode step: decode, needs_pending as engine/core/decode_buckets.decode_takes)."""
 
-    def __init__(self, actors: list[ray.actor.ActorHandle]):
+    def __init__(self, actors: list[ray.actor.ActorHandle], decode: DecodeOptions | None = None,
+                 needs_pending: bool = True):
         assert len(actors) == 1, "one shard per replica until the model has tensor/expert parallelism"
-        self.actors = actors
+        self.actors, self.decode, self.needs_pending = actors, decode, needs_pending
         self.failure: BaseException | None = None  # the first shard death: the replica cannot recover from it
 
     def execute(self, plan: StepPlan) -> StepOutput:
         """A step that raises inside the actor fails only that step's requests (LLMEngine); a dead actor
         also marks this executor failed, so the replica's health check fails and Serve replaces it."""
+        return self._wait(self.actors[0].execute.remote(plan))
+
+    def launch(self, plan: StepPlan) -> "ShardPending | None":
+        if self.decode is None or not decode_takes(plan, self.decode, self.needs_pending):
+            return None
+        return ShardPending(self, self.actors[0].execute.remote(plan))
+
+    def _wait(self, ref: ray.ObjectRef) -> StepOutput:
         try:
-            return ray.get(self.actors[0].execute.remote(plan))
+            return ray.get(ref)
         except ray.exceptions.RayActorError as e:
             self.failure = self.failure or e
             raise
@@ -116,15 +136,29 @@ class ShardExecutor:
         self.actors = []
 
 
-def make_shard_executor(settings: ServeSettings) -> Callable[[CacheLayout], ShardExecutor]:
+@dataclass(slots=True)
+class ShardPending:
+    """A step sent to the shard actor and not yet read back."""
+
+    executor: ShardExecutor
+    ref: ray.ObjectRef
+
+    def result(self) -> StepOutput:
+        return self.executor._wait(self.ref)
+
+
+def make_shard_executor(settings: ServeSettings, cfg: ModelConfig) -> Callable[[CacheLayout], ShardExecutor]:
     """For LLMEngine(cfg, config, make_executor): starts the shard actors for the engine's cache layout and
-    waits until they have loaded (a load error is raised here, in the replica's constructor)."""
+    waits until they have loaded and captured their decode graphs (a load error is raised here, in the
+    replica's constructor)."""
+    decode = decode_options(settings.to_engine_config(), cfg)
 
     def make(layout: CacheLayout) -> ShardExecutor:
         worker = ray.remote(**shard_actor_options(settings))(ShardWorker)
-        actors = [worker.remote(settings.checkpoint, settings.device, layout, rank, settings.num_shards, settings.runner)
-                  for rank in range(settings.num_shards)]
-        ray.get([a.ready.remote() for a in actors])
-        return ShardExecutor(actors)
+        actors = [worker.remote(settings.checkpoint, settings.device, layout, rank, settings.num_shards, settings.runner,
+                                decode) for rank in range(settings.num_shards)]
+        infos = ray.get([a.ready.remote() for a in actors])
+        on = all(info["decode_step"] for info in infos)
+        return ShardExecutor(actors, decode if on else None, 2 in cfg.compress_ratios[:cfg.n_layers])
 
     return make

@@ -31,6 +31,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from engine.core.decode_buckets import batch_buckets, bucket, context_buckets, decode_takes
 from engine.core.engine_config import DecodeOptions
 from engine.core.kernel_layers import AttnMeta, GlobalWrite, KernelRunner, RequestRows, Shared, Step
 from engine.core.plan import ENGRAM_LOOKBACK, StepPlan
@@ -40,26 +41,12 @@ from engine.core.step_rows import StepOutput
 from engine.engram_tables import hash_ngrams
 from engine.kernels.compressor import Ratio2Plan
 
-BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
-MIN_CONTEXT_BUCKET = 256
 VARIANTS = ("greedy", "plain", "filtered")
 # the staging record: one int64 row of length max_batch per field (floats as float64 bit patterns)
-FIELDS = ("ids", "pos", "swa_floor", "dec_floor", "global_from", "pending", "greedy", "top_k", "seed", "step",
+FIELDS = ("ids", "from_row", "pos", "swa_floor", "dec_floor", "global_from", "pending", "greedy", "top_k", "seed", "step",
           "force", "temperature", "top_p", "min_p")
 FLOAT_FIELDS = ("temperature", "top_p", "min_p")
 NO_WRITES = 1 << 62  # global_from of padding rows: no position of theirs writes global KV or pending state
-
-
-def bucket(n: int, buckets: tuple[int, ...]) -> int:
-    return next(b for b in buckets if b >= n)
-
-
-def context_buckets(max_model_len: int) -> tuple[int, ...]:
-    out, c = [], MIN_CONTEXT_BUCKET
-    while c < max_model_len:
-        out.append(c)
-        c *= 2
-    return (*out, c)
 
 
 @dataclass(slots=True)
@@ -85,7 +72,7 @@ class DecodeStep:
         self.G, self.S, self.W = layout.global_block_size, layout.swa_block_size, cfg.window_size
         self.R = (self.W - 1) // self.S + 2  # window blocks a query can span
         self.ratios = sorted({cfg.compress_ratios[i] for i in range(cfg.n_layers)})
-        self.batches = tuple(b for b in BATCH_BUCKETS if b < options.max_batch) + (bucket(options.max_batch, BATCH_BUCKETS),)
+        self.batches = batch_buckets(options.max_batch)
         self.contexts = context_buckets(options.max_model_len)
         self.max_B, self.max_C = self.batches[-1], self.contexts[-1]
         self.capacity = layout.num_global_blocks * self.G  # positions the pool holds
@@ -96,6 +83,10 @@ class DecodeStep:
         self.host_np = self.host.numpy()
         self.dev = self.host if self.device.type == "cpu" else torch.zeros_like(self.host, device=self.device)
         self.logits = torch.empty(self.max_B, cfg.vocab_size, dtype=torch.float32, device=self.device)
+        self.last_ids = torch.zeros(self.max_B, dtype=torch.int64, device=self.device)  # the last draw's tokens
+        L = SamplingParams.MAX_LOGPROBS  # the read-back: ids, then logprob, top logprobs and top ids when asked
+        self._results = [torch.empty(self.max_B * (2 + 2 * L), dtype=torch.int64, pin_memory=pinned) for _ in range(2)]
+        self._num_launched = 0
         tables = getattr(runner.model, "engram_tables", None)
         self.engram = None if tables is None else tables.to(self.device)
         assert self.engram is None or self.engram.max_ngram_size - 1 <= ENGRAM_LOOKBACK
@@ -106,15 +97,7 @@ class DecodeStep:
 
     # ---- which steps ------------------------------------------------------------------------------------------
     def takes(self, plan: StepPlan) -> bool:
-        """Every chunk is one token that samples (decode), one draw per chunk, within the buckets."""
-        chunks = plan.chunks
-        if not chunks or len(chunks) > self.max_B or len(plan.samples) != len(chunks):
-            return False
-        if any(s.row != i for i, s in enumerate(plan.samples)):
-            return False
-        needs_pending = any(r == 2 for r in self.ratios)
-        return all(c.end - c.start == 1 and c.sample and not c.keep_logits and c.decoder_from <= c.start
-                   and c.end <= self.max_C and (c.pending_slot is not None or not needs_pending) for c in chunks)
+        return decode_takes(plan, self.options, 2 in self.ratios)
 
     # ---- host: one staging buffer, one copy -------------------------------------------------------------------
     def stage(self, plan: StepPlan) -> Views:
@@ -129,6 +112,7 @@ class DecodeStep:
         rec[:, :B] = 0  # padding rows (past the chunks): position 0 of a request that writes nothing
         rec[FIELDS.index("global_from"), :B] = NO_WRITES
         rec[FIELDS.index("pending"), :B] = -1
+        rec[FIELDS.index("from_row"), :B] = -1
         rec[FIELDS.index("force"), :B] = -1
         rec[FIELDS.index("greedy"), :B] = 1
         recf[FIELDS.index("temperature"), :B] = 1.0
@@ -137,11 +121,12 @@ class DecodeStep:
         rec[FIELDS.index("top_k"), :B] = V
         prev0, ring0 = len(FIELDS), len(FIELDS) + ENGRAM_LOOKBACK
         rec[prev0:ring0 + self.R, :B] = -1
-        for b, (c, spec) in enumerate(zip(chunks, plan.samples)):
+        from_rows = plan.from_rows or [-1] * len(chunks)
+        for b, (c, spec, from_row) in enumerate(zip(chunks, plan.samples, from_rows)):
             pos = c.start
             greedy, temp, top_k, top_p, thr, seed, step, force = sample_row_values(spec.params, spec.seed, spec.step,
                                                                                    spec.force_id, V)
-            rec[:len(FIELDS) - len(FLOAT_FIELDS), b] = (c.token_ids[0], pos, c.swa_floor, c.decoder_floor,
+            rec[:len(FIELDS) - len(FLOAT_FIELDS), b] = (max(c.token_ids[0], 0), from_row, pos, c.swa_floor, c.decoder_floor,
                                                         c.global_from, -1 if c.pending_slot is None else c.pending_slot,
                                                         greedy, top_k, seed, step, force)
             recf[len(FIELDS) - len(FLOAT_FIELDS):len(FIELDS), b] = (temp, top_p, thr)
@@ -170,26 +155,31 @@ class DecodeStep:
     def forward(self, v: Views) -> None:
         """The model over the staged rows -> self.logits[:B] (device work only: capturable)."""
         r = self.runner
-        ids = v.fields["ids"]
-        step = self._device_step(v)
-        h, pre_mix = r.run_layers(ids, step, self._engram_hashes(v))
+        f = v.fields
+        # a token the previous step drew and the host has not read yet: its row of that step's draw
+        ids = torch.where(f["from_row"] >= 0, self.last_ids[f["from_row"].clamp_min(0)].clamp_min(0), f["ids"])
+        step = self.device_step(v)
+        h, pre_mix = r.run_layers(ids, step, self.engram_hashes(v, ids))
         self.logits[:v.B].copy_(r.head(h, pre_mix))
 
     def draw(self, v: Views, variant: str, num_logprobs: int):
+        """The step's tokens from self.logits[:B]; also kept in self.last_ids for the next step's input."""
         f = v.fields
         t = SampleTensors(f["greedy"].bool(), f["temperature"].float(), f["top_k"], f["top_p"], f["min_p"].float(),
                           f["seed"], f["step"], f["force"])
-        return sample_device(self.logits[:v.B], t, variant, num_logprobs)
+        d = sample_device(self.logits[:v.B], t, variant, num_logprobs)
+        self.last_ids[:v.B].copy_(d.token_ids)
+        return d
 
-    def _engram_hashes(self, v: Views) -> Tensor | None:
+    def engram_hashes(self, v: Views, ids: Tensor) -> Tensor | None:
         if self.engram is None:
             return None
         tables, K = self.engram, self.engram.max_ngram_size - 1
         prev = v.prev[:, ENGRAM_LOOKBACK - K:]
         history = torch.where(prev >= 0, tables.token_map[prev.clamp_min(0)], tables.pad_id)  # [B, K]
-        return hash_ngrams(tables, v.fields["ids"][:, None].contiguous(), history.contiguous(), v.fields["pos"])[:, 0]
+        return hash_ngrams(tables, ids[:, None].contiguous(), history.contiguous(), v.fields["pos"])[:, 0]
 
-    def _device_step(self, v: Views) -> Step:
+    def device_step(self, v: Views) -> Step:
         rows: list = []  # the step's one segment list: every row is its own request, every row is kept
         step = Step([], rows, rows, None, None, [Shared()])
         for decoder in (False, True):
@@ -286,15 +276,20 @@ class DecodeStep:
 
     def _reset_rows(self, v: Views) -> None:
         """Harmless rows for warm-up and capture: position 0 of nothing (every write skipped)."""
-        for name, value in (("ids", 0), ("pos", 0), ("swa_floor", 0), ("dec_floor", 0), ("global_from", NO_WRITES),
+        for name, value in (("ids", 0), ("from_row", -1), ("pos", 0), ("swa_floor", 0), ("dec_floor", 0), ("global_from", NO_WRITES),
                             ("pending", -1), ("greedy", 1), ("top_k", self.cfg.vocab_size), ("force", -1)):
             v.fields[name].fill_(value)
         for name, value in (("temperature", 1.0), ("top_p", 1.0), ("min_p", -float("inf"))):
             v.fields[name].fill_(value)
         v.prev.fill_(-1), v.ring.fill_(-1), v.gtable.fill_(-1)
 
-    # ---- one step ---------------------------------------------------------------------------------------------
+    # ---- one step ----------------------------------------------------------------------------------------------
     def execute(self, plan: StepPlan) -> StepOutput:
+        return self.launch(plan).result()
+
+    def launch(self, plan: StepPlan) -> "PendingDraw":
+        """Stage the step, replay its graphs (or run it eagerly) and queue the copy of its tokens to the host;
+        returns before the device is done (PendingDraw.result waits). Two launches may be outstanding."""
         v = self.stage(plan)
         params = [s.params for s in plan.samples]
         variant = sample_variant(params)
@@ -315,12 +310,34 @@ class DecodeStep:
         parts = [d.token_ids[:n]] + ([] if num_lp == 0 else [d.logprob[:n].view(torch.int64),
                                                             d.top_logprobs[:n].view(torch.int64).flatten(),
                                                             d.top_ids[:n].flatten()])
-        host = torch.cat(parts).cpu()  # one copy back (and the step's one sync)
+        host = self._results[self._num_launched % 2][:n * (2 + 2 * num_lp) if num_lp else n]
+        self._num_launched += 1
+        host.copy_(torch.cat(parts), non_blocking=True)
+        done = None
+        if self.device.type == "cuda":
+            done = torch.cuda.Event()
+            done.record()
+        return PendingDraw(host, n, num_lp, ks, done)
+
+
+@dataclass(slots=True)
+class PendingDraw:
+    """A launched decode step's tokens on their way to the host (pinned memory, behind `done`)."""
+
+    host: Tensor
+    n: int
+    num_logprobs: int
+    ks: list[int | None]
+    done: "torch.cuda.Event | None"
+
+    def result(self) -> StepOutput:
+        if self.done is not None:
+            self.done.synchronize()
+        n, L, host = self.n, self.num_logprobs, self.host
         ids = host[:n].tolist()
-        if num_lp == 0:
-            return StepOutput(draw_output(ids, None, None, None, ks), {})
-        L = num_lp
+        if L == 0:
+            return StepOutput(draw_output(ids, None, None, None, self.ks), {})
         lp = host[n:2 * n].view(torch.float64).tolist()
         top_lp = host[2 * n:2 * n + n * L].view(torch.float64).view(n, L).tolist()
         top_ids = host[2 * n + n * L:].view(n, L).tolist()
-        return StepOutput(draw_output(ids, lp, top_lp, top_ids, ks), {})
+        return StepOutput(draw_output(ids, lp, top_lp, top_ids, self.ks), {})

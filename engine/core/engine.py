@@ -24,11 +24,11 @@ from engine.core.engine_config import DecodeOptions, EngineConfig, decode_option
 from engine.core.engine_config import RUNNER_KINDS, RunnerKind, kernels_for  # noqa: F401 -- re-exported
 from engine.core.kv_blocks import ExportedPrefix, PrefixImportError
 from engine.core.kv_cache import PagedKVCache, size_layout
+from engine.core.overlap import InFlight, can_overlap, from_rows
 from engine.core.plan import SampleSpec, StepPlan, plan_step
 from engine.core.prefix_hash import fingerprint
-from engine.core.request import FinishReason, Request, RequestStats, TokenLogprob
+from engine.core.request import PENDING_TOKEN, FinishReason, Request, RequestStats, TokenLogprob
 from engine.core.runner import ModelRunner
-from engine.core.sampler import SampleOutput
 from engine.core.step_rows import StepOutput
 from engine.core.sampling_params import SamplingError, SamplingParams
 from engine.core.scheduler import Scheduler, SchedulerConfig
@@ -68,10 +68,13 @@ class EngineStats:
     num_imported_tokens: int = 0  # positions whose global KV import_prefix wrote (another replica's blocks)
     busy_time: float = 0.0  # seconds inside executor.execute
     num_failed_steps: int = 0  # steps whose execute raised (their requests ended with ERROR)
+    num_wasted_positions: int = 0  # positions a launched step computed past its request's end (rolled back)
 
 
 class Executor(Protocol):
-    """Runs one step's plan on the model and returns its tokens (in-process, or a Ray shard actor)."""
+    """Runs one step's plan on the model and returns its tokens (in-process, or a Ray shard actor). An executor
+    may also `launch(plan)`: start a decode step and return a PendingStep (engine/core/overlap.py) without
+    waiting, or None where it cannot; the engine then overlaps its own work with the device's."""
 
     def execute(self, plan: StepPlan) -> StepOutput: ...
 
@@ -94,6 +97,10 @@ class LocalExecutor:
 
     def execute(self, plan: StepPlan) -> StepOutput:
         return self.runner.execute(plan)
+
+    def launch(self, plan: StepPlan):
+        """The step launched without waiting for its tokens (a decode step), or None (then execute it)."""
+        return self.runner.launch(plan)
 
     def read_blocks(self, block_ids: list[int]) -> np.ndarray:
         return kv_blocks.read_blocks(self.kv, block_ids)
@@ -146,6 +153,7 @@ class LLMEngine:
         self.requests: dict[str, Request] = {}
         self.stats = EngineStats()
         self._rng = random.Random()
+        self._inflight: InFlight | None = None  # a launched decode step whose tokens are not read yet
 
     @classmethod
     def local(cls, model: Transformer, config: EngineConfig = EngineConfig(), progress: bool = False,
@@ -205,30 +213,42 @@ class LLMEngine:
 
     @property
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_work
+        return self.scheduler.has_work or self._inflight is not None
 
     def step(self) -> list[RequestOutput]:
+        """Schedule, run and draw one step; returns what every request got. With async scheduling on and a
+        decode step in flight (engine/core/overlap.py), this step is launched behind it and the outputs are
+        the one in flight's: the same tokens, one step later."""
+        outputs: list[RequestOutput] = []
+        if self._inflight is not None and not can_overlap(self.scheduler):
+            outputs += self._collect(self._inflight)
         out = self.scheduler.schedule()
         self.stats.num_preemptions += len(out.preempted)
-        ended = [self._output(r, [], [], FinishReason.LENGTH) for r in out.cannot_grow]
+        outputs += [self._output(r, [], [], FinishReason.LENGTH) for r in out.cannot_grow]
+        if self._inflight is not None:
+            prev = self._inflight
+            launched = bool(out.chunks) and self._launch(out, prev)
+            outputs += self._collect(prev)
+            if launched:
+                return outputs
+            out.chunks = [c for c in out.chunks if not c.request.is_finished]  # ended by prev's tokens
         if not out.chunks:
-            return ended
+            return outputs
+        if self.config.async_scheduling and self._launch(out, None):
+            return outputs
+        return outputs + self._run(out)
+
+    def _run(self, out) -> list[RequestOutput]:
+        """The synchronous step: execute, advance, draw."""
         samples = self._sample_specs(out)
         t0 = time.monotonic()
         try:
             result = self.executor.execute(plan_step(out, samples))
         except Exception as e:  # noqa: BLE001 -- ends this step's requests, never the engine
-            return ended + self._fail_step(out, e)
+            return self._fail_step(out, e)
         elapsed = time.monotonic() - t0
         self.scheduler.advance(out)
-        self.stats.num_steps += 1
-        self.stats.num_computed_tokens += out.num_tokens
-        self.stats.busy_time += elapsed
-        for c in out.chunks:
-            if c.start < c.request.num_prompt_at_admission:
-                c.request.stats.prefill_time += elapsed
-            else:
-                c.request.stats.decode_time += elapsed
+        self._count_step(out, elapsed)
         reqs, picks, j = [], [], 0  # the requests that take a drawn token, and the index of their spec
         for c in (c for c in out.chunks if c.sample):
             siblings = {child.choice_index: child for child in self._fork_siblings(c.request)}
@@ -238,11 +258,64 @@ class LLMEngine:
                     reqs.append(req)
                     picks.append(j)
                 j += 1
-        outputs = ended + self._append_tokens(reqs, result.sample, picks)
+        sampled = result.sample
+        outputs = [self._take(req, sampled.token_ids[j], sampled.logprobs[j], sampled.errors[j])
+                   for req, j in zip(reqs, picks)]
         self.stats.num_sampled_tokens += len(reqs)
         for index, (first_pos, kept) in result.rows.items():
             self._keep_logits(out.chunks[index].request, first_pos, kept, outputs)
         return outputs
+
+    def _launch(self, out, prev: InFlight | None) -> bool:
+        """Launch `out` without waiting for its tokens (a decode step the executor can launch); each of its
+        requests gets a PENDING_TOKEN. False, with nothing changed, where it cannot."""
+        launch = getattr(self.executor, "launch", None)
+        samples = self._sample_specs(out)
+        if launch is None or len(samples) != len(out.chunks) or not all(c.sample for c in out.chunks):
+            return False
+        plan = plan_step(out, samples, from_rows(prev, out) if prev is not None else None)
+        t0 = time.monotonic()
+        try:
+            pending = launch(plan)
+        except Exception:  # noqa: BLE001 -- the synchronous path runs it again and ends its requests
+            return False
+        if pending is None:
+            return False
+        self.scheduler.advance(out, register=False)  # blocks are published once their tokens are known
+        reqs = [c.request for c in out.chunks]
+        for r in reqs:
+            r.output_ids.append(PENDING_TOKEN)
+        self._inflight = InFlight(out, reqs, [len(r.output_ids) - 1 for r in reqs], pending, t0)
+        return True
+
+    def _collect(self, inflight: InFlight) -> list[RequestOutput]:
+        """Wait for a launched step's tokens and hand them to its requests (those still running)."""
+        if self._inflight is inflight:
+            self._inflight = None
+        try:
+            sampled = inflight.pending.result().sample
+        except Exception as e:  # noqa: BLE001 -- ends the step's requests, never the engine
+            self.stats.num_failed_steps += 1
+            message = f"the model step failed: {type(e).__name__}: {e}"
+            return [self._take(r, -1, None, message, slot) for r, slot in zip(inflight.reqs, inflight.slots)
+                    if not r.is_finished]
+        self._count_step(inflight.out, time.monotonic() - inflight.t0)
+        outputs = []
+        for j, (req, slot) in enumerate(zip(inflight.reqs, inflight.slots)):
+            if not req.is_finished:  # aborted meanwhile, or ended by an earlier step's token
+                outputs.append(self._take(req, sampled.token_ids[j], sampled.logprobs[j], sampled.errors[j], slot))
+                self.stats.num_sampled_tokens += 1
+        return outputs
+
+    def _count_step(self, out, elapsed: float) -> None:
+        self.stats.num_steps += 1
+        self.stats.num_computed_tokens += out.num_tokens
+        self.stats.busy_time += elapsed
+        for c in out.chunks:
+            if c.start < c.request.num_prompt_at_admission:
+                c.request.stats.prefill_time += elapsed
+            else:
+                c.request.stats.decode_time += elapsed
 
     def generate(self, prompts: list[list[int]], params: SamplingParams = SamplingParams()) -> list[list[int]]:
         """Offline convenience: run the prompts to completion, return each one's output ids."""
@@ -352,32 +425,45 @@ class LLMEngine:
                       for i in range(1, self._num_draws(req))]
         return specs
 
-    def _append_tokens(self, reqs: list[Request], sampled: SampleOutput, picks: list[int]) -> list[RequestOutput]:
-        outputs = []
-        for req, j in zip(reqs, picks):
-            token, lp, error = sampled.token_ids[j], sampled.logprobs[j], sampled.errors[j]
-            if error is not None:
-                self.scheduler.finish(req, FinishReason.ERROR)
-                outputs.append(self._output(req, [], [], FinishReason.ERROR, error))
-                continue
+    def _take(self, req: Request, token: int, lp, error: str | None, slot: int | None = None) -> RequestOutput:
+        """A drawn token: appended (slot None) or in place of the request's PENDING_TOKEN at `slot`; ends the
+        request on a stop, its length or an error (a later step's pending position rolled back first)."""
+        if error is not None:
+            self._end(req, FinishReason.ERROR, len(req.output_ids) if slot is None else slot)
+            return self._output(req, [], [], FinishReason.ERROR, error)
+        if slot is None:
             req.output_ids.append(token)
-            new_lp = None if lp is None else TokenLogprob(token, lp.logprob, lp.top)
-            req.logprobs.append(new_lp)
-            if req.stats.first_token_time is None:
-                req.stats.first_token_time = time.monotonic()
-            reason = req.check_stop()
-            if reason is not None:
-                self.scheduler.finish(req, reason)
-                self.requests.pop(req.request_id, None)
-            outputs.append(self._output(req, [token], [new_lp], reason))
-        return outputs
+        else:
+            req.output_ids[slot] = token
+        num_outputs = len(req.output_ids) if slot is None else slot + 1
+        new_lp = None if lp is None else TokenLogprob(token, lp.logprob, lp.top)
+        req.logprobs.append(new_lp)
+        if req.stats.first_token_time is None:
+            req.stats.first_token_time = time.monotonic()
+        reason = req.check_stop(num_outputs)
+        if reason is not None:
+            self._end(req, reason, num_outputs)
+        elif slot is not None:
+            self.cache.register_full_blocks(req)  # its blocks' tokens are all known now
+        return self._output(req, [token], [new_lp], reason)
+
+    def _end(self, req: Request, reason: FinishReason, num_outputs: int) -> None:
+        """Finish req with its first num_outputs outputs: a step launched after that token computed a position
+        for nothing (its PENDING_TOKEN is dropped and the position rolled back)."""
+        extra = len(req.output_ids) - num_outputs
+        if extra > 0:
+            del req.output_ids[num_outputs:]
+            req.num_computed -= extra
+            self.stats.num_wasted_positions += extra
+        self.scheduler.finish(req, reason)
 
     def _output(self, req: Request, tokens: list[int], logprobs: list, reason: FinishReason | None,
                 error: str | None = None) -> RequestOutput:
         if reason is not None:
             self.requests.pop(req.request_id, None)
+        num_outputs = len(req.output_ids) - (bool(req.output_ids) and req.output_ids[-1] == PENDING_TOKEN)
         return RequestOutput(req.request_id, req.fork_of or req.request_id, req.choice_index, tokens, logprobs,
-                             len(req.prompt_ids), len(req.output_ids), reason is not None, reason, replace(req.stats),
+                             len(req.prompt_ids), num_outputs, reason is not None, reason, replace(req.stats),
                              error=error)
 
 

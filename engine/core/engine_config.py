@@ -34,6 +34,7 @@ class EngineConfig:
     runner: RunnerKind = "auto"  # auto: the kernels on CUDA, the golden modules on CPU (engine/core/runner.py)
     decode_step: bool = True  # kernel path: decode steps on device buffers (engine/core/decode_step.py)
     cuda_graphs: bool = True  # ... replayed as CUDA graphs captured at start-up (CUDA only)
+    async_scheduling: bool = True  # launch a decode step before reading the last one's tokens (engine/core/overlap.py)
 
 
 @dataclass(frozen=True, slots=True)

@@ -47,9 +47,13 @@ class StepPlan:
     chunks: list[ChunkPlan] = field(default_factory=list)
     copies: list[CopyOp] = field(default_factory=list)
     samples: list[SampleSpec] = field(default_factory=list)
+    # per chunk: the row of the previous step's draws that holds its input token (still on the device:
+    # request.PENDING_TOKEN in token_ids), -1 where the token is known; None: every token is known
+    from_rows: list[int] | None = None
 
 
-def plan_step(out: SchedulerOutput, samples: list[SampleSpec] | None = None, lookback: int = ENGRAM_LOOKBACK) -> StepPlan:
+def plan_step(out: SchedulerOutput, samples: list[SampleSpec] | None = None, from_rows: list[int] | None = None,
+              lookback: int = ENGRAM_LOOKBACK) -> StepPlan:
     chunks = []
     for c in out.chunks:
         r = c.request
@@ -57,4 +61,4 @@ def plan_step(out: SchedulerOutput, samples: list[SampleSpec] | None = None, loo
                                 r.ids_between(max(0, c.start - lookback), c.start), c.sample,
                                 r.keep_logits, list(r.global_blocks), dict(r.swa_blocks), r.pending_slot, r.global_from,
                                 r.swa_floor, r.decoder_from, r.decoder_floor))
-    return StepPlan(chunks, list(out.copies), samples or [])
+    return StepPlan(chunks, list(out.copies), samples or [], from_rows)

@@ -14,6 +14,9 @@ from dataclasses import dataclass, field
 from engine.core.sampling_params import SamplingParams
 
 
+PENDING_TOKEN = -1  # an output token a step in flight is drawing (engine/core/overlap.py); ids are >= 0
+
+
 class RequestStatus(enum.Enum):
     WAITING = "waiting"
     RUNNING = "running"
@@ -59,7 +62,7 @@ class Request:
     max_total_len: int  # prompt + output cap from the context window
     force_ids: list[int] | None = None  # teacher forcing: output i is force_ids[i] while they last
     keep_logits: bool = False  # return the logits of every computed decoder row, not just the sampled ones
-    output_ids: list[int] = field(default_factory=list)
+    output_ids: list[int] = field(default_factory=list)  # PENDING_TOKEN: drawn by a step still on the device
     logprobs: list[TokenLogprob | None] = field(default_factory=list)
     status: RequestStatus = RequestStatus.WAITING
     finish_reason: FinishReason | None = None
@@ -107,14 +110,15 @@ class Request:
     def max_output_len(self) -> int:
         return min(self.params.max_tokens, self.max_total_len - len(self.prompt_ids))
 
-    def check_stop(self) -> FinishReason | None:
-        """After appending an output token: why the request ends now, or None."""
-        last = self.output_ids[-1]
+    def check_stop(self, num_outputs: int | None = None) -> FinishReason | None:
+        """After output token num_outputs - 1 (default: the last) is known: why the request ends there, or None."""
+        num_outputs = len(self.output_ids) if num_outputs is None else num_outputs
+        last = self.output_ids[num_outputs - 1]
         if not self.params.ignore_eos and last == self.eos_token_id:
             return FinishReason.STOP
         if last in self.params.stop_token_ids:
             return FinishReason.STOP
-        if len(self.output_ids) >= self.max_output_len:
+        if num_outputs >= self.max_output_len:
             return FinishReason.LENGTH
         return None
 

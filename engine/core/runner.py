@@ -28,6 +28,7 @@ from engine.model.mhc import hc_pre, identity_pre_mix
 from engine.model.transformer import Transformer
 
 if TYPE_CHECKING:
+    from engine.core.decode_step import PendingDraw
     from engine.core.engine_config import DecodeOptions
 
 
@@ -64,9 +65,19 @@ class ModelRunner:
         return sample_step(plan, self.forward(plan))
 
     @torch.inference_mode()
+    def launch(self, plan: StepPlan) -> "PendingDraw | None":
+        """A decode step launched without waiting for its tokens (PendingDraw.result), or None where the step
+        cannot run that way (then `execute` it)."""
+        if self.decode is None or not self.decode.takes(plan):
+            return None
+        self.kv.apply(plan.copies)
+        return self.decode.launch(plan)
+
+    @torch.inference_mode()
     def forward(self, out: StepPlan) -> StepLogits:
         """Runs one step's model forward: logits of the sampled chunks' last positions, and of every decoder
         row of chunks whose request keeps its logits."""
+        assert out.from_rows is None or all(r < 0 for r in out.from_rows), "tokens still on the device: decode step only"
         if self._kernel_path is not None:
             return self._kernel_path.execute(out)
         self.kv.apply(out.copies)

@@ -112,13 +112,15 @@ class Scheduler:
             budget -= end - req.num_computed
         return out
 
-    def advance(self, out: SchedulerOutput) -> None:
-        """After the forward: the chunks' positions are computed; publish newly full blocks."""
+    def advance(self, out: SchedulerOutput, register: bool = True) -> None:
+        """After the forward (or once it is launched): the chunks' positions are computed; publish newly full
+        blocks (register=False: the caller does once their tokens are known)."""
         for c in out.chunks:
             c.request.num_computed = c.end
             c.request.stats.num_iterations += 1
             c.request.stats.num_computed_prompt_tokens += max(0, min(c.end, len(c.request.prompt_ids)) - c.start)
-            self.cache.register_full_blocks(c.request)
+            if register:
+                self.cache.register_full_blocks(c.request)
 
     def finish(self, req: Request, reason: FinishReason) -> None:
         """A running request ends: its state becomes a snapshot for the next turn (released on abort or

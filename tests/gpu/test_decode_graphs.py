@@ -49,7 +49,7 @@ def run(engine: LLMEngine, batch: int) -> dict:
         for o in engine.step():
             ids, lps = out.setdefault(o.request_id, ([], []))
             ids += o.new_token_ids
-            lps += [None if lp is None else (lp.token_id, round(lp.logprob, 9), lp.top) for lp in o.new_logprobs]
+            lps += [None if lp is None else (lp.token_id, round(lp.logprob, 9), [(t, round(v, 9)) for t, v in lp.top]) for lp in o.new_logprobs]
     return out
 
 

@@ -1,0 +1,94 @@
+"""Random-weight models built on the device in the checkpoint's storage formats (FP8 dense, FP4 routed experts,
+bf16 norms and router, FP8 Engram rows in host memory): the fixtures of the GPU benchmarks, for shapes no
+checkpoint on this machine's disk could hold (ten real-width layers are ~75 GB).
+
+    randomize(module, generator)   # every buffer of module and its children, in place
+    real_width_config(n_layers=10) # DeepSeek-V4.1-Flash's widths, every layer role of the tiny preset's order
+    random_model(cfg, device)      # a Transformer (no DSpark stages) with random weights and Engram tables
+"""
+
+from __future__ import annotations
+
+import tempfile
+from dataclasses import replace
+from pathlib import Path
+
+import torch
+
+from engine.config import ModelConfig
+from engine.engram_tables import engram_primes
+from engine.load import build_engram_tables
+from engine.model.engram import EngramEmbedding
+from engine.model.layers import Linear, RMSNorm
+from engine.model.transformer import Transformer
+from engine.presets import full_config
+from engine.quant import quant_fp4_weight, quant_fp8_weight
+from engine.tokenizer import load_tokenizer, write_tokenizer_files
+
+ENGRAM_VOCAB = 1 << 16  # Engram's hash vocabulary here (16M in the release): 1.6M rows per table, not 384M
+
+
+def randomize(module: torch.nn.Module, g: torch.Generator, engram_rows: int | None = None) -> None:
+    """Replace every buffer of module (and its children) by random values on g's device in its storage format:
+    linears N(0, 1/fan_in) quantised to their format, norms 1 + N(0, 0.1^2), other matrices N(0, 1/cols), vectors
+    N(0, 0.5^2) (router biases N(0, 0.05^2)). Engram tables stay on the host: FP8 rows with E8M0 scales near 1
+    (engram_rows of them if given, else the module's)."""
+    device = g.device
+
+    def randn(*shape: int) -> torch.Tensor:
+        return torch.randn(shape, generator=g, device=device)
+
+    for mod in module.modules():
+        if isinstance(mod, EngramEmbedding):
+            rows, dim = engram_rows or mod.weight.size(0), mod.weight.size(1)
+            host = torch.Generator().manual_seed(int(torch.randint(1 << 62, (1,), generator=g, device=device)))
+            mod.weight = torch.randn(rows, dim, generator=host).clamp(-448, 448).to(torch.float8_e4m3fn)
+            mod.scale = torch.randint(120, 128, (rows, dim // 32), dtype=torch.uint8,
+                                      generator=host).view(torch.float8_e8m0fnu)
+            continue
+        for name, buf in list(mod.named_buffers(recurse=False)):
+            if isinstance(mod, Linear) and name == "scale":
+                continue  # made with its weight
+            if isinstance(mod, Linear) and name == "weight":
+                w = randn(mod.out_features, mod.in_features) * mod.in_features ** -0.5
+                if mod.fmt == "fp8":
+                    mod.weight, mod.scale = quant_fp8_weight(w)
+                elif mod.fmt == "fp4":
+                    mod.weight, mod.scale = quant_fp4_weight(w)
+                else:
+                    mod.weight = w.to(buf.dtype)
+            elif isinstance(mod, RMSNorm):
+                mod.weight = (1 + 0.1 * randn(*buf.shape)).to(buf.dtype)
+            elif buf.dim() == 2:
+                setattr(mod, name, (randn(*buf.shape) * buf.size(-1) ** -0.5).to(buf.dtype))
+            else:
+                setattr(mod, name, (randn(*buf.shape) * (0.05 if name == "bias" else 0.5)).to(buf.dtype))
+
+
+def real_width_config(n_layers: int = 10, max_model_len: int | None = None) -> ModelConfig:
+    """The release's widths (dim, heads, experts, indexer, Engram heads, vocabulary) over the tiny preset's
+    role order: 0-1 SWA (1 = Engram), 2 Full r2, 3 Reuse, 4 Full r2 + Engram, 5 Reuse, 6 Full r1 + candidate
+    source + CED cut, 7 Reuse, 8 Reindex with candidates, 9 Reuse. Engram hashes into ENGRAM_VOCAB-sized tables."""
+    assert n_layers == 10, "the role order is the tiny preset's ten layers"
+    cfg = full_config()
+    ids = (1, 4)
+    primes = engram_primes(ids, cfg.engram_max_ngram_size, cfg.engram_n_heads, ENGRAM_VOCAB)
+    return replace(cfg, n_layers=n_layers, compress_ratios=(0, 0, 2, 2, 2, 2, 1, 1, 1, 1) + (0,) * cfg.n_mtp_layers,
+                   kv_source_layers=(2, 4, 6), index_source_layers=(2, 4, 6, 8), candidate_source_layer=6,
+                   engram_layer_ids=ids, engram_num_embeddings=tuple(sum(p) for p in primes),
+                   engram_vocab_size=ENGRAM_VOCAB, dspark_target_layer_ids=(7, 8, 9),
+                   max_position_embeddings=max_model_len or cfg.max_position_embeddings)
+
+
+def random_model(cfg: ModelConfig, device: str | torch.device, seed: int = 0) -> Transformer:
+    """A Transformer for cfg (no DSpark stages) with random weights on device (Engram tables on the host) and the
+    real Engram hashing tables (from the V4.1 tokenizer's compressed token map, as engine.load builds them)."""
+    with tempfile.TemporaryDirectory() as tmp:
+        write_tokenizer_files(Path(tmp))
+        tables = build_engram_tables(cfg, load_tokenizer(Path(tmp)))
+    with torch.device("meta"):
+        model = Transformer(cfg, tables, with_mtp=False)
+    randomize(model, torch.Generator(device=device).manual_seed(seed))
+    if tables is not None:
+        model.engram_tables = tables.to(device)
+    return model.eval()
