@@ -7,7 +7,8 @@ deployment as a `GenerateRequest`, and its streamed `GenerateChunk`s are detoken
 with KV sharing on, so is the KVRouter's: it decides which replica should take the prompt (a KVHint
 inside the GenerateRequest, which the engine handle's request router follows).
 Errors are OpenAI's error schema, an unexpected exception too (a 500 of type server_error, its traceback
-logged); overload is 429/503 with Retry-After; a client that goes away cancels its engine request.
+logged); an error after a stream began is its last SSE event, then `data: [DONE]`; overload is 429/503 with
+Retry-After; a client that goes away cancels its engine request.
 """
 
 
@@ -15,7 +16,7 @@ import asyncio
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable, Iterator
+from collections.abc import AsyncGenerator, AsyncIterator, Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
 
@@ -119,29 +120,36 @@ class _Turn:
         return chunk.logprobs[:stream.num_tokens - before]
 
     async def events(self, chunks: "_Chunks") -> AsyncIterator[dict]:
-        """OpenAI payloads as the engine's chunks arrive; ends once every choice finished."""
-        async for chunk in chunks:
-            self._account(chunk)
-            i, stream = chunk.choice_index, self.streams[chunk.choice_index]
-            if self.finished[i]:
-                continue
-            before = stream.num_tokens
-            out = stream.feed(chunk.token_ids)  # chat: delta dicts; completions: text
-            consumed = self._consumed(chunk, stream, before)
-            reason = self._check_reason(chunk)
-            if reason is not None or stream.is_stopped:
-                out += stream.finish(reason)
-                self.finished[i] = True
-            for payload in self._payloads(i, stream, out, consumed):
-                yield payload
-            if all(self.finished):
-                return
+        """OpenAI payloads as the engine's chunks arrive; ends once every choice finished. Raises APIError
+        when the engine ends a choice with an error, and whatever the engine stream raises (a replica that
+        died); either way the engine request is closed (cancelled) before the exception leaves."""
+        engine_chunks = chunks.__aiter__()
+        try:
+            async for chunk in engine_chunks:
+                self._account(chunk)
+                i, stream = chunk.choice_index, self.streams[chunk.choice_index]
+                if self.finished[i]:
+                    continue
+                before = stream.num_tokens
+                out = stream.feed(chunk.token_ids)  # chat: delta dicts; completions: text
+                consumed = self._consumed(chunk, stream, before)
+                reason = self._check_reason(chunk)
+                if reason is not None or stream.is_stopped:
+                    out += stream.finish(reason)
+                    self.finished[i] = True
+                for payload in self._payloads(i, stream, out, consumed):
+                    yield payload
+                if all(self.finished):
+                    return
+        finally:
+            await engine_chunks.aclose()
 
     @staticmethod
     def _check_reason(chunk: GenerateChunk) -> str | None:
         reason = chunk.finish_reason
         if reason in ("abort", "error"):
-            raise server_error(f"the engine ended the request ({chunk.error or reason})")
+            why = (chunk.error or reason).strip().splitlines()[0]  # the first line: no remote traceback
+            raise server_error(f"the engine ended the request ({why})")
         return reason
 
     def usage(self, reasoning: int = 0) -> dict:
@@ -203,6 +211,17 @@ def _merge(into: dict | None, part: dict) -> dict:
     for k, v in part.items():
         into[k] += v
     return into
+
+
+def mid_request_error(request_id: str, e: Exception) -> APIError:
+    """The error a request answers once the engine has started on it: an APIError as raised (the engine
+    ended a choice with an error), else a 500 naming only the exception's type (a replica that died
+    mid-stream: Ray's message names hosts and processes), logged with its traceback under the request id."""
+    if isinstance(e, APIError):
+        error_logger.warning("request %s ended with an error: %s", request_id, e.message)
+        return e
+    error_logger.error("request %s failed after the engine started on it", request_id, exc_info=e)
+    return server_error(f"the engine failed during the request ({type(e).__name__}); the request can be retried")
 
 
 def _ray_message(e: BaseException) -> str:
@@ -366,15 +385,25 @@ class OpenAIIngress:
             logger.warning("KV router gave no decision for %s (%r): routing by load only", gen_req.request_id, e)
             return None
 
-    async def _sse(self, events: AsyncIterator[dict], include_usage: bool, turn) -> AsyncIterator[str]:
-        async for payload in events:
-            yield sse_event(payload)
-        if include_usage:
-            yield sse_event(turn.usage_chunk())
+    async def _sse(self, events: AsyncGenerator[dict, None], include_usage: bool, turn) -> AsyncIterator[str]:
+        """The SSE body. An error once the stream has begun (its 200 is sent) is its last event, OpenAI's
+        `data: {"error": {...}}`, then `data: [DONE]` as after any stream: the client sees why, not a cut."""
+        try:
+            async for payload in events:
+                yield sse_event(payload)
+            if include_usage:
+                yield sse_event(turn.usage_chunk())
+        except Exception as e:  # noqa: BLE001 -- not swallowed: it becomes the stream's error event
+            yield sse_event(mid_request_error(turn.rid, e).body())
+        finally:
+            await events.aclose()  # a client gone mid-stream closes this generator: cancel the engine's now
         yield SSE_DONE
 
     @staticmethod
     async def _collect(turn, chunks: "_Chunks") -> dict:
-        async for _ in turn.events(chunks):
-            pass
+        try:
+            async for _ in turn.events(chunks):
+                pass
+        except Exception as e:  # noqa: BLE001 -- answered as an OpenAI error
+            raise mid_request_error(turn.rid, e) from None
         return turn.response()
