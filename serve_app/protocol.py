@@ -19,7 +19,11 @@ record or raise `APIError` 400 whose message starts with the offending field (`t
 
 Prompts: `chat_prompt_ids` / `completion_prompt_ids` bound the prompt text's characters before tokenising
 (a 400 with code context_length_exceeded) and tokenize without holding the GIL, so the ingress runs them
-on a worker thread.
+on a worker thread. In a chat prompt only the template writes special tokens: every text of the request
+(contents, reasoning, tool schemas, call names and arguments) is encoded as plain text, so a message that
+spells `<｜end▁of▁sentence｜>`, `<｜User｜>`, `<think>` or a DSML tag cannot end its turn or inject a call.
+A completions prompt is the client's own raw prompt, template included: its special-token spellings are
+special tokens (as vLLM's completions do).
 
 Responses: plain dicts in OpenAI's shapes (the tests validate them with the `openai` package's types).
 """
@@ -33,7 +37,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from engine.chat import ChatFormatError, is_thinking, render_chat
+from engine.chat import ChatFormatError, PromptPart, is_thinking, render_chat_parts
 from engine.core.request import TokenLogprob
 from engine.core.sampling_params import SamplingError, SamplingParams
 from serve_app.errors import APIError, bad_request, model_not_found
@@ -180,16 +184,27 @@ def parse_completion_request(body: dict, *, max_n: int = DEFAULT_MAX_N) -> Compl
 
 def chat_prompt(req: ChatCompletionRequest) -> str:
     """The V4.1 prompt text (BOS included; encode it without adding another)."""
+    return "".join(p.text for p in chat_prompt_parts(req))
+
+
+def chat_prompt_parts(req: ChatCompletionRequest) -> list[PromptPart]:
+    """The V4.1 prompt as the template's parts and the request's text (literal parts)."""
     try:
-        return render_chat(req.messages, tools=req.prompt_tools, reasoning_effort=req.reasoning_effort)
+        return render_chat_parts(req.messages, tools=req.prompt_tools, reasoning_effort=req.reasoning_effort)
     except ChatFormatError as e:
         message = str(e)
         raise bad_request(message, message.split(":", 1)[0] if ":" in message else "messages") from None
 
 
 def chat_prompt_ids(req: ChatCompletionRequest, tokenizer: Any, *, max_chars: int) -> list[int]:
-    """The rendered prompt's token ids; a prompt text above max_chars is a 400 before tokenising."""
-    return encode_prompt(tokenizer, chat_prompt(req), max_chars=max_chars, param="messages")
+    """The rendered prompt's token ids; a prompt text above max_chars is a 400 before tokenising. Special
+    tokens come only from the template: the messages' text is encoded as plain text whatever it spells
+    (`<｜end▁of▁sentence｜>` in a message is 12 ordinary tokens), so it cannot end a turn or write a call."""
+    parts = chat_prompt_parts(req)
+    num_chars = sum(len(p.text) for p in parts)
+    if num_chars > max_chars:
+        raise _too_many_chars("messages", num_chars, max_chars)
+    return tokenizer.encode_parts(parts)
 
 
 def completion_prompt_ids(req: CompletionRequest, tokenizer: Any, *, max_chars: int) -> list[int]:
@@ -209,9 +224,13 @@ def encode_prompt(tokenizer: Any, text: str, *, max_chars: int, param: str) -> l
     (context_length_exceeded) without tokenising. Through `encode_batch`, which releases the GIL while
     it runs (HF tokenizers' `encode` holds it), so a caller on a worker thread leaves the event loop free."""
     if len(text) > max_chars:
-        raise bad_request(f"{param}: the prompt has {len(text)} characters, above this server's limit of "
-                          f"{max_chars}", param, "context_length_exceeded")
+        raise _too_many_chars(param, len(text), max_chars)
     return tokenizer.backend.encode_batch([text], add_special_tokens=False)[0].ids
+
+
+def _too_many_chars(param: str, num_chars: int, max_chars: int) -> APIError:
+    return bad_request(f"{param}: the prompt has {num_chars} characters, above this server's limit of "
+                       f"{max_chars}", param, "context_length_exceeded")
 
 
 def to_sampling_params(
