@@ -6,6 +6,7 @@ deployment as a `GenerateRequest`, and its streamed `GenerateChunk`s are detoken
 (`streaming`). The engine deployment's handle is a constructor argument, so tests can pass another;
 with KV sharing on, so is the KVRouter's: it decides which replica should take the prompt (a KVHint
 inside the GenerateRequest, which the engine handle's request router follows).
+The API key guards every route but /healthz and /readyz (one middleware, before routing and validation).
 Errors are OpenAI's error schema, an unexpected exception too (a 500 of type server_error, its traceback
 logged); an error after a stream began is its last SSE event, then `data: [DONE]`; overload is 429/503 with
 Retry-After; a client that goes away cancels its engine request.
@@ -13,6 +14,7 @@ Retry-After; a client that goes away cancels its engine request.
 
 
 import asyncio
+import hmac
 import logging
 import time
 import uuid
@@ -64,13 +66,32 @@ async def _routing_error(request: Request, e: StarletteHTTPException) -> JSONRes
 
 
 @app.middleware("http")
-async def _unexpected_errors(request: Request, call_next) -> Response:
+async def _door(request: Request, call_next) -> Response:
+    """Every request: the API key (on every route but OPEN_ROUTES, unknown paths included, so a new route
+    is never open by omission), then the route, with any exception it did not handle as a JSON error."""
     try:
+        if app_path(request.scope) not in OPEN_ROUTES:
+            authorize(request, serve.get_replica_context().servable_object.settings.api_key)
         return await call_next(request)
     except APIError as e:
         return JSONResponse(e.body(), status_code=e.status, headers=e.headers)
     except Exception as e:  # noqa: BLE001 - the one place a bug becomes a response; logged with its traceback
         return unexpected_error(request.method, request.url.path, e)
+
+
+def app_path(scope: dict) -> str:
+    """The request's path below the app's route prefix (Serve's route_prefix is the ASGI root_path)."""
+    path, root = scope["path"], scope.get("root_path", "")
+    if root and path.startswith(root) and path[len(root):len(root) + 1] in ("", "/"):
+        return path[len(root):] or "/"
+    return path
+
+
+def authorize(request: Request, api_key: str | None) -> None:
+    """401 unless the request carries `Authorization: Bearer <api_key>` (no key configured: open)."""
+    if api_key is not None and not hmac.compare_digest(request.headers.get("authorization", "").encode(),
+                                                       f"Bearer {api_key}".encode()):
+        raise unauthorized()
 
 
 def unexpected_error(method: str, path: str, e: Exception) -> JSONResponse:
@@ -252,7 +273,8 @@ class OpenAIIngress:
     async def openapi(self) -> JSONResponse:
         if self._openapi is None:
             s = self.settings
-            self._openapi = openapi_document(app, max_n=s.max_n, model_names=[s.model_name])
+            self._openapi = openapi_document(app, max_n=s.max_n, model_names=[s.model_name], max_messages=s.max_messages,
+                                             max_output_tokens=s.max_output_tokens)
         return JSONResponse(self._openapi)
 
     @app.get("/readyz")
@@ -266,23 +288,21 @@ class OpenAIIngress:
 
     # ---- API ----------------------------------------------------------------------------------------
     @app.get("/v1/models")
-    async def models(self, request: Request) -> dict:
-        self._authorize(request)
+    async def models(self) -> dict:
         return models_response([self.settings.model_name], int(time.time()))
 
     @app.get("/metrics")
-    async def metrics(self, request: Request) -> PlainTextResponse:
-        self._authorize(request)
+    async def metrics(self) -> PlainTextResponse:
         async with httpx.AsyncClient(timeout=5) as client:
             text = await scrape_project_metrics(client)
         return PlainTextResponse(text, media_type="text/plain; version=0.0.4")
 
     @app.post("/v1/chat/completions", openapi_extra=request_body(ChatCompletionBody))
     async def chat_completions(self, request: Request) -> Response:
-        self._authorize(request)
         req, prompt_ids = await self._prepare(self._prepare_chat, await self._body(request))
         status = await self._engine_status()
-        params = to_sampling_params(req, num_prompt_tokens=len(prompt_ids), max_model_len=status.max_model_len)
+        params = to_sampling_params(req, num_prompt_tokens=len(prompt_ids), max_model_len=status.max_model_len,
+                                    max_output_tokens=self.settings.max_output_tokens)
         rid = f"chatcmpl-{uuid.uuid4().hex}"
         stop_ids = (self.tokenizer.eos_id, *req.stop_token_ids)
         streams = [ChatChoiceStream(self.tokenizer, thinking=req.thinking, tools=req.prompt_tools,
@@ -297,10 +317,10 @@ class OpenAIIngress:
 
     @app.post("/v1/completions", openapi_extra=request_body(CompletionBody))
     async def completions(self, request: Request) -> Response:
-        self._authorize(request)
         req, prompt_ids = await self._prepare(self._prepare_completion, await self._body(request))
         status = await self._engine_status()
-        params = to_sampling_params(req, num_prompt_tokens=len(prompt_ids), max_model_len=status.max_model_len)
+        params = to_sampling_params(req, num_prompt_tokens=len(prompt_ids), max_model_len=status.max_model_len,
+                                    max_output_tokens=self.settings.max_output_tokens)
         rid = f"cmpl-{uuid.uuid4().hex}"
         stop_ids = (self.tokenizer.eos_id, *req.stop_token_ids)
         streams = [CompletionChoiceStream(self.tokenizer, stop=req.stop, stop_token_ids=stop_ids) for _ in range(req.n)]
@@ -312,14 +332,6 @@ class OpenAIIngress:
         return JSONResponse(await self._collect(turn, chunks))
 
     # ---- plumbing -----------------------------------------------------------------------------------
-    def _authorize(self, request: Request) -> None:
-        key = self.settings.api_key
-        if key is None or request.url.path in OPEN_ROUTES:
-            return
-        header = request.headers.get("authorization", "")
-        if header != f"Bearer {key}":
-            raise unauthorized()
-
     async def _body(self, request: Request) -> bytes:
         declared = request.headers.get("content-length")
         if declared is not None and declared.isdigit() and int(declared) > self.settings.max_body_bytes:
@@ -334,13 +346,15 @@ class OpenAIIngress:
     def _prepare_chat(self, raw: bytes) -> tuple[ChatCompletionRequest, list[int]]:
         """On a prepare thread: body bytes -> the validated request and its prompt ids."""
         s = self.settings
-        req = parse_chat_request(parse_json_body(raw, s.max_body_bytes), max_n=s.max_n)
+        req = parse_chat_request(parse_json_body(raw, s.max_body_bytes), max_n=s.max_n, max_messages=s.max_messages,
+                                 max_output_tokens=s.max_output_tokens)
         check_model(req.model, [s.model_name])
         return req, chat_prompt_ids(req, self.tokenizer, max_chars=s.max_prompt_chars)
 
     def _prepare_completion(self, raw: bytes) -> tuple[CompletionRequest, list[int]]:
         s = self.settings
-        req = parse_completion_request(parse_json_body(raw, s.max_body_bytes), max_n=s.max_n)
+        req = parse_completion_request(parse_json_body(raw, s.max_body_bytes), max_n=s.max_n,
+                                       max_output_tokens=s.max_output_tokens)
         check_model(req.model, [s.model_name])
         return req, completion_prompt_ids(req, self.tokenizer, max_chars=s.max_prompt_chars)
 
