@@ -161,7 +161,10 @@ class EngineReplica:
         return EngineStatus(ready=self.failure is None, model_name=self.settings.model_name,
                             max_model_len=self.engine.max_model_len, num_running=len(self.engine.scheduler.running),
                             num_waiting=len(self.engine.scheduler.waiting), cache_usage=cache.usage,
-                            prefix_hit_rate=cache.hit_rate)
+                            prefix_hit_rate=cache.hit_rate, num_global_blocks=cache.layout.num_global_blocks,
+                            num_global_blocks_in_use=cache.global_pool.num_in_use,
+                            num_global_blocks_cached=cache.global_pool.num_cached,
+                            num_swa_blocks_in_use=cache.swa_pool.num_in_use)
 
     async def check_health(self) -> None:
         """Serve's health hook: raises if a step failed or the shard actor is dead or unresponsive."""

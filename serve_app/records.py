@@ -73,3 +73,7 @@ class EngineStatus:
     num_waiting: int
     cache_usage: float  # fraction of global blocks in use
     prefix_hit_rate: float
+    num_global_blocks: int = 0  # the pool's size
+    num_global_blocks_in_use: int = 0  # held by requests or prefix-cache snapshots
+    num_global_blocks_cached: int = 0  # free but still indexed by hash (evictable prefix cache)
+    num_swa_blocks_in_use: int = 0
