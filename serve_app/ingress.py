@@ -27,6 +27,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from ray import serve
+from ray.exceptions import RayActorError
 
 from engine.tokenizer import load_tokenizer
 from serve_app.errors import APIError, overloaded, payload_too_large, rate_limited, server_error, unauthorized
@@ -37,7 +38,7 @@ from serve_app.protocol import (ChatCompletionRequest, CompletionLogprobs, Compl
                                 chat_stream_choice, check_model, completion_choice, completion_chunk,
                                 completion_prompt_ids, completion_response, models_response, parse_chat_request,
                                 parse_completion_request, to_sampling_params, usage)
-from serve_app.records import EngineRejected, EngineStatus, GenerateChunk, GenerateRequest, KVHint
+from serve_app.records import EngineRejected, EngineStatus, GenerateChunk, GenerateRequest, KVHint, ReplicaUnavailable
 from serve_app.schemas import ChatCompletionBody, CompletionBody, openapi_document, request_body
 from serve_app.settings import ServeSettings
 from serve_app.streaming import SSE_DONE, ChatChoiceStream, CompletionChoiceStream, TokenStrings, sse_event
@@ -375,6 +376,11 @@ class OpenAIIngress:
         except EngineRejected as e:
             self.in_flight -= 1
             raise APIError(400, _ray_message(e), param=None) from None
+        except (ReplicaUnavailable, RayActorError) as e:  # nothing started: a retry reaches a healthy replica
+            self.in_flight -= 1
+            gen.cancel()
+            error_logger.warning("request %s: the engine replica is unavailable (%s)", gen_req.request_id, type(e).__name__)
+            raise overloaded("the engine replica is being replaced; try again shortly", RETRY_AFTER_S) from None
         except Exception as e:
             self.in_flight -= 1
             gen.cancel()

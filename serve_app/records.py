@@ -15,6 +15,12 @@ class EngineRejected(ValueError):
     instance of EngineRejected, so `except EngineRejected` works."""
 
 
+class ReplicaUnavailable(RuntimeError):
+    """This replica cannot serve (a shard actor died, the engine loop failed) and its health check fails, so
+    Serve replaces it; raised before any chunk. The ingress answers 503 with Retry-After: a retry reaches a
+    healthy replica. Through a handle it is a RayTaskError that is also an instance of this class."""
+
+
 @dataclass(frozen=True, slots=True)
 class KVHint:
     """The KV router's decision for one request (serve_app/router.py): which replica should take it, and
