@@ -17,7 +17,8 @@ global KV blocks in use (requests + prefix-cache snapshots) and cached (evictabl
 
 Verdict: a series is flat when the mean of its last quarter of samples (after the warm-up) is within
 --tolerance-pct of its first quarter's mean, or within an absolute slack (16 MiB of memory, 4 descriptors,
-8 KV blocks: what half of max_num_seqs' requests hold at once). Also required: no 5xx, no request over its timeout, no unexpected status, the probe
+8 KV blocks: what half of max_num_seqs' requests hold at once); outside that it "fell" (memory handed back:
+no leak) or is GROWING (a fail). `--judge soak.json` re-judges the samples of an earlier run. Also required: no 5xx, no request over its timeout, no unexpected status, the probe
 identical throughout, and at the end the engine idle with its integrity check passing.
 """
 
@@ -292,10 +293,13 @@ def print_sample(s: Sample, first: bool) -> None:
           f"{e['global_cached']:>8.0f} {e['swa_in_use']:>3.0f}", flush=True)
 
 
-def flat(values: list[float], tolerance_pct: float, slack: float) -> tuple[float, float, bool]:
+def trend(values: list[float], tolerance_pct: float, slack: float) -> tuple[float, float, str]:
+    """(first-quarter mean, last-quarter mean, "flat" | "fell" | "GROWING"): flat within tolerance_pct of the
+    first quarter's mean or within slack; outside it, a fall (memory handed back) is no leak, a rise is."""
     q = max(1, len(values) // 4)
     first, last = statistics.fmean(values[:q]), statistics.fmean(values[-q:])
-    return first, last, abs(last - first) <= max(slack, abs(first) * tolerance_pct / 100)
+    bound = max(slack, abs(first) * tolerance_pct / 100)
+    return first, last, "flat" if abs(last - first) <= bound else ("fell" if last < first else "GROWING")
 
 
 def verdict(samples: list[Sample], args: argparse.Namespace) -> tuple[list[str], bool]:
@@ -317,10 +321,10 @@ def verdict(samples: list[Sample], args: argparse.Namespace) -> tuple[list[str],
     series.append(("global KV blocks in use", [s.engine["global_in_use"] for s in steady], SLACK["blocks"]))
     series.append(("window KV blocks in use", [s.engine["swa_in_use"] for s in steady], SLACK["blocks"]))
     for name, values, slack in series:
-        first, last, is_flat = flat(values, args.tolerance_pct, slack)
-        ok &= is_flat
+        first, last, judged = trend(values, args.tolerance_pct, slack)
+        ok &= judged != "GROWING"
         change = (last - first) / first * 100 if first else 0.0
-        lines.append(f"{name:<28} {first:>14.1f} {last:>13.1f} {change:>7.1f}%  {'flat' if is_flat else 'GROWING'}")
+        lines.append(f"{name:<28} {first:>14.1f} {last:>13.1f} {change:>7.1f}%  {judged}")
     return lines, ok
 
 
@@ -332,7 +336,18 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--warmup-minutes", type=float, default=3.0)
     p.add_argument("--tolerance-pct", type=float, default=10.0)
     p.add_argument("--out", help="write the samples and the tally as JSON here")
+    p.add_argument("--judge", metavar="JSON", help="no run: the verdict on the samples an earlier --out wrote "
+                   "(with this run's --warmup-minutes and --tolerance-pct)")
     args = p.parse_args(argv)
+    if args.judge:
+        saved = json.loads(Path(args.judge).read_text())
+        samples = [Sample(**s) for s in saved["samples"]]
+        lines, no_growth = verdict(samples, args)
+        print("\n".join(lines))
+        ok = no_growth and not saved["failures"]
+        print(f"VERDICT on {args.judge}: {'PASS' if ok else 'FAIL'} (no series growing: {no_growth}; "
+              f"{len(saved['failures'])} failures recorded)")
+        return 0 if ok else 1
 
     import ray
     from ray import serve
@@ -374,13 +389,14 @@ def main(argv: list[str] | None = None) -> int:
           f"{status['global_blocks']:.0f} global blocks; at the end {status['global_in_use']:.0f} in use (snapshots), "
           f"{status['global_cached']:.0f} cached")
     print(f"end: engine idle, integrity check passed; probe text {tally.probe!r}")
-    lines, is_flat = verdict(samples, args)
+    lines, no_growth = verdict(samples, args)
     print("\n".join(lines))
     num_5xx = sum(v for k, v in tally.statuses.items() if k >= 500 and k != 503)
-    ok = is_flat and not tally.failures and num_5xx == 0
+    ok = no_growth and not tally.failures and num_5xx == 0
     for failure in tally.failures[:20]:
         print("failure:", failure)
-    print(f"VERDICT: {'PASS' if ok else 'FAIL'} (flat: {is_flat}; {len(tally.failures)} failures; {num_5xx} 5xx)")
+    print(f"VERDICT: {'PASS' if ok else 'FAIL'} (no series growing: {no_growth}; {len(tally.failures)} failures; "
+          f"{num_5xx} 5xx)")
     if args.out:
         Path(args.out).write_text(json.dumps({"args": vars(args), "samples": [asdict(s) for s in samples],
                                               "by_kind": tally.by_kind, "statuses": tally.statuses,
