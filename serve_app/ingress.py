@@ -6,16 +6,19 @@ deployment as a `GenerateRequest`, and its streamed `GenerateChunk`s are detoken
 (`streaming`). The engine deployment's handle is a constructor argument, so tests can pass another;
 with KV sharing on, so is the KVRouter's: it decides which replica should take the prompt (a KVHint
 inside the GenerateRequest, which the engine handle's request router follows).
+The API key guards every route but /healthz and /readyz (one middleware, before routing and validation).
 Errors are OpenAI's error schema, an unexpected exception too (a 500 of type server_error, its traceback
-logged); overload is 429/503 with Retry-After; a client that goes away cancels its engine request.
+logged); an error after a stream began is its last SSE event, then `data: [DONE]`; overload is 429/503 with
+Retry-After; a client that goes away cancels its engine request.
 """
 
 
 import asyncio
+import hmac
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable, Iterator
+from collections.abc import AsyncGenerator, AsyncIterator, Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
 
@@ -24,6 +27,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from ray import serve
+from ray.exceptions import RayActorError
 
 from engine.tokenizer import load_tokenizer
 from serve_app.errors import APIError, overloaded, payload_too_large, rate_limited, server_error, unauthorized
@@ -34,7 +38,7 @@ from serve_app.protocol import (ChatCompletionRequest, CompletionLogprobs, Compl
                                 chat_stream_choice, check_model, completion_choice, completion_chunk,
                                 completion_prompt_ids, completion_response, models_response, parse_chat_request,
                                 parse_completion_request, to_sampling_params, usage)
-from serve_app.records import EngineRejected, EngineStatus, GenerateChunk, GenerateRequest, KVHint
+from serve_app.records import EngineRejected, EngineStatus, GenerateChunk, GenerateRequest, KVHint, ReplicaUnavailable
 from serve_app.schemas import ChatCompletionBody, CompletionBody, openapi_document, request_body
 from serve_app.settings import ServeSettings
 from serve_app.streaming import SSE_DONE, ChatChoiceStream, CompletionChoiceStream, TokenStrings, sse_event
@@ -63,13 +67,32 @@ async def _routing_error(request: Request, e: StarletteHTTPException) -> JSONRes
 
 
 @app.middleware("http")
-async def _unexpected_errors(request: Request, call_next) -> Response:
+async def _door(request: Request, call_next) -> Response:
+    """Every request: the API key (on every route but OPEN_ROUTES, unknown paths included, so a new route
+    is never open by omission), then the route, with any exception it did not handle as a JSON error."""
     try:
+        if app_path(request.scope) not in OPEN_ROUTES:
+            authorize(request, serve.get_replica_context().servable_object.settings.api_key)
         return await call_next(request)
     except APIError as e:
         return JSONResponse(e.body(), status_code=e.status, headers=e.headers)
     except Exception as e:  # noqa: BLE001 - the one place a bug becomes a response; logged with its traceback
         return unexpected_error(request.method, request.url.path, e)
+
+
+def app_path(scope: dict) -> str:
+    """The request's path below the app's route prefix (Serve's route_prefix is the ASGI root_path)."""
+    path, root = scope["path"], scope.get("root_path", "")
+    if root and path.startswith(root) and path[len(root):len(root) + 1] in ("", "/"):
+        return path[len(root):] or "/"
+    return path
+
+
+def authorize(request: Request, api_key: str | None) -> None:
+    """401 unless the request carries `Authorization: Bearer <api_key>` (no key configured: open)."""
+    if api_key is not None and not hmac.compare_digest(request.headers.get("authorization", "").encode(),
+                                                       f"Bearer {api_key}".encode()):
+        raise unauthorized()
 
 
 def unexpected_error(method: str, path: str, e: Exception) -> JSONResponse:
@@ -119,29 +142,36 @@ class _Turn:
         return chunk.logprobs[:stream.num_tokens - before]
 
     async def events(self, chunks: "_Chunks") -> AsyncIterator[dict]:
-        """OpenAI payloads as the engine's chunks arrive; ends once every choice finished."""
-        async for chunk in chunks:
-            self._account(chunk)
-            i, stream = chunk.choice_index, self.streams[chunk.choice_index]
-            if self.finished[i]:
-                continue
-            before = stream.num_tokens
-            out = stream.feed(chunk.token_ids)  # chat: delta dicts; completions: text
-            consumed = self._consumed(chunk, stream, before)
-            reason = self._check_reason(chunk)
-            if reason is not None or stream.is_stopped:
-                out += stream.finish(reason)
-                self.finished[i] = True
-            for payload in self._payloads(i, stream, out, consumed):
-                yield payload
-            if all(self.finished):
-                return
+        """OpenAI payloads as the engine's chunks arrive; ends once every choice finished. Raises APIError
+        when the engine ends a choice with an error, and whatever the engine stream raises (a replica that
+        died); either way the engine request is closed (cancelled) before the exception leaves."""
+        engine_chunks = chunks.__aiter__()
+        try:
+            async for chunk in engine_chunks:
+                self._account(chunk)
+                i, stream = chunk.choice_index, self.streams[chunk.choice_index]
+                if self.finished[i]:
+                    continue
+                before = stream.num_tokens
+                out = stream.feed(chunk.token_ids)  # chat: delta dicts; completions: text
+                consumed = self._consumed(chunk, stream, before)
+                reason = self._check_reason(chunk)
+                if reason is not None or stream.is_stopped:
+                    out += stream.finish(reason)
+                    self.finished[i] = True
+                for payload in self._payloads(i, stream, out, consumed):
+                    yield payload
+                if all(self.finished):
+                    return
+        finally:
+            await engine_chunks.aclose()
 
     @staticmethod
     def _check_reason(chunk: GenerateChunk) -> str | None:
         reason = chunk.finish_reason
         if reason in ("abort", "error"):
-            raise server_error(f"the engine ended the request ({chunk.error or reason})")
+            why = (chunk.error or reason).strip().splitlines()[0]  # the first line: no remote traceback
+            raise server_error(f"the engine ended the request ({why})")
         return reason
 
     def usage(self, reasoning: int = 0) -> dict:
@@ -205,6 +235,17 @@ def _merge(into: dict | None, part: dict) -> dict:
     return into
 
 
+def mid_request_error(request_id: str, e: Exception) -> APIError:
+    """The error a request answers once the engine has started on it: an APIError as raised (the engine
+    ended a choice with an error), else a 500 naming only the exception's type (a replica that died
+    mid-stream: Ray's message names hosts and processes), logged with its traceback under the request id."""
+    if isinstance(e, APIError):
+        error_logger.warning("request %s ended with an error: %s", request_id, e.message)
+        return e
+    error_logger.error("request %s failed after the engine started on it", request_id, exc_info=e)
+    return server_error(f"the engine failed during the request ({type(e).__name__}); the request can be retried")
+
+
 def _ray_message(e: BaseException) -> str:
     """The original message of an exception that crossed a Ray call (RayTaskError wraps it)."""
     cause = getattr(e, "cause", None)
@@ -233,7 +274,8 @@ class OpenAIIngress:
     async def openapi(self) -> JSONResponse:
         if self._openapi is None:
             s = self.settings
-            self._openapi = openapi_document(app, max_n=s.max_n, model_names=[s.model_name])
+            self._openapi = openapi_document(app, max_n=s.max_n, model_names=[s.model_name], max_messages=s.max_messages,
+                                             max_output_tokens=s.max_output_tokens)
         return JSONResponse(self._openapi)
 
     @app.get("/readyz")
@@ -247,23 +289,21 @@ class OpenAIIngress:
 
     # ---- API ----------------------------------------------------------------------------------------
     @app.get("/v1/models")
-    async def models(self, request: Request) -> dict:
-        self._authorize(request)
+    async def models(self) -> dict:
         return models_response([self.settings.model_name], int(time.time()))
 
     @app.get("/metrics")
-    async def metrics(self, request: Request) -> PlainTextResponse:
-        self._authorize(request)
+    async def metrics(self) -> PlainTextResponse:
         async with httpx.AsyncClient(timeout=5) as client:
             text = await scrape_project_metrics(client)
         return PlainTextResponse(text, media_type="text/plain; version=0.0.4")
 
     @app.post("/v1/chat/completions", openapi_extra=request_body(ChatCompletionBody))
     async def chat_completions(self, request: Request) -> Response:
-        self._authorize(request)
         req, prompt_ids = await self._prepare(self._prepare_chat, await self._body(request))
         status = await self._engine_status()
-        params = to_sampling_params(req, num_prompt_tokens=len(prompt_ids), max_model_len=status.max_model_len)
+        params = to_sampling_params(req, num_prompt_tokens=len(prompt_ids), max_model_len=status.max_model_len,
+                                    max_output_tokens=self.settings.max_output_tokens)
         rid = f"chatcmpl-{uuid.uuid4().hex}"
         stop_ids = (self.tokenizer.eos_id, *req.stop_token_ids)
         streams = [ChatChoiceStream(self.tokenizer, thinking=req.thinking, tools=req.prompt_tools,
@@ -278,10 +318,10 @@ class OpenAIIngress:
 
     @app.post("/v1/completions", openapi_extra=request_body(CompletionBody))
     async def completions(self, request: Request) -> Response:
-        self._authorize(request)
         req, prompt_ids = await self._prepare(self._prepare_completion, await self._body(request))
         status = await self._engine_status()
-        params = to_sampling_params(req, num_prompt_tokens=len(prompt_ids), max_model_len=status.max_model_len)
+        params = to_sampling_params(req, num_prompt_tokens=len(prompt_ids), max_model_len=status.max_model_len,
+                                    max_output_tokens=self.settings.max_output_tokens)
         rid = f"cmpl-{uuid.uuid4().hex}"
         stop_ids = (self.tokenizer.eos_id, *req.stop_token_ids)
         streams = [CompletionChoiceStream(self.tokenizer, stop=req.stop, stop_token_ids=stop_ids) for _ in range(req.n)]
@@ -293,14 +333,6 @@ class OpenAIIngress:
         return JSONResponse(await self._collect(turn, chunks))
 
     # ---- plumbing -----------------------------------------------------------------------------------
-    def _authorize(self, request: Request) -> None:
-        key = self.settings.api_key
-        if key is None or request.url.path in OPEN_ROUTES:
-            return
-        header = request.headers.get("authorization", "")
-        if header != f"Bearer {key}":
-            raise unauthorized()
-
     async def _body(self, request: Request) -> bytes:
         declared = request.headers.get("content-length")
         if declared is not None and declared.isdigit() and int(declared) > self.settings.max_body_bytes:
@@ -315,13 +347,15 @@ class OpenAIIngress:
     def _prepare_chat(self, raw: bytes) -> tuple[ChatCompletionRequest, list[int]]:
         """On a prepare thread: body bytes -> the validated request and its prompt ids."""
         s = self.settings
-        req = parse_chat_request(parse_json_body(raw, s.max_body_bytes), max_n=s.max_n)
+        req = parse_chat_request(parse_json_body(raw, s.max_body_bytes), max_n=s.max_n, max_messages=s.max_messages,
+                                 max_output_tokens=s.max_output_tokens)
         check_model(req.model, [s.model_name])
         return req, chat_prompt_ids(req, self.tokenizer, max_chars=s.max_prompt_chars)
 
     def _prepare_completion(self, raw: bytes) -> tuple[CompletionRequest, list[int]]:
         s = self.settings
-        req = parse_completion_request(parse_json_body(raw, s.max_body_bytes), max_n=s.max_n)
+        req = parse_completion_request(parse_json_body(raw, s.max_body_bytes), max_n=s.max_n,
+                                       max_output_tokens=s.max_output_tokens)
         check_model(req.model, [s.model_name])
         return req, completion_prompt_ids(req, self.tokenizer, max_chars=s.max_prompt_chars)
 
@@ -342,6 +376,11 @@ class OpenAIIngress:
         except EngineRejected as e:
             self.in_flight -= 1
             raise APIError(400, _ray_message(e), param=None) from None
+        except (ReplicaUnavailable, RayActorError) as e:  # nothing started: a retry reaches a healthy replica
+            self.in_flight -= 1
+            gen.cancel()
+            error_logger.warning("request %s: the engine replica is unavailable (%s)", gen_req.request_id, type(e).__name__)
+            raise overloaded("the engine replica is being replaced; try again shortly", RETRY_AFTER_S) from None
         except Exception as e:
             self.in_flight -= 1
             gen.cancel()
@@ -366,15 +405,25 @@ class OpenAIIngress:
             logger.warning("KV router gave no decision for %s (%r): routing by load only", gen_req.request_id, e)
             return None
 
-    async def _sse(self, events: AsyncIterator[dict], include_usage: bool, turn) -> AsyncIterator[str]:
-        async for payload in events:
-            yield sse_event(payload)
-        if include_usage:
-            yield sse_event(turn.usage_chunk())
+    async def _sse(self, events: AsyncGenerator[dict, None], include_usage: bool, turn) -> AsyncIterator[str]:
+        """The SSE body. An error once the stream has begun (its 200 is sent) is its last event, OpenAI's
+        `data: {"error": {...}}`, then `data: [DONE]` as after any stream: the client sees why, not a cut."""
+        try:
+            async for payload in events:
+                yield sse_event(payload)
+            if include_usage:
+                yield sse_event(turn.usage_chunk())
+        except Exception as e:  # noqa: BLE001 -- not swallowed: it becomes the stream's error event
+            yield sse_event(mid_request_error(turn.rid, e).body())
+        finally:
+            await events.aclose()  # a client gone mid-stream closes this generator: cancel the engine's now
         yield SSE_DONE
 
     @staticmethod
     async def _collect(turn, chunks: "_Chunks") -> dict:
-        async for _ in turn.events(chunks):
-            pass
+        try:
+            async for _ in turn.events(chunks):
+                pass
+        except Exception as e:  # noqa: BLE001 -- answered as an OpenAI error
+            raise mid_request_error(turn.rid, e) from None
         return turn.response()

@@ -19,7 +19,11 @@ record or raise `APIError` 400 whose message starts with the offending field (`t
 
 Prompts: `chat_prompt_ids` / `completion_prompt_ids` bound the prompt text's characters before tokenising
 (a 400 with code context_length_exceeded) and tokenize without holding the GIL, so the ingress runs them
-on a worker thread.
+on a worker thread. In a chat prompt only the template writes special tokens: every text of the request
+(contents, reasoning, tool schemas, call names and arguments) is encoded as plain text, so a message that
+spells `<｜end▁of▁sentence｜>`, `<｜User｜>`, `<think>` or a DSML tag cannot end its turn or inject a call.
+A completions prompt is the client's own raw prompt, template included: its special-token spellings are
+special tokens (as vLLM's completions do).
 
 Responses: plain dicts in OpenAI's shapes (the tests validate them with the `openai` package's types).
 """
@@ -33,15 +37,20 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from engine.chat import ChatFormatError, is_thinking, render_chat
+from engine.chat import ChatFormatError, PromptPart, is_thinking, render_chat_parts
 from engine.core.request import TokenLogprob
 from engine.core.sampling_params import SamplingError, SamplingParams
 from serve_app.errors import APIError, bad_request, model_not_found
 from serve_app.json_body import json_kind
 from serve_app.streaming import TokenStrings
 
+# What one request may ask for (docs/reliability.md lists them; each is a 400 naming the field). The server's
+# settings set max_n, max_messages and max_output_tokens; the others are the API's (OpenAI's where it has one).
 DEFAULT_MAX_N = 8
+DEFAULT_MAX_MESSAGES = 2048  # OpenAI's limit on a chat request's messages
 MAX_STOP_STRINGS = 4
+MAX_STOP_CHARS = 256  # a stop string's characters: streaming holds back up to this many minus one
+MAX_STOP_TOKEN_IDS = 64  # every generated token is checked against them
 MAX_CHAT_TOP_LOGPROBS = 20
 MAX_COMPLETION_LOGPROBS = 5
 DEFAULT_COMPLETION_MAX_TOKENS = 16
@@ -118,12 +127,15 @@ def check_model(name: str, served_names: Sequence[str]) -> None:
         raise model_not_found(name)
 
 
-def parse_chat_request(body: dict, *, max_n: int = DEFAULT_MAX_N) -> ChatCompletionRequest:
+def parse_chat_request(body: dict, *, max_n: int = DEFAULT_MAX_N, max_messages: int = DEFAULT_MAX_MESSAGES,
+                       max_output_tokens: int | None = None) -> ChatCompletionRequest:
+    """max_output_tokens: the most max_tokens / max_completion_tokens may ask for (None: the context window)."""
     f = _Fields(body)
     tools = _tools(f)
     choice, choice_name = _tool_choice(f, tools)
     f.check_neutral()
-    max_tokens, max_completion_tokens = f.integer("max_tokens", lo=1), f.integer("max_completion_tokens", lo=1)
+    max_tokens = f.integer("max_tokens", lo=1, hi=max_output_tokens)
+    max_completion_tokens = f.integer("max_completion_tokens", lo=1, hi=max_output_tokens)
     logprobs = f.boolean("logprobs", False)
     top_logprobs = f.integer("top_logprobs", lo=0, hi=MAX_CHAT_TOP_LOGPROBS)
     if top_logprobs is not None and not logprobs:
@@ -131,7 +143,7 @@ def parse_chat_request(body: dict, *, max_n: int = DEFAULT_MAX_N) -> ChatComplet
     stream, include_usage = f.stream()
     return ChatCompletionRequest(
         model=f.model(),
-        messages=_messages(f),
+        messages=_messages(f, max_messages),
         tools=tools,
         tool_choice=choice,
         tool_choice_name=choice_name,
@@ -139,7 +151,7 @@ def parse_chat_request(body: dict, *, max_n: int = DEFAULT_MAX_N) -> ChatComplet
         max_tokens=max_tokens if max_completion_tokens is None else max_completion_tokens,
         n=f.integer("n", lo=1, hi=max_n) or 1,
         stop=f.stop(),
-        stop_token_ids=f.token_ids("stop_token_ids"),
+        stop_token_ids=f.token_ids("stop_token_ids", MAX_STOP_TOKEN_IDS),
         logprobs=logprobs,
         top_logprobs=top_logprobs or 0,
         stream=stream,
@@ -149,7 +161,8 @@ def parse_chat_request(body: dict, *, max_n: int = DEFAULT_MAX_N) -> ChatComplet
     )
 
 
-def parse_completion_request(body: dict, *, max_n: int = DEFAULT_MAX_N) -> CompletionRequest:
+def parse_completion_request(body: dict, *, max_n: int = DEFAULT_MAX_N,
+                             max_output_tokens: int | None = None) -> CompletionRequest:
     f = _Fields(body)
     f.check_neutral()
     if f.boolean("echo", False):
@@ -159,14 +172,15 @@ def parse_completion_request(body: dict, *, max_n: int = DEFAULT_MAX_N) -> Compl
     if f.get("best_of") not in (None, 1) or isinstance(f.get("best_of"), bool):
         raise bad_request(f"best_of: not supported (only 1), got {_show(f.get('best_of'))}", "best_of")
     stream, include_usage = f.stream()
-    max_tokens = f.integer("max_tokens", lo=1)
+    max_tokens = f.integer("max_tokens", lo=1, hi=max_output_tokens)
+    default_max_tokens = min(DEFAULT_COMPLETION_MAX_TOKENS, max_output_tokens or DEFAULT_COMPLETION_MAX_TOKENS)
     return CompletionRequest(
         model=f.model(),
         prompt=_prompt(f),
-        max_tokens=DEFAULT_COMPLETION_MAX_TOKENS if max_tokens is None else max_tokens,
+        max_tokens=default_max_tokens if max_tokens is None else max_tokens,
         n=f.integer("n", lo=1, hi=max_n) or 1,
         stop=f.stop(),
-        stop_token_ids=f.token_ids("stop_token_ids"),
+        stop_token_ids=f.token_ids("stop_token_ids", MAX_STOP_TOKEN_IDS),
         logprobs=f.integer("logprobs", lo=0, hi=MAX_COMPLETION_LOGPROBS),
         stream=stream,
         include_usage=include_usage,
@@ -180,16 +194,27 @@ def parse_completion_request(body: dict, *, max_n: int = DEFAULT_MAX_N) -> Compl
 
 def chat_prompt(req: ChatCompletionRequest) -> str:
     """The V4.1 prompt text (BOS included; encode it without adding another)."""
+    return "".join(p.text for p in chat_prompt_parts(req))
+
+
+def chat_prompt_parts(req: ChatCompletionRequest) -> list[PromptPart]:
+    """The V4.1 prompt as the template's parts and the request's text (literal parts)."""
     try:
-        return render_chat(req.messages, tools=req.prompt_tools, reasoning_effort=req.reasoning_effort)
+        return render_chat_parts(req.messages, tools=req.prompt_tools, reasoning_effort=req.reasoning_effort)
     except ChatFormatError as e:
         message = str(e)
         raise bad_request(message, message.split(":", 1)[0] if ":" in message else "messages") from None
 
 
 def chat_prompt_ids(req: ChatCompletionRequest, tokenizer: Any, *, max_chars: int) -> list[int]:
-    """The rendered prompt's token ids; a prompt text above max_chars is a 400 before tokenising."""
-    return encode_prompt(tokenizer, chat_prompt(req), max_chars=max_chars, param="messages")
+    """The rendered prompt's token ids; a prompt text above max_chars is a 400 before tokenising. Special
+    tokens come only from the template: the messages' text is encoded as plain text whatever it spells
+    (`<｜end▁of▁sentence｜>` in a message is 12 ordinary tokens), so it cannot end a turn or write a call."""
+    parts = chat_prompt_parts(req)
+    num_chars = sum(len(p.text) for p in parts)
+    if num_chars > max_chars:
+        raise _too_many_chars("messages", num_chars, max_chars)
+    return tokenizer.encode_parts(parts)
 
 
 def completion_prompt_ids(req: CompletionRequest, tokenizer: Any, *, max_chars: int) -> list[int]:
@@ -209,20 +234,25 @@ def encode_prompt(tokenizer: Any, text: str, *, max_chars: int, param: str) -> l
     (context_length_exceeded) without tokenising. Through `encode_batch`, which releases the GIL while
     it runs (HF tokenizers' `encode` holds it), so a caller on a worker thread leaves the event loop free."""
     if len(text) > max_chars:
-        raise bad_request(f"{param}: the prompt has {len(text)} characters, above this server's limit of "
-                          f"{max_chars}", param, "context_length_exceeded")
+        raise _too_many_chars(param, len(text), max_chars)
     return tokenizer.backend.encode_batch([text], add_special_tokens=False)[0].ids
 
 
+def _too_many_chars(param: str, num_chars: int, max_chars: int) -> APIError:
+    return bad_request(f"{param}: the prompt has {num_chars} characters, above this server's limit of "
+                       f"{max_chars}", param, "context_length_exceeded")
+
+
 def to_sampling_params(
-    req: ChatCompletionRequest | CompletionRequest, *, num_prompt_tokens: int, max_model_len: int
+    req: ChatCompletionRequest | CompletionRequest, *, num_prompt_tokens: int, max_model_len: int,
+    max_output_tokens: int | None = None,
 ) -> SamplingParams:
-    """The engine's parameters. max_tokens None becomes the rest of the context window; a prompt that
-    leaves no room, or prompt + max_tokens beyond the window, is a 400 (OpenAI's
-    context_length_exceeded). Chat logprobs map to top_logprobs alternatives, legacy ones to `logprobs`."""
+    """The engine's parameters. max_tokens None becomes the rest of the context window (at most
+    max_output_tokens); a prompt that leaves no room, or prompt + max_tokens beyond the window, is a 400
+    (OpenAI's context_length_exceeded). Chat logprobs map to top_logprobs alternatives, legacy ones to `logprobs`."""
     prompt_param = "messages" if isinstance(req, ChatCompletionRequest) else "prompt"
     room = max_model_len - num_prompt_tokens
-    max_tokens = room if req.max_tokens is None else req.max_tokens
+    max_tokens = min(room, max_output_tokens or room) if req.max_tokens is None else req.max_tokens
     if room < 1 or max_tokens > room:
         raise bad_request(
             f"{prompt_param}: this model's maximum context length is {max_model_len} tokens; the request "
@@ -428,16 +458,17 @@ class _Fields:
             return ()
         items = [value] if isinstance(value, str) else value
         if (not isinstance(items, list) or len(items) > MAX_STOP_STRINGS
-                or not all(isinstance(s, str) and s for s in items)):
-            raise self.fail("stop", f"a non-empty string or a list of at most {MAX_STOP_STRINGS} non-empty strings")
+                or not all(isinstance(s, str) and 0 < len(s) <= MAX_STOP_CHARS for s in items)):
+            raise self.fail("stop", f"a string or a list of at most {MAX_STOP_STRINGS} strings, each of 1 to "
+                            f"{MAX_STOP_CHARS} characters")
         return tuple(items)
 
-    def token_ids(self, name: str) -> tuple[int, ...]:
+    def token_ids(self, name: str, max_len: int) -> tuple[int, ...]:
         value = self.get(name)
         if value is None:
             return ()
-        if not isinstance(value, list) or not all(_is_int(t) and t >= 0 for t in value):
-            raise self.fail(name, "a list of non-negative integer token ids")
+        if not isinstance(value, list) or len(value) > max_len or not all(_is_int(t) and t >= 0 for t in value):
+            raise self.fail(name, f"a list of at most {max_len} non-negative integer token ids")
         return tuple(value)
 
     def stream(self) -> tuple[bool, bool]:
@@ -472,8 +503,8 @@ class _Fields:
                               "response_format")
 
 
-def _messages(f: _Fields) -> list[dict]:
-    """Shape checks only (a non-empty list of objects with known roles); render_chat checks the rest."""
+def _messages(f: _Fields, max_messages: int) -> list[dict]:
+    """Shape checks only (a list of 1 to max_messages objects with known roles); render_chat checks the rest."""
     messages = f.get("messages")
     if messages is None:
         raise bad_request("messages: required", "messages")
@@ -481,6 +512,8 @@ def _messages(f: _Fields) -> list[dict]:
         raise f.fail("messages", "a list of messages")
     if not messages:
         raise bad_request("messages: must contain at least one message", "messages")
+    if len(messages) > max_messages:
+        raise bad_request(f"messages: at most {max_messages} messages, got {len(messages)}", "messages")
     for i, msg in enumerate(messages):
         if not isinstance(msg, dict):
             raise bad_request(f"messages[{i}]: must be an object, got {json_kind(msg)}", f"messages[{i}]")

@@ -15,6 +15,12 @@ class EngineRejected(ValueError):
     instance of EngineRejected, so `except EngineRejected` works."""
 
 
+class ReplicaUnavailable(RuntimeError):
+    """This replica cannot serve (a shard actor died, the engine loop failed) and its health check fails, so
+    Serve replaces it; raised before any chunk. The ingress answers 503 with Retry-After: a retry reaches a
+    healthy replica. Through a handle it is a RayTaskError that is also an instance of this class."""
+
+
 @dataclass(frozen=True, slots=True)
 class KVHint:
     """The KV router's decision for one request (serve_app/router.py): which replica should take it, and
@@ -73,3 +79,7 @@ class EngineStatus:
     num_waiting: int
     cache_usage: float  # fraction of global blocks in use
     prefix_hit_rate: float
+    num_global_blocks: int = 0  # the pool's size
+    num_global_blocks_in_use: int = 0  # held by requests or prefix-cache snapshots
+    num_global_blocks_cached: int = 0  # free but still indexed by hash (evictable prefix cache)
+    num_swa_blocks_in_use: int = 0

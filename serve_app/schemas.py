@@ -23,11 +23,12 @@ from fastapi.openapi.utils import get_openapi
 from pydantic import BaseModel, ConfigDict, Field
 from pydantic.json_schema import models_json_schema
 
-from serve_app.protocol import (DEFAULT_MAX_N, MAX_CHAT_TOP_LOGPROBS, MAX_COMPLETION_LOGPROBS, MAX_STOP_STRINGS,
-                                REASONING_EFFORTS)
+from serve_app.protocol import (DEFAULT_MAX_MESSAGES, DEFAULT_MAX_N, MAX_CHAT_TOP_LOGPROBS, MAX_COMPLETION_LOGPROBS,
+                                MAX_STOP_CHARS, MAX_STOP_STRINGS, MAX_STOP_TOKEN_IDS, REASONING_EFFORTS)
 
 REF = "#/components/schemas/{model}"
 NonEmpty = Annotated[str, Field(min_length=1)]
+StopString = Annotated[str, Field(min_length=1, max_length=MAX_STOP_CHARS)]
 TokenId = Annotated[int, Field(ge=0)]
 
 
@@ -137,8 +138,8 @@ class _CommonBody(_Open):
     min_p: Annotated[float, Field(ge=0, le=1)] | None = None
     seed: Annotated[int, Field(ge=0, le=2**63 - 1)] | None = None
     n: Annotated[int, Field(ge=1, le=DEFAULT_MAX_N)] | None = Field(None, description="at most the server's --max-n")
-    stop: Union[NonEmpty, Annotated[list[NonEmpty], Field(max_length=MAX_STOP_STRINGS)], None] = None
-    stop_token_ids: list[TokenId] | None = None
+    stop: Union[StopString, Annotated[list[StopString], Field(max_length=MAX_STOP_STRINGS)], None] = None
+    stop_token_ids: Annotated[list[TokenId], Field(max_length=MAX_STOP_TOKEN_IDS)] | None = None
     stream: bool | None = None
     stream_options: StreamOptions | None = Field(None, description="only with stream true")
     user: str | None = None
@@ -150,7 +151,8 @@ class _CommonBody(_Open):
 
 
 class ChatCompletionBody(_CommonBody):
-    messages: Annotated[list[Message], Field(min_length=1)]
+    messages: Annotated[list[Message], Field(min_length=1, max_length=DEFAULT_MAX_MESSAGES)] = Field(
+        description="at most the server's --max-messages")
     tools: list[Tool] | None = None
     tool_choice: Union[Literal["none", "auto", "required"], NamedToolChoice, None] = None
     reasoning_effort: Union[Literal[REASONING_EFFORTS], Annotated[int, Field(ge=1, le=100)],
@@ -182,21 +184,34 @@ def request_body(model: type[BaseModel]) -> dict:
     return {"requestBody": {"required": True, "content": {"application/json": {"schema": schema}}}}
 
 
-def body_schemas(*, max_n: int, model_names: Sequence[str]) -> dict[str, dict]:
+def body_schemas(*, max_n: int, model_names: Sequence[str], max_messages: int = DEFAULT_MAX_MESSAGES,
+                 max_output_tokens: int | None = None) -> dict[str, dict]:
     """The JSON schemas of BODY_MODELS and everything they use, by name, for a deployment: n capped at its
-    max_n and model one of the names it serves (any other is a 404)."""
+    max_n, messages at its max_messages, max_tokens at its max_output_tokens (when set), and model one of
+    the names it serves (any other is a 404)."""
     _, defs = models_json_schema([(m, "validation") for m in BODY_MODELS], ref_template=REF)
     schemas = defs["$defs"]
     for model in BODY_MODELS:
-        [integer] = [s for s in schemas[model.__name__]["properties"]["n"]["anyOf"] if s.get("type") == "integer"]
-        integer["maximum"] = max_n
-        schemas[model.__name__]["properties"]["model"]["enum"] = list(model_names)
+        properties = schemas[model.__name__]["properties"]
+        _integer(properties["n"])["maximum"] = max_n
+        properties["model"]["enum"] = list(model_names)
+        for name in ("max_tokens", "max_completion_tokens"):
+            if name in properties and max_output_tokens is not None:
+                _integer(properties[name])["maximum"] = max_output_tokens
+    schemas["ChatCompletionBody"]["properties"]["messages"]["maxItems"] = max_messages
     return schemas
 
 
-def openapi_document(app: FastAPI, *, max_n: int, model_names: Sequence[str]) -> dict:
+def _integer(prop: dict) -> dict:
+    [integer] = [s for s in prop["anyOf"] if s.get("type") == "integer"]
+    return integer
+
+
+def openapi_document(app: FastAPI, *, max_n: int, model_names: Sequence[str], max_messages: int = DEFAULT_MAX_MESSAGES,
+                     max_output_tokens: int | None = None) -> dict:
     """FastAPI's OpenAPI document of app's routes, with the request-body schemas their routes reference."""
     doc = get_openapi(title=app.title, version=app.version, routes=app.routes)
     doc.setdefault("components", {}).setdefault("schemas", {}).update(
-        body_schemas(max_n=max_n, model_names=model_names))
+        body_schemas(max_n=max_n, model_names=model_names, max_messages=max_messages,
+                     max_output_tokens=max_output_tokens))
     return doc

@@ -56,6 +56,8 @@ class ServeSettings:
     # API
     api_key: str | None = field(default=None, repr=False)  # None: no authentication
     max_n: int = 8  # most choices one request may ask for
+    max_messages: int = 2048  # most messages in one chat request (OpenAI's limit)
+    max_output_tokens: int | None = None  # most max_tokens one request may ask for; None: the context window
     max_body_bytes: int = 8 << 20
     # a prompt's characters (chat: the rendered text) above this are a 400 before tokenising, which costs
     # ~1 s of one core per 1.2 M characters; the default is about the 1M-token window at ~4 characters a token
@@ -82,7 +84,7 @@ class ServeSettings:
         need(bool(self.checkpoint), "checkpoint", f"a checkpoint folder (or set {ENV_VARS['checkpoint']})")
         need(bool(self.model_name), "model_name", "a non-empty name")
         for name in ("num_replicas", "num_shards", "max_num_seqs", "max_num_batched_tokens", "cache_memory_bytes",
-                     "max_n", "max_body_bytes", "max_prompt_chars", "max_ongoing_requests"):
+                     "max_n", "max_messages", "max_body_bytes", "max_prompt_chars", "max_ongoing_requests"):
             need(_is_int(getattr(self, name)) and getattr(self, name) >= 1, name, "an integer >= 1")
         if self.num_shards != 1:
             raise SettingsError(f"--num-shards {self.num_shards}: only 1 model-parallel shard per replica is "
@@ -96,6 +98,8 @@ class ServeSettings:
              "max_chunk_tokens", "an integer >= 1 or unset")
         need(self.max_model_len is None or (_is_int(self.max_model_len) and self.max_model_len >= 2),
              "max_model_len", "an integer >= 2 or unset")
+        need(self.max_output_tokens is None or (_is_int(self.max_output_tokens) and self.max_output_tokens >= 1),
+             "max_output_tokens", "an integer >= 1 or unset")
         need(self.api_key is None or bool(self.api_key), "api_key", "non-empty when set")
         need(_is_int(self.port) and 1 <= self.port <= 65535, "port", "a port number in [1, 65535]")
         need(self.replica_num_cpus > 0, "replica_num_cpus", "> 0")
@@ -173,6 +177,8 @@ def build_parser() -> argparse.ArgumentParser:
                    "float64 modules on CPU)")
     p.add_argument("--api-key", help="require this bearer token" + env["api_key"])
     p.add_argument("--max-n", help="most choices per request (default 8)")
+    p.add_argument("--max-messages", help="most messages per chat request (default 2048)")
+    p.add_argument("--max-output-tokens", help="most max_tokens per request (default: the context window)")
     p.add_argument("--max-body-bytes", help="largest request body, bytes or e.g. 8MiB")
     p.add_argument("--max-prompt-chars", help="longest prompt text in characters, refused before tokenising "
                    "(default 4000000)")
@@ -260,7 +266,7 @@ _PARSERS: dict[str, Callable[[str, str], object]] = {
     "num_replicas": parse_int, "num_shards": parse_int, "device": parse_device,
     "cache_memory_bytes": parse_bytes, "max_num_seqs": parse_int, "max_num_batched_tokens": parse_int,
     "max_chunk_tokens": parse_optional_int, "max_model_len": parse_optional_int,
-    "bounded_replay": parse_bool, "enable_prefix_caching": parse_bool, "max_n": parse_int,
+    "bounded_replay": parse_bool, "enable_prefix_caching": parse_bool, "max_n": parse_int, "max_messages": parse_int, "max_output_tokens": parse_optional_int,
     "max_body_bytes": parse_bytes, "max_prompt_chars": parse_int, "port": parse_int, "max_ongoing_requests": parse_int,
     "replica_num_cpus": parse_float, "health_check_period_s": parse_float,
     "graceful_shutdown_timeout_s": parse_float, "request_log_file": parse_optional_path,

@@ -63,18 +63,16 @@ def is_thinking(reasoning_effort: str | int | None) -> bool:
     return _effort_budget(reasoning_effort) is not None
 
 
-def render_chat(
+def render_chat_parts(
     messages: list[dict],
     tools: list[dict] | None = None,
     reasoning_effort: str | int | None = None,
     drop_thinking: bool = True,
-) -> str:
-    """The full prompt text: BOS, the turns, and the assistant header that generation continues from
-    (none after a final latest_reminder message: the reference writes the reminder after the header).
-
-    reasoning_effort: "none" -> chat mode (`<｜Assistant｜></think>`); "low"/"high"/"xhigh"/"max"
-    (50/75/75/100) or an int 1-100 -> thinking mode (`<｜Assistant｜><think>`) with the effort line
-    "Reasoning Effort: N (…)" at the start; None -> "high". Raises ChatFormatError on invalid input."""
+) -> list[s.PromptPart]:
+    """`render_chat`'s prompt as parts: the template's text, and the request's text (every message
+    content, reasoning, tool schema, call name and argument) as literal parts, which the tokenizer
+    encodes as plain text (`Tokenizer.encode_parts`): a message spelling `<｜end▁of▁sentence｜>`,
+    `<｜User｜>` or a DSML tag can neither end its turn nor write a tool call."""
     budget = _effort_budget(reasoning_effort)
     functions = _validate_tools(tools)
     if not isinstance(messages, list):
@@ -93,6 +91,23 @@ def render_chat(
     if budget is not None and drop:
         turns = _drop_developer_turns(turns)
     return _render_turns(turns, budget, drop)
+
+
+def render_chat(
+    messages: list[dict],
+    tools: list[dict] | None = None,
+    reasoning_effort: str | int | None = None,
+    drop_thinking: bool = True,
+) -> str:
+    """The full prompt text: BOS, the turns, and the assistant header that generation continues from
+    (none after a final latest_reminder message: the reference writes the reminder after the header).
+
+    reasoning_effort: "none" -> chat mode (`<｜Assistant｜></think>`); "low"/"high"/"xhigh"/"max"
+    (50/75/75/100) or an int 1-100 -> thinking mode (`<｜Assistant｜><think>`) with the effort line
+    "Reasoning Effort: N (…)" at the start; None -> "high". Raises ChatFormatError on invalid input.
+    To tokenize a prompt, render its parts (`render_chat_parts`) instead: the text alone cannot tell the
+    template's special tokens from the same spellings inside a message."""
+    return s.joined(render_chat_parts(messages, tools, reasoning_effort, drop_thinking))
 
 
 def _effort_budget(effort: object) -> int | None:
@@ -286,42 +301,45 @@ def _drop_developer_turns(turns: list[_Turn]) -> list[_Turn]:
     return [t for i, t in enumerate(turns) if t.role != "developer" or i >= last_user]
 
 
-def _render_turns(turns: list[_Turn], budget: int | None, drop: bool) -> str:
+def _render_turns(turns: list[_Turn], budget: int | None, drop: bool) -> list[s.PromptPart]:
     thinking = budget is not None
     last_user = _last_user_index(turns)
-    out = [s.BOS]
+    T, L = s.template, s.literal
+    out = [T(s.BOS)]
     for i, turn in enumerate(turns):
         if i == 0 and (thinking or turn.role == "system"):
-            out.append(s.SYSTEM)
+            out.append(T(s.SYSTEM))
         if i == 0 and budget is not None:
-            out.append(s.reasoning_effort_line(budget))
+            out.append(T(s.reasoning_effort_line(budget)))
         if turn.role == "system":
-            out.append((s.SYSTEM if i > 0 else "") + turn.text)
+            out += [T(s.SYSTEM if i > 0 else ""), L(turn.text)]
             if turn.tools:
-                out.append("\n\n" + s.render_tools_prompt(turn.tools))
+                out += [T("\n\n"), *s.tools_prompt_parts(turn.tools)]
         elif turn.role == "developer":
-            out.append(s.USER + turn.text)
+            out += [T(s.USER), L(turn.text)]
         elif turn.role == "user":
-            out.append(s.USER + "\n\n".join(_block_text(b) for b in turn.blocks))
+            out.append(T(s.USER))
+            for k, block in enumerate(turn.blocks):
+                out += [T("\n\n" if k else ""), *_block_parts(block)]
         elif turn.role == "latest_reminder":
-            out.append(s.LATEST_REMINDER + turn.text)
+            out += [T(s.LATEST_REMINDER), L(turn.text)]
         else:
-            keep_reasoning = thinking and (not drop or i > last_user)
-            out.append(turn.reasoning + s.THINK_END if keep_reasoning else "")
-            out.append(turn.text)
+            if thinking and (not drop or i > last_user):
+                out += [L(turn.reasoning), T(s.THINK_END)]
+            out.append(L(turn.text))
             if turn.calls:
-                out.append(s.render_tool_calls([(name, args) for _, name, args in turn.calls]))
-            out.append(s.EOS)
+                out += s.tool_calls_parts([(name, args) for _, name, args in turn.calls])
+            out.append(T(s.EOS))
         if _needs_header(turns, i):
             open_think = thinking and (not drop or i >= last_user)
-            out.append(s.ASSISTANT + (s.THINK_START if open_think else s.THINK_END))
-    return "".join(out)
+            out.append(T(s.ASSISTANT + (s.THINK_START if open_think else s.THINK_END)))
+    return [p for p in out if p.text]
 
 
-def _block_text(block: _Block) -> str:
+def _block_parts(block: _Block) -> list[s.PromptPart]:
     if block.tool_call_id is None:
-        return block.text
-    return s.TOOL_RESULT_OPEN + block.text + s.TOOL_RESULT_CLOSE
+        return [s.literal(block.text)]
+    return [s.template(s.TOOL_RESULT_OPEN), s.literal(block.text), s.template(s.TOOL_RESULT_CLOSE)]
 
 
 def _needs_header(turns: list[_Turn], i: int) -> bool:

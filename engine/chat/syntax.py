@@ -10,7 +10,29 @@ from __future__ import annotations
 
 import json
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import Any, NamedTuple
+
+
+class PromptPart(NamedTuple):
+    """A piece of a rendered prompt. The template's own text (is_literal False) may spell special tokens,
+    and they are encoded as such; a request's text (message contents, reasoning, tool schemas, call names
+    and arguments: is_literal True) is encoded as plain text, so no spelling in it becomes a special id
+    (`engine.tokenizer.Tokenizer.encode_parts`)."""
+
+    text: str
+    is_literal: bool
+
+
+def template(text: str) -> PromptPart:
+    return PromptPart(text, False)
+
+
+def literal(text: str) -> PromptPart:
+    return PromptPart(text, True)
+
+
+def joined(parts: Sequence[PromptPart]) -> str:
+    return "".join(p.text for p in parts)
 
 BOS = "<｜begin▁of▁sentence｜>"
 EOS = "<｜end▁of▁sentence｜>"
@@ -82,7 +104,13 @@ def render_tools_prompt(functions: Sequence[Mapping[str, Any]]) -> str:
 
     `functions` are the `function` objects of OpenAI tool definitions, serialised as given (key order
     kept)."""
-    return _TOOLS_PROMPT_HEAD + "\n".join(to_json(f) for f in functions) + _TOOLS_PROMPT_TAIL
+    return joined(tools_prompt_parts(functions))
+
+
+def tools_prompt_parts(functions: Sequence[Mapping[str, Any]]) -> list[PromptPart]:
+    """render_tools_prompt as parts: the schemas are the request's text."""
+    return [template(_TOOLS_PROMPT_HEAD), literal("\n".join(to_json(f) for f in functions)),
+            template(_TOOLS_PROMPT_TAIL)]
 
 
 def render_tool_calls(calls: Sequence[tuple[str, Mapping[str, Any]]]) -> str:
@@ -90,12 +118,19 @@ def render_tool_calls(calls: Sequence[tuple[str, Mapping[str, Any]]]) -> str:
 
     String values are written verbatim with `string="true"`; every other value as JSON with
     `string="false"`."""
-    invokes = []
-    for name, arguments in calls:
-        params = "\n".join(
-            f'{PARAM_OPEN} name="{key}" string="{"true" if isinstance(value, str) else "false"}">'
-            f"{value if isinstance(value, str) else to_json(value)}{PARAM_CLOSE}"
-            for key, value in arguments.items()
-        )
-        invokes.append(f'{INVOKE_OPEN} name="{name}">\n{params}\n{INVOKE_CLOSE}')
-    return f"{CALLS_SEPARATOR}{CALLS_OPEN}\n" + "\n".join(invokes) + f"\n{CALLS_CLOSE}"
+    return joined(tool_calls_parts(calls))
+
+
+def tool_calls_parts(calls: Sequence[tuple[str, Mapping[str, Any]]]) -> list[PromptPart]:
+    """render_tool_calls as parts: names, argument keys and values are the request's text."""
+    out = [template(f"{CALLS_SEPARATOR}{CALLS_OPEN}\n")]
+    for i, (name, arguments) in enumerate(calls):
+        out += [template(("\n" if i else "") + f'{INVOKE_OPEN} name="'), literal(name), template('">\n')]
+        for j, (key, value) in enumerate(arguments.items()):
+            is_string = isinstance(value, str)
+            out += [template(("\n" if j else "") + f'{PARAM_OPEN} name="'), literal(key),
+                    template(f'" string="{"true" if is_string else "false"}">'),
+                    literal(value if is_string else to_json(value)), template(PARAM_CLOSE)]
+        out.append(template(f"\n{INVOKE_CLOSE}"))
+    out.append(template(f"\n{CALLS_CLOSE}"))
+    return out

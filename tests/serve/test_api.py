@@ -416,8 +416,7 @@ def test_openapi_json_has_the_request_body_schemas(api):
     from serve_app.ingress import app
     from serve_app.schemas import openapi_document
 
-    with httpx.Client(base_url=api.base_url, timeout=30) as bare:  # open, as FastAPI's own route was
-        served = bare.get("/openapi.json").json()
+    served = api.client.get("/openapi.json").json()  # behind the key (tests/reliability/test_security.py)
     assert served == json.loads(json.dumps(openapi_document(app, max_n=MAX_N, model_names=[MODEL])))
     assert served["paths"]["/v1/chat/completions"]["post"]["requestBody"]["content"]["application/json"]["schema"] == {
         "$ref": "#/components/schemas/ChatCompletionBody"}

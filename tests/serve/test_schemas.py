@@ -125,6 +125,9 @@ CHAT_CASES = [
     {"min_p": 0}, {"min_p": 1}, {"min_p": 1.1}, {"seed": 0}, {"seed": 2**63 - 1}, {"seed": 2**63}, {"seed": -1},
     {"n": 0}, {"n": 1}, {"n": MAX_N}, {"n": MAX_N + 1}, {"n": False}, {"stop": "x"}, {"stop": ""}, {"stop": []},
     {"stop": ["a"] * 4}, {"stop": ["a"] * 5}, {"stop": [""]}, {"stop": 3}, {"stop_token_ids": [0, 7]},
+    {"stop": "s" * p.MAX_STOP_CHARS}, {"stop": "s" * (p.MAX_STOP_CHARS + 1)}, {"stop": ["a", "s" * (p.MAX_STOP_CHARS + 1)]},
+    {"stop_token_ids": [3] * p.MAX_STOP_TOKEN_IDS}, {"stop_token_ids": [3] * (p.MAX_STOP_TOKEN_IDS + 1)},
+    {"messages": [USER] * p.DEFAULT_MAX_MESSAGES}, {"messages": [USER] * (p.DEFAULT_MAX_MESSAGES + 1)},
     {"stop_token_ids": [-1]}, {"stop_token_ids": "7"}, {"max_tokens": 1}, {"max_tokens": 0}, {"max_tokens": "8"},
     {"max_completion_tokens": 5}, {"max_completion_tokens": 0}, {"logprobs": True, "top_logprobs": 20},
     {"logprobs": True, "top_logprobs": 21}, {"logprobs": "yes"}, {"stream": True},
@@ -200,3 +203,26 @@ def test_a_full_chat_body_validates(doc):
             "repetition_penalty": 1, "logit_bias": {}, "response_format": {"type": "text"}}
     validator(doc, "ChatCompletionBody").validate(body)
     assert accepts_chat(body)
+
+
+@pytest.mark.parametrize("fields", [{}, {"max_tokens": 100}, {"max_tokens": 101}, {"max_completion_tokens": 100},
+                                    {"max_completion_tokens": 101}, {"messages": [USER] * 3}, {"messages": [USER] * 4}])
+def test_the_deployments_limits_agree_with_protocol(fields):
+    """A deployment's --max-messages 3 and --max-output-tokens 100: in its schemas and in protocol.py."""
+    doc = openapi_document(app, max_n=MAX_N, model_names=[MODEL], max_messages=3, max_output_tokens=100)
+    limits = {"max_n": MAX_N, "max_output_tokens": 100}
+
+    def accepts(body: dict, parse) -> bool:
+        try:
+            parse(body)
+        except APIError:
+            return False
+        return True
+
+    chat = {"model": MODEL, "messages": [USER], **fields}
+    assert validator(doc, "ChatCompletionBody").is_valid(chat) == accepts(
+        chat, lambda b: p.parse_chat_request(b, max_messages=3, **limits)), chat
+    if "messages" not in fields and "max_completion_tokens" not in fields:
+        completion = {"model": MODEL, "prompt": "hi", **fields}
+        assert validator(doc, "CompletionBody").is_valid(completion) == accepts(
+            completion, lambda b: p.parse_completion_request(b, **limits)), completion

