@@ -31,6 +31,9 @@ from engine.load import load_model
 from serve_app.settings import ServeSettings
 
 
+CONCURRENCY_GROUPS = {"step": 1}  # a ShardWorker actor's: steps and block reads/writes one at a time, in order
+
+
 class ShardWorker:
     """One model shard: weights (engine.load.load_model, no MTP), its PagedKVCache for `layout`, a ModelRunner.
     Decorate at the use site with `ray.remote(**shard_actor_options(settings))`."""
@@ -84,7 +87,7 @@ def shard_actor_options(settings: ServeSettings) -> dict[str, object]:
     # runs one call at a time in submission order (the engine may send step k+1 before reading step k).
     res = shard_resources(settings)
     return {"num_cpus": res["CPU"], "num_gpus": res.get("GPU", 0.0), "max_concurrency": 2,
-            "concurrency_groups": {"step": 1}}
+            "concurrency_groups": CONCURRENCY_GROUPS}
 
 
 class ShardExecutor:

@@ -1,7 +1,7 @@
 """The decode step on persistent device buffers: one CUDA graph per (batch, context) bucket (issue 19).
 
 A step in which every chunk is one sampled token (decode) runs here instead of KernelRunner.execute's eager
-path. The host's work is to fill one pinned staging buffer with the step's rows (token id, position, window
+path. The host's work is to fill a pinned staging buffer (one of two, in turn) with the step's rows (token id, position, window
 blocks, global block table, floors, pending slot, Engram look-back, sampling parameters) and copy it to the
 device with one non-blocking copy; everything else happens on the device, inside the graph:
 
@@ -79,9 +79,13 @@ class DecodeStep:
         self.num_cols = len(FIELDS) + ENGRAM_LOOKBACK + self.R
         rec = self.num_cols * self.max_B
         pinned = self.device.type == "cuda"
-        self.host = torch.zeros(rec + self.max_B * (self.max_C // self.G), dtype=torch.int64, pin_memory=pinned)
-        self.host_np = self.host.numpy()
-        self.dev = self.host if self.device.type == "cpu" else torch.zeros_like(self.host, device=self.device)
+        # two staging buffers, used in turn: step k+1 is staged while step k's copy may not have run yet
+        size = rec + self.max_B * (self.max_C // self.G)
+        self.hosts = [torch.zeros(size, dtype=torch.int64, pin_memory=pinned) for _ in range(2)]
+        self._hosts_np = [h.numpy() for h in self.hosts]
+        self._copied: list[torch.cuda.Event | None] = [None, None]  # each one's last copy to the device
+        self._num_staged = 0
+        self.dev = torch.zeros(size, dtype=torch.int64, device=self.device)
         self.logits = torch.empty(self.max_B, cfg.vocab_size, dtype=torch.float32, device=self.device)
         self.last_ids = torch.zeros(self.max_B, dtype=torch.int64, device=self.device)  # the last draw's tokens
         L = SamplingParams.MAX_LOGPROBS  # the read-back: ids, then logprob, top logprobs and top ids when asked
@@ -105,9 +109,14 @@ class DecodeStep:
         B = bucket(len(chunks), self.batches)
         C = bucket(max(c.end for c in chunks), self.contexts)
         nb = C // self.G
-        rec = self.host_np[:self.num_cols * self.max_B].reshape(self.num_cols, self.max_B)
+        which = self._num_staged % 2
+        self._num_staged += 1
+        if self._copied[which] is not None:
+            self._copied[which].synchronize()  # the device has read this buffer's last contents
+        host, host_np = self.hosts[which], self._hosts_np[which]
+        rec = host_np[:self.num_cols * self.max_B].reshape(self.num_cols, self.max_B)
         recf = rec.view(np.float64)
-        g = self.host_np[self.num_cols * self.max_B:][:B * nb].reshape(B, nb)
+        g = host_np[self.num_cols * self.max_B:][:B * nb].reshape(B, nb)
         g.fill(-1)
         rec[:, :B] = 0  # padding rows (past the chunks): position 0 of a request that writes nothing
         rec[FIELDS.index("global_from"), :B] = NO_WRITES
@@ -136,8 +145,10 @@ class DecodeStep:
             rec[ring0:ring0 + self.R, b] = [c.swa_blocks.get(lo + j, -1) for j in range(self.R)]
             g[b, :len(c.global_blocks)] = c.global_blocks
         n = self.num_cols * self.max_B + B * nb
-        if self.dev is not self.host:
-            self.dev[:n].copy_(self.host[:n], non_blocking=True)
+        self.dev[:n].copy_(host[:n], non_blocking=True)
+        if self.device.type == "cuda":
+            self._copied[which] = torch.cuda.Event()
+            self._copied[which].record()
         return self._views_for(B, C)
 
     def _views_for(self, B: int, C: int) -> Views:

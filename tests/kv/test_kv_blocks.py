@@ -157,14 +157,15 @@ def test_a_prefix_from_another_fingerprint_or_format_is_refused(tiny_model):
 
 def test_the_shard_actor_reads_and_writes_blocks_through_ray(tiny_checkpoint, tiny_cfg, monkeypatch):
     ray = pytest.importorskip("ray")
-    from serve_app.shard_worker import ShardExecutor, ShardWorker
+    from serve_app.shard_worker import CONCURRENCY_GROUPS, ShardExecutor, ShardWorker
 
     monkeypatch.setenv("RAY_AUTH_MODE", "disabled")  # as tests/serve does: Ray 2.60 turns token auth on
     started = not ray.is_initialized()
     if started:
         ray.init(num_cpus=2, include_dashboard=False, configure_logging=False)
     try:
-        actor = ray.remote(num_cpus=1)(ShardWorker).remote(str(tiny_checkpoint), "cpu", small_layout())
+        actor = ray.remote(num_cpus=1, concurrency_groups=CONCURRENCY_GROUPS)(ShardWorker).remote(
+            str(tiny_checkpoint), "cpu", small_layout())
         executor = ShardExecutor([actor])
         data = np.random.default_rng(0).integers(0, 256, (2, block_bytes(tiny_cfg, 64)), dtype=np.uint8)
         executor.write_blocks([2, 0], data)
