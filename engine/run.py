@@ -22,7 +22,8 @@ import torch
 from engine.chat import ChatFormatError, is_thinking, parse_completion, render_chat
 from engine.checkpoint.loader import CheckpointError
 from engine.config import ConfigError
-from engine.core.engine import RUNNER_KINDS, EngineConfig, LLMEngine, RequestError, RequestOutput
+from engine.core.engine import EngineConfig, LLMEngine, RequestError, RequestOutput
+from engine.core.engine_config import RUNNER_KINDS
 from engine.core.request import FinishReason, RequestStats
 from engine.core.sampling_params import SamplingParams
 

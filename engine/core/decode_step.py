@@ -28,7 +28,6 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 from torch import Tensor
 
 from engine.core.decode_buckets import batch_buckets, bucket, context_buckets, decode_takes

@@ -12,7 +12,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Literal, Protocol
+from typing import Protocol
 
 import numpy as np
 import torch
@@ -21,7 +21,7 @@ from engine.config import ModelConfig
 from engine.core import kv_blocks
 from engine.core.cache_manager import CacheLayout, KVCacheManager
 from engine.core.engine_config import DecodeOptions, EngineConfig, decode_options
-from engine.core.engine_config import RUNNER_KINDS, RunnerKind, kernels_for  # noqa: F401 -- re-exported
+from engine.core.engine_config import kernels_for
 from engine.core.kv_blocks import ExportedPrefix, PrefixImportError
 from engine.core.kv_cache import PagedKVCache, size_layout
 from engine.core.overlap import InFlight, can_overlap, from_rows
