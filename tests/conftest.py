@@ -27,6 +27,17 @@ def tiny_cfg():
     return tiny_config()
 
 
+@pytest.fixture(scope="session")
+def tok(tmp_path_factory):
+    """The V4.1 tokenizer as a checkpoint folder holds it (read-only by convention; tests that write beside
+    the tokenizer file, such as Engram's token-map cache, make their own)."""
+    from engine.tokenizer import load_tokenizer, write_tokenizer_files
+
+    out = tmp_path_factory.mktemp("tokenizer")
+    write_tokenizer_files(out)
+    return load_tokenizer(out)
+
+
 @pytest.fixture
 def one_torch_thread():
     """torch on one intra-op thread for the test: on a busy 2-core machine the thread barrier makes

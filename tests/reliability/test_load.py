@@ -23,6 +23,7 @@ import httpx
 import pytest
 
 from serve_app.settings import ServeSettings
+from tests.serve.api_fixtures import wait_idle
 
 pytestmark = [pytest.mark.slow]
 API_KEY = "sk-load-test"
@@ -101,18 +102,6 @@ async def stream_until_done(client: httpx.AsyncClient, payload: dict) -> Outcome
             return out
 
 
-def wait_idle(load: Load, timeout_s: float = 60.0) -> float:
-    t0 = time.monotonic()
-    while True:
-        status = load.engine.status.remote().result()
-        if status.num_running == 0 and status.num_waiting == 0:
-            break
-        assert time.monotonic() - t0 < timeout_s, f"the engine is still busy after {timeout_s:.0f} s: {status}"
-        time.sleep(0.05)
-    load.engine.check_integrity.remote().result()
-    return time.monotonic() - t0
-
-
 def client(load: Load) -> httpx.AsyncClient:
     return httpx.AsyncClient(base_url=load.base_url, headers={"Authorization": f"Bearer {API_KEY}"},
                              timeout=httpx.Timeout(ATTEMPT_TIMEOUT_S, connect=30),
@@ -149,7 +138,7 @@ def test_256_concurrent_streams_all_complete_and_equal_the_non_streamed_text(loa
         assert (o.text, o.usage["completion_tokens"]) == unstreamed[i], f"stream {k} (prompt {i}): {o.text!r}, " \
             f"{o.usage['completion_tokens']} tokens != unstreamed {unstreamed[i]!r}"
     assert len({text for text, _ in unstreamed}) > NUM_PROMPTS // 4, "the answers barely differ: the check would be weak"
-    wait_idle(load)
+    wait_idle(load, timeout_s=60.0)
 
 
 def test_disconnects_under_load_free_their_slots(load):
@@ -179,7 +168,7 @@ def test_disconnects_under_load_free_their_slots(load):
     async def run() -> tuple[list[str], list[int], float]:
         async with client(load) as c:
             ends = await asyncio.gather(*(asyncio.wait_for(one(c, i, i % 2 == 0), ATTEMPT_TIMEOUT_S) for i in range(num)))
-            idle_s = await asyncio.get_running_loop().run_in_executor(None, wait_idle, load)
+            idle_s = await asyncio.get_running_loop().run_in_executor(None, wait_idle, load, 60.0)
             return ends, await burst(c, load.settings.max_ongoing_requests), idle_s
 
     ends, statuses, idle_s = asyncio.run(run())
@@ -191,4 +180,4 @@ def test_disconnects_under_load_free_their_slots(load):
     assert ends.count("dropped") == num // 2 and ends.count("done") == num // 2
     assert aborts() - before == num // 2, "every dropped stream aborts its engine request (and only those)"
     assert statuses == [200] * load.settings.max_ongoing_requests
-    wait_idle(load)
+    wait_idle(load, timeout_s=60.0)

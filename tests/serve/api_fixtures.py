@@ -211,3 +211,17 @@ def num_split_chars(strings: TokenStrings, ids: list[int]) -> int:
             return False
 
     return sum(not whole(strings.bytes(t)) for t in ids)
+
+
+def wait_idle(api, timeout_s: float = 10.0) -> float:
+    """Poll api.engine (the replica's handle) until nothing runs or waits, then run its integrity check; returns
+    the seconds waited."""
+    t0 = time.monotonic()
+    while True:
+        status = api.engine.status.remote().result()
+        if status.num_running == 0 and status.num_waiting == 0:
+            break
+        assert time.monotonic() - t0 < timeout_s, f"engine still busy after {timeout_s} s: {status}"
+        time.sleep(0.02)
+    api.engine.check_integrity.remote().result()
+    return time.monotonic() - t0

@@ -17,6 +17,7 @@ import pytest
 from engine.core.sampling_params import SamplingParams
 from tests.serve.api_fixtures import (API_KEY, MAX_BODY_BYTES, MAX_IN_FLIGHT, MAX_MODEL_LEN, MAX_N,  # noqa: F401
                                       SCRIPT, SCRIPT_CALL, SCRIPT_CONTENT, SCRIPT_REASONING, USER, api, api_settings,
+                                      wait_idle,
                                       assert_error, chat_body, chat_prompt_ids, completion_body, mock_api,
                                       num_split_chars, post_stream, reference, run_offline, strings, visible_text)
 
@@ -30,19 +31,6 @@ TOOLS = [{"type": "function", "function": {
 @pytest.fixture(scope="module")
 def oai(api) -> openai.OpenAI:
     return openai.OpenAI(base_url=api.base_url + "/v1", api_key=API_KEY, max_retries=0, timeout=60)
-
-
-def wait_idle(api, timeout_s: float = 10.0) -> float:
-    """Poll the replica until nothing runs or waits, then run its integrity check; returns the seconds waited."""
-    t0 = time.monotonic()
-    while True:
-        status = api.engine.status.remote().result()
-        if status.num_running == 0 and status.num_waiting == 0:
-            break
-        assert time.monotonic() - t0 < timeout_s, f"engine still busy after {timeout_s} s: {status}"
-        time.sleep(0.02)
-    api.engine.check_integrity.remote().result()
-    return time.monotonic() - t0
 
 
 def assert_chat_logprobs(entries: list[dict], offline, strings, top: int) -> None:

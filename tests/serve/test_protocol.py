@@ -15,7 +15,6 @@ from openai.types.chat import ChatCompletion, ChatCompletionChunk
 
 from engine.core.request import TokenLogprob
 from engine.core.sampling_params import SamplingParams
-from engine.tokenizer import load_tokenizer, write_tokenizer_files
 from serve_app import json_body, protocol as p
 from serve_app.errors import APIError, bad_request, overloaded, rate_limited
 from serve_app.streaming import ChatChoiceStream, TokenStrings
@@ -30,13 +29,6 @@ WEATHER = {
     },
 }
 TIME = {"type": "function", "function": {"name": "get_time", "parameters": {"type": "object", "properties": {}}}}
-
-
-@pytest.fixture(scope="module")
-def tok(tmp_path_factory):
-    out = tmp_path_factory.mktemp("tok")
-    write_tokenizer_files(out)
-    return load_tokenizer(out)
 
 
 def chat(**fields) -> dict:

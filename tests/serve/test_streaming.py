@@ -11,7 +11,6 @@ import pytest
 from openai.types.chat import ChatCompletionChunk
 
 from engine.chat import parse_completion, syntax
-from engine.tokenizer import load_tokenizer, write_tokenizer_files
 from serve_app.protocol import chat_chunk, chat_stream_choice
 from serve_app.streaming import (
     SSE_DONE,
@@ -40,13 +39,6 @@ CHAT_TEXTS = [
     (True, "Still thinking 🤔 <｜DSML｜ calls> about it"),  # never closed: all reasoning
     (False, 'Broken: <｜DSML｜ calls>\n<｜DSML｜ invoke name="f">\n</｜DSML｜ calls> done'),  # malformed: content
 ]
-
-
-@pytest.fixture(scope="module")
-def tok(tmp_path_factory):
-    out = tmp_path_factory.mktemp("tok")
-    write_tokenizer_files(out)
-    return load_tokenizer(out)
 
 
 @pytest.fixture(scope="module")
