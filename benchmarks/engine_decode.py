@@ -11,18 +11,18 @@ time on the decode step's metadata (its Engram mix included, the Engram row gath
 it) plus the head's, against the step's model graph (target: step <= 1.1x the sum).
 
 Per mode and batch: `batch` requests with prompts of --prompt-len random tokens are prefilled, then every
-step is a decode step of the whole batch; the step is timed over --steps steps (median), after 5 warm-up
-steps. Modes: graph = the decode step on device buffers replayed as CUDA graphs (the default engine on
-CUDA); device = the same step run eagerly; legacy = the kernel path's eager step with the host sampler (the
+step is a decode step of the whole batch; --steps steps are timed back to back after 5 warm-up steps. Modes:
+graph = the decode step on device buffers replayed as CUDA graphs, with async scheduling (the default engine on
+CUDA); graph-sync = the same without async scheduling (each step's tokens read before the next is scheduled);
+device = the same step run eagerly; legacy = the kernel path's eager step with the host sampler (the
 engine before issue 19). Sampling: greedy, or temperature 0.7 + top_p 0.9 (seeded).
-The printed table's columns: mode, batch, step ms (median), GPU busy ms per step, host share of the step
-((wall - busy) / wall), output tok/s (batch / step).
+The printed table's columns: mode, batch, step ms (--steps steps back to back: wall / steps), GPU busy ms per
+step, host share of the step ((wall - busy) / wall: the device idle), output tok/s (batch / step).
 """
 
 from __future__ import annotations
 
 import argparse
-import statistics
 import sys
 import time
 from dataclasses import replace
@@ -37,7 +37,9 @@ from engine.core.engine import EngineConfig, LLMEngine  # noqa: E402
 from engine.core.sampling_params import SamplingParams  # noqa: E402
 from engine.load import load_model  # noqa: E402
 
-MODES = {"graph": dict(decode_step=True, cuda_graphs=True), "device": dict(decode_step=True, cuda_graphs=False),
+MODES = {"graph": dict(decode_step=True, cuda_graphs=True),
+         "graph-sync": dict(decode_step=True, cuda_graphs=True, async_scheduling=False),
+         "device": dict(decode_step=True, cuda_graphs=False),
          "legacy": dict(decode_step=False, cuda_graphs=False)}
 
 
@@ -107,12 +109,12 @@ def measure(engine: LLMEngine, batch: int, args: argparse.Namespace, params: Sam
         engine.step()
     for _ in range(5):
         engine.step()
-    times = []
-    for _ in range(args.steps):
-        torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        engine.step()  # ends with the drawn ids' copy to the host
-        times.append(time.perf_counter() - t0)
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(args.steps):  # back to back: with async scheduling the host's work overlaps the device's
+        engine.step()
+    torch.cuda.synchronize()
+    step_s = (time.perf_counter() - t0) / args.steps
     n_prof = 10
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as trace:
         for _ in range(n_prof):
@@ -132,7 +134,7 @@ def measure(engine: LLMEngine, batch: int, args: argparse.Namespace, params: Sam
               f"({whole / (sum(times) + head):.2f}x the sum)", flush=True)
     for rid in list(engine.requests):
         engine.abort(rid)
-    return statistics.median(times) * 1000, busy_ms(trace, n_prof)
+    return step_s * 1000, busy_ms(trace, n_prof)
 
 
 def main() -> None:
