@@ -31,14 +31,30 @@ def run(engine: LLMEngine, arrivals: dict[str, tuple[list[int], SamplingParams, 
         for o in engine.step():
             ids, lps = out.setdefault(o.request_id, ([], []))
             ids += o.new_token_ids
-            lps += [None if lp is None else (lp.token_id, round(lp.logprob, 9), [(t, round(v, 9)) for t, v in lp.top]) for lp in o.new_logprobs]
+            lps += [None if lp is None else (lp.token_id, lp.logprob, lp.top) for lp in o.new_logprobs]
         step += 1
     return out
 
 
+def assert_same_draws(got: dict, ref: dict) -> None:
+    """Identical tokens, logprob token ids and top ids; logprob values within 1e-4. The head is an fp32 GEMM, and
+    CPU BLAS rounds a row differently at different row counts (measured on an AVX512 CPU, this head [129280, 256]:
+    1 vs 2 rows differ in 94K of 129K logits, by up to 1.1e-5), so the same request's logprobs may differ in the
+    last fp32 places between the two paths' batches."""
+    assert got.keys() == ref.keys()
+    for rid in ref:
+        (ids, lps), (ref_ids, ref_lps) = got[rid], ref[rid]
+        assert ids == ref_ids, f"{rid}: tokens {ids} != {ref_ids}"
+        assert [lp is None for lp in lps] == [lp is None for lp in ref_lps], rid
+        for lp, want in ((a, b) for a, b in zip(lps, ref_lps) if b is not None):
+            assert lp[0] == want[0] and [t for t, _ in lp[2]] == [t for t, _ in want[2]], f"{rid}: {lp} != {want}"
+            values = [lp[1]] + [v for _, v in lp[2]]
+            assert max(abs(a - b) for a, b in zip(values, [want[1]] + [v for _, v in want[2]])) < 1e-4, (rid, lp, want)
+
+
 def test_decode_step_draws_what_the_eager_kernel_path_draws(tiny_model):
     """Greedy and seeded top-p (with logprobs) requests, the second arriving later (decode batches of 1, then 2),
-    one prompt past the window: identical tokens and logprobs, and decode steps went
+    one prompt past the window: identical tokens, the same logprobs (assert_same_draws), and decode steps went
     through the decode step, launched behind the step in flight (their input tokens still on the device)."""
     model = tiny_model.model
     arrivals = {"g": (random_prompt(19, seed=1), SamplingParams(max_tokens=4, logprobs=2), 0),
@@ -49,7 +65,7 @@ def test_decode_step_draws_what_the_eager_kernel_path_draws(tiny_model):
     step, taken = engine.executor.runner.decode, []
     launch = step.launch
     step.launch = lambda plan: (taken.append((len(plan.chunks), plan.from_rows)), launch(plan))[1]
-    assert run(engine, arrivals) == legacy
+    assert_same_draws(run(engine, arrivals), legacy)
     assert taken and {n for n, _ in taken} == {1, 2}
     assert any(rows and max(rows) >= 0 for _, rows in taken)  # input tokens read from the last draw on the device
 
