@@ -15,7 +15,8 @@ step is a decode step of the whole batch; --steps steps are timed back to back a
 graph = the decode step on device buffers replayed as CUDA graphs, with async scheduling (the default engine on
 CUDA); graph-sync = the same without async scheduling (each step's tokens read before the next is scheduled);
 device = the same step run eagerly; legacy = the kernel path's eager step with the host sampler (the
-engine before issue 19). Sampling: greedy, or temperature 0.7 + top_p 0.9 (seeded).
+engine before issue 19); shard = graph, with the engine's executor a ShardWorker Ray actor as a serving replica
+drives it (needs Ray; its GPU busy time is not traced: another process). Sampling: greedy, or temperature 0.7 + top_p 0.9 (seeded).
 The printed table's columns: mode, batch, step ms (--steps steps back to back: wall / steps), GPU busy ms per
 step, host share of the step ((wall - busy) / wall: the device idle), output tok/s (batch / step).
 """
@@ -35,12 +36,14 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmarks.engine_offline import tiny_checkpoint  # noqa: E402
 from engine.core.engine import EngineConfig, LLMEngine  # noqa: E402
 from engine.core.sampling_params import SamplingParams  # noqa: E402
+from engine.config import load_config  # noqa: E402
 from engine.load import load_model  # noqa: E402
 
 MODES = {"graph": dict(decode_step=True, cuda_graphs=True),
          "graph-sync": dict(decode_step=True, cuda_graphs=True, async_scheduling=False),
          "device": dict(decode_step=True, cuda_graphs=False),
-         "legacy": dict(decode_step=False, cuda_graphs=False)}
+         "legacy": dict(decode_step=False, cuda_graphs=False),
+         "shard": dict(decode_step=True, cuda_graphs=True)}  # graph, driven through a ShardWorker actor
 
 
 def busy_ms(trace: torch.profiler.profile, steps: int) -> float:
@@ -110,12 +113,17 @@ def measure(engine: LLMEngine, batch: int, args: argparse.Namespace, params: Sam
         engine.step()
     for _ in range(5):
         engine.step()
-    torch.cuda.synchronize()
+    sync = torch.cuda.synchronize if torch.device(args.device).type == "cuda" else (lambda: None)
+    sync()
     t0 = time.perf_counter()
     for _ in range(args.steps):  # back to back: with async scheduling the host's work overlaps the device's
         engine.step()
-    torch.cuda.synchronize()
+    sync()
     step_s = (time.perf_counter() - t0) / args.steps
+    if not hasattr(engine.executor, "runner"):  # a shard actor: its kernels run in another process
+        for rid in list(engine.requests):
+            engine.abort(rid)
+        return step_s * 1000, float("nan")
     n_prof = 10
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as trace:
         for _ in range(n_prof):
@@ -136,6 +144,27 @@ def measure(engine: LLMEngine, batch: int, args: argparse.Namespace, params: Sam
     for rid in list(engine.requests):
         engine.abort(rid)
     return step_s * 1000, busy_ms(trace, n_prof)
+
+
+def shard_engine(args: argparse.Namespace, config: EngineConfig) -> LLMEngine:
+    """The engine as a replica runs it: its executor a ShardWorker Ray actor (serve_app/shard_worker.py) that loads
+    the checkpoint and captures its graphs, each step a Ray call (a launched step: the call sent, read one step
+    later). Starts a local Ray once."""
+    import ray
+
+    from serve_app.settings import ServeSettings
+    from serve_app.shard_worker import make_shard_executor
+
+    assert not args.real_width, "mode shard loads a checkpoint in the actor: not with --real-width"
+    if not ray.is_initialized():
+        ray.init(num_cpus=4, num_gpus=torch.cuda.device_count(), include_dashboard=False, log_to_driver=False)
+    ckpt = Path(args.ckpt) if args.ckpt else tiny_checkpoint()
+    settings = ServeSettings(checkpoint=str(ckpt), device=args.device, max_num_seqs=config.max_num_seqs,
+                             max_num_batched_tokens=config.max_num_batched_tokens,
+                             enable_prefix_caching=config.enable_prefix_caching,
+                             cache_memory_bytes=config.cache_memory_bytes, max_model_len=config.max_model_len)
+    cfg = load_config(ckpt)
+    return LLMEngine(cfg, settings.to_engine_config(), make_shard_executor(settings, cfg), eos_token_id=-1)
 
 
 def main() -> None:
@@ -173,7 +202,10 @@ def main() -> None:
                               enable_prefix_caching=False, cache_memory_bytes=args.cache_mib << 20,
                               max_model_len=max_tokens, **MODES[mode])
         t0 = time.perf_counter()
-        engine = LLMEngine.local(model, config, progress=True, eos_token_id=-1)
+        if mode == "shard":
+            engine = shard_engine(args, config)
+        else:
+            engine = LLMEngine.local(model, config, progress=True, eos_token_id=-1)
         print(f"{mode}: engine ready in {time.perf_counter() - t0:.1f} s", flush=True)
         for batch in batches:
             step_ms, gpu_ms = measure(engine, batch, args, params)
@@ -181,12 +213,13 @@ def main() -> None:
             print(f"{mode} batch {batch}: {step_ms:.3f} ms/step, GPU busy {gpu_ms:.3f} ms", flush=True)
         del engine
         torch.cuda.empty_cache()
-    print(f"\n{torch.cuda.get_device_name()}, {args.sampling}, prompt {args.prompt_len}, {args.steps} steps")
+    name = torch.cuda.get_device_name() if torch.device(args.device).type == "cuda" else "CPU"
+    print(f"\n{name}, {args.sampling}, prompt {args.prompt_len}, {args.steps} steps")
     print("| mode | batch | step ms | GPU busy ms | host share | output tok/s |")
     print("|---|---|---|---|---|---|")
     for mode, batch, step_ms, gpu_ms in rows:
-        print(f"| {mode} | {batch} | {step_ms:.3f} | {gpu_ms:.3f} | {max(0.0, 1 - gpu_ms / step_ms):.0%} | "
-              f"{batch / step_ms * 1000:,.0f} |")
+        busy, share = ("-", "-") if gpu_ms != gpu_ms else (f"{gpu_ms:.3f}", f"{max(0.0, 1 - gpu_ms / step_ms):.0%}")
+        print(f"| {mode} | {batch} | {step_ms:.3f} | {busy} | {share} | {batch / step_ms * 1000:,.0f} |")
 
 
 if __name__ == "__main__":
