@@ -180,10 +180,13 @@ class KVCacheManager:
         new_global = -(-end // L.global_block_size) - len(req.global_blocks)
         first_live = max(req.swa_floor, req.num_computed - L.window_size + 1, 0)
         new_swa = [i for i in L.swa_blocks_for(first_live, end) if i not in req.swa_blocks]
+        if new_global <= 0 and not new_swa:  # most decode steps: nothing to allocate
+            return True
         while new_global > self.global_pool.num_free or len(new_swa) > self.swa_pool.num_free:
             if not self._drop_oldest_snapshot():
                 return False
-        req.global_blocks += self.global_pool.allocate(max(0, new_global))
+        if new_global > 0:
+            req.global_blocks += self.global_pool.allocate(new_global)
         for i, b in zip(new_swa, self.swa_pool.allocate(len(new_swa))):
             req.swa_blocks[i] = b
         return True
@@ -284,7 +287,8 @@ class KVCacheManager:
     def _release_dead_swa(self, req: Request) -> None:
         first_live = max(req.swa_floor, req.num_computed - self.layout.window_size + 1, 0)
         dead = [i for i in req.swa_blocks if (i + 1) * self.layout.swa_block_size <= first_live]
-        self.swa_pool.release([req.swa_blocks.pop(i) for i in dead])
+        if dead:
+            self.swa_pool.release([req.swa_blocks.pop(i) for i in dead])
 
     def _drop_oldest_snapshot(self) -> bool:
         if not self.snapshots:

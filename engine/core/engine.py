@@ -369,7 +369,7 @@ class LLMEngine:
             failed.append(self._output(req, [], [], FinishReason.ERROR, message))
             for sibling in range(1, req.params.n if req.choice_index == 0 and not req.output_ids else 1):
                 failed.append(RequestOutput(f"{req.request_id}/{sibling}", req.request_id, sibling, [], [],
-                                            len(req.prompt_ids), 0, True, FinishReason.ERROR, replace(req.stats),
+                                            len(req.prompt_ids), 0, True, FinishReason.ERROR, req.stats.copy(),
                                             error=message))
         return failed
 
@@ -463,7 +463,7 @@ class LLMEngine:
             self.requests.pop(req.request_id, None)
         num_outputs = len(req.output_ids) - (bool(req.output_ids) and req.output_ids[-1] == PENDING_TOKEN)
         return RequestOutput(req.request_id, req.fork_of or req.request_id, req.choice_index, tokens, logprobs,
-                             len(req.prompt_ids), num_outputs, reason is not None, reason, replace(req.stats),
+                             len(req.prompt_ids), num_outputs, reason is not None, reason, req.stats.copy(),
                              error=error)
 
 

@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import enum
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
+from operator import attrgetter
 
 from engine.core.sampling_params import SamplingParams
 
@@ -43,6 +44,13 @@ class RequestStats:
     num_preemptions: int = 0
     prefill_time: float = 0.0  # seconds of steps that computed prompt positions
     decode_time: float = 0.0  # seconds of steps that computed only generated positions
+
+    def copy(self) -> RequestStats:
+        """A copy (every step's output carries one): ~6x faster than dataclasses.replace or copy.copy."""
+        return RequestStats(*_STATS_VALUES(self))
+
+
+_STATS_VALUES = attrgetter(*(f.name for f in fields(RequestStats)))
 
 
 @dataclass(slots=True)
