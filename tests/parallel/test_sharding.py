@@ -120,7 +120,7 @@ def test_routed_experts_partition_over_ranks(tiny_cfg, whole, ranks):
     assert set(whole) == set().union(*ranks)  # nothing is lost: the union of the ranks is the checkpoint
 
 
-def _copy_without(src: Path, dst: Path, victim: str, replacement: torch.Tensor | None) -> Path:
+def copy_checkpoint_with(src: Path, dst: Path, victim: str, replacement: torch.Tensor | None) -> Path:
     """A copy of the checkpoint with one tensor dropped (replacement None) or replaced, index updated."""
     shutil.copytree(src, dst)
     index = json.loads((dst / "model.safetensors.index.json").read_text())
@@ -142,7 +142,7 @@ def _copy_without(src: Path, dst: Path, victim: str, replacement: torch.Tensor |
     ("layers.1.attn.attn_sink", torch.zeros(6), ["tensor layers.1.attn.attn_sink has shape [6], expected [4]"]),
 ])
 def test_load_errors_name_the_tensor_and_the_rank(tiny_checkpoint, tiny_cfg, tmp_path, victim, replace_with, needles):
-    broken = _copy_without(tiny_checkpoint, tmp_path / "broken", victim, replace_with)
+    broken = copy_checkpoint_with(tiny_checkpoint, tmp_path / "broken", victim, replace_with)
     for r in range(N):
         with pytest.raises(CheckpointError) as err:
             load_checkpoint(broken, tiny_cfg, progress=False, shard=ShardSpec(r, N))
