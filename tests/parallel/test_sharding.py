@@ -196,3 +196,17 @@ def test_parallel_linears_compute_the_whole_linear():
     got = round_product(total, rows[0].weight)
     diff = (got.float() - want.float()).abs()
     assert torch.equal(got, want), f"max |diff| {diff.max():.3g} at {divmod(int(diff.argmax()), out_f)}"
+
+
+def test_make_checkpoint_prints_bytes_per_rank(capsys):
+    from engine.tools.make_checkpoint import main
+
+    assert main(["--preset", "full", "--num-shards", "8"]) == 0
+    out = capsys.readouterr().out
+    assert "per rank at --num-shards 8" in out
+    routed = next(line for line in out.splitlines() if line.startswith("routed experts") and line.count("GB") == 2)
+    whole, per_rank = (float(v) for v in routed.split()[2:6:2])
+    assert abs(whole / 8 - per_rank) < 0.01, routed
+    with pytest.raises(SystemExit) as exit_info:
+        main(["--preset", "full", "--num-shards", "16"])
+    assert exit_info.value.code == 2 and "o_groups=8 is not divisible by 16" in capsys.readouterr().err
