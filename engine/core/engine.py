@@ -74,7 +74,8 @@ class EngineStats:
 class Executor(Protocol):
     """Runs one step's plan on the model and returns its tokens (in-process, or a Ray shard actor). An executor
     may also `launch(plan)`: start a decode step and return a PendingStep (engine/core/overlap.py) without
-    waiting, or None where it cannot; the engine then overlaps its own work with the device's."""
+    waiting, or None where it cannot; the engine then overlaps its own work with the device's. An executor that
+    holds processes (engine/core/shard_group.py) also has `close()`, which LLMEngine.close calls."""
 
     def execute(self, plan: StepPlan) -> StepOutput: ...
 

@@ -114,7 +114,10 @@ def follower_main(rank: int, launch: ShardLaunch, conn: Connection) -> None:
     try:
         follow(groups, runner, kv)
     except BaseException as e:  # noqa: BLE001 -- rank 0's next collective fails; tell it why
-        conn.send(("failed", _picklable(e)))
+        try:
+            conn.send(("failed", _picklable(e)))
+        except OSError:
+            pass  # rank 0 has closed the pipe: it is stopping this rank anyway
         raise
     groups.close()
 
