@@ -5,8 +5,10 @@ Every collective takes the caller's ShardSpec and is the identity at world size 
 never touches torch.distributed (and needs no process group). Two groups are made at start-up:
 - the default group (gloo on CPU, NCCL on CUDA) carries the forward's all-reduces and all-gathers, with
   the step timeout: a rank that dies or stalls mid-step fails the others' collective instead of hanging them;
-- a control group (gloo, CPU) carries the per-step plan broadcast from rank 0 with a long timeout, because
-  ranks > 0 wait there between steps for as long as the engine is idle.
+- a control group (gloo, CPU) carries the per-step plan broadcast from rank 0. Its timeout is each process's
+  own: long on ranks > 0, which wait there between steps for as long as the engine is idle; the step timeout
+  on rank 0, whose broadcast waits for every receiver (a gloo send to a rank that stalled blocks until it
+  answers or the timeout passes).
 """
 
 from __future__ import annotations
@@ -93,7 +95,7 @@ class ProcessGroups:
             address.host, address.port, shard.world_size, is_master=False, timeout=step_timeout)
         dist.init_process_group(backend_for(device), store=store, rank=shard.rank, world_size=shard.world_size,
                                 timeout=step_timeout)
-        control = dist.new_group(backend="gloo", timeout=IDLE_TIMEOUT)
+        control = dist.new_group(backend="gloo", timeout=step_timeout if shard.rank == 0 else IDLE_TIMEOUT)
         return cls(shard, control)
 
     def broadcast_object(self, obj: object = None) -> object:

@@ -11,6 +11,7 @@ import random
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, replace
+from datetime import timedelta
 from pathlib import Path
 from typing import Protocol
 
@@ -180,12 +181,14 @@ class LLMEngine:
         return engine
 
     @classmethod
-    def sharded(cls, ckpt_dir: str | Path, config: EngineConfig, device: str, num_shards: int) -> "LLMEngine":
-        """The model split over num_shards local processes (the golden runner only, for now). A config the
-        shards cannot split, or the kernel runner, raises ShardingError before any process starts."""
+    def sharded(cls, ckpt_dir: str | Path, config: EngineConfig, device: str, num_shards: int,
+                step_timeout: timedelta | None = None) -> "LLMEngine":
+        """The model split over num_shards local processes (the golden runner only, for now); step_timeout
+        bounds a collective's wait for the other ranks (None: shard_group.STEP_TIMEOUT). A config the shards
+        cannot split, or the kernel runner, raises ShardingError before any process starts."""
         from engine.checkpoint.sharding import check_shardable
         from engine.config import load_config
-        from engine.core.shard_group import ShardGroupExecutor, default_threads
+        from engine.core.shard_group import STEP_TIMEOUT, ShardGroupExecutor, default_threads
         from engine.parallel import ShardingError
         from engine.tokenizer import load_tokenizer
 
@@ -199,6 +202,7 @@ class LLMEngine:
         path = str(Path(ckpt_dir).resolve())
         engine = cls(cfg, config,
                      lambda layout: ShardGroupExecutor.start(path, device, layout, num_shards,
+                                                             step_timeout=step_timeout or STEP_TIMEOUT,
                                                              num_threads=default_threads(num_shards)),
                      eos_token_id=tokenizer.eos_id, weights_identity=path)
         engine.tokenizer = tokenizer

@@ -40,6 +40,7 @@ STEP_TIMEOUT = timedelta(minutes=5)  # a collective inside a step waits at most 
 LOAD_TIMEOUT_S = 3600.0  # every rank has loaded its shard within this
 STOP_TIMEOUT_S = 10.0  # ranks > 0 exit within this after a Stop, else they are terminated
 POLL_S = 0.05
+REPORT_WAIT_S = 1.0  # after a failed step: how long rank 0 waits for the other ranks' reports or exit codes
 
 
 @dataclass(frozen=True, slots=True)
@@ -216,19 +217,23 @@ class ShardGroupExecutor:
             raise RuntimeError("the shard group is closed")
 
     def _fail(self, error: Exception) -> RuntimeError:
-        """The group is out of lockstep: note why (a rank's own report when it sent one), stop the ranks."""
+        """The group is out of lockstep: note why (a rank's own report, else the ranks that exited: a dying
+        rank's sockets close before its exit code is known, hence the short wait), stop the ranks."""
+        deadline = time.monotonic() + REPORT_WAIT_S
         reports = []
         for rank, conn in enumerate(self.conns, start=1):
             try:
-                if conn.poll(0.5 if not reports else 0):
+                if conn.poll(max(0.0, deadline - time.monotonic())):
                     kind, err = conn.recv()
                     if kind == "failed":
                         reports.append(f"rank {rank}: {type(err).__name__}: {err}")
             except (EOFError, OSError):
                 continue
+        for proc in self.procs:
+            proc.join(max(0.0, deadline - time.monotonic()))
         exited = [f"rank {r} exited with code {p.exitcode}" for r, p in enumerate(self.procs, 1)
                   if not p.is_alive() and p.exitcode not in (0, None)]
-        detail = "; ".join(reports or exited) or f"rank 0: {type(error).__name__}: {error}"
+        detail = "; ".join(reports or exited) or f"no rank reported; rank 0 saw {type(error).__name__}: {error}"
         self.failure = RuntimeError(f"a model shard failed mid-step ({detail})")
         _stop_processes(self.procs, self.conns, 0.0)
         return self.failure

@@ -15,8 +15,8 @@ from torch import nn
 from engine.config import LayerRole, ModelConfig
 from engine.model.cache import ModelCache, SourceCache, StepShared
 from engine.model.layers import ColumnParallelLinear, Linear, RMSNorm, RowParallelLinear, register
-from engine.parallel import SINGLE, ShardSpec
 from engine.model.rope import RotaryTable, apply_rotary
+from engine.parallel import SINGLE, ShardSpec
 from engine.quant import act_quant_qdq, fp4_qdq
 
 SINK_FREE_MAX = -1e30  # running max seed: an all-invalid row gives 0 output, not NaN

@@ -1,7 +1,7 @@
 """Mixture of experts: sqrt-softplus router with aux-free bias, clamped SwiGLU experts (spec 4.5).
 
-Expert-parallel: a rank holds n_local_experts = n_routed_experts / N routed experts (the others are not
-instantiated: `experts[e]` is None), the router is replicated (every rank routes every token alike), and
+Expert-parallel: a rank holds the routed experts `local_experts` (n_routed_experts / N contiguous ids; the
+others are not instantiated: `experts[e]` is None), the router is replicated (every rank routes every token alike), and
 the shared expert is tensor-parallel over its intermediate dim. Each rank's float64 partial sums, routed
 and shared, are summed over the ranks in one all-reduce before their roundings."""
 

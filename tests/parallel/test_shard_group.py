@@ -8,6 +8,7 @@ import json
 import os
 import signal
 import time
+from datetime import timedelta
 from pathlib import Path
 
 import pytest
@@ -100,8 +101,8 @@ def test_missing_tensor_exits_2_naming_tensor_and_rank(tiny_checkpoint, tmp_path
     assert "missing tensor layers.4.ffn.experts.5.w1.weight" in err and " of 2: " in err, err
 
 
-def start_engine(ckpt: Path) -> LLMEngine:
-    return LLMEngine.sharded(ckpt, EngineConfig(runner="golden"), "cpu", 2)
+def start_engine(ckpt: Path, step_timeout: timedelta | None = None) -> LLMEngine:
+    return LLMEngine.sharded(ckpt, EngineConfig(runner="golden"), "cpu", 2, step_timeout)
 
 
 def step_until_done(engine: LLMEngine, limit_s: float) -> list:
@@ -145,8 +146,25 @@ def test_rank_0_raising_mid_step_stops_the_others(tiny_checkpoint, monkeypatch):
         engine.add_request("a", ids(9, 6), SamplingParams(max_tokens=2))
         t0 = time.monotonic()
         (out,) = step_until_done(engine, 30)
-        assert out.finish_reason == FinishReason.ERROR and "rank 0: RuntimeError: injected on rank 0" in out.error
+        assert out.finish_reason == FinishReason.ERROR and "rank 0 saw RuntimeError: injected on rank 0" in out.error
         assert not any(p.is_alive() for p in group.procs), "rank 1 was not stopped"
         assert time.monotonic() - t0 < 30
+    finally:
+        engine.close()
+
+
+def test_a_stalled_rank_fails_the_step_after_the_step_timeout(tiny_checkpoint):
+    timeout = 8.0
+    engine = start_engine(tiny_checkpoint, timedelta(seconds=timeout))
+    try:
+        group = engine.executor
+        os.kill(group.procs[0].pid, signal.SIGSTOP)  # alive, never answers
+        engine.add_request("a", ids(9, 6), SamplingParams(max_tokens=2))
+        t0 = time.monotonic()
+        (out,) = step_until_done(engine, 60)
+        elapsed = time.monotonic() - t0
+        assert out.finish_reason == FinishReason.ERROR and "rank 0 saw" in out.error, out.error
+        assert timeout <= elapsed < timeout + 20, f"the step failed after {elapsed:.1f} s"
+        assert not any(p.is_alive() for p in group.procs), "the stalled rank was not stopped"
     finally:
         engine.close()
