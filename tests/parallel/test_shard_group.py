@@ -168,3 +168,30 @@ def test_a_stalled_rank_fails_the_step_after_the_step_timeout(tiny_checkpoint):
         assert not any(p.is_alive() for p in group.procs), "the stalled rank was not stopped"
     finally:
         engine.close()
+
+
+def test_exported_blocks_match_and_imported_blocks_reach_every_rank(tiny_checkpoint):
+    """Rank 0 answers block reads for the group (the pools are replicated); a block write reaches every rank,
+    or the other rank's heads would read empty KV and the imported-prefix run would not match one shard's."""
+    prompt, params = ids(80, 11), SamplingParams(max_tokens=3)
+    one = LLMEngine.from_checkpoint(tiny_checkpoint, EngineConfig(runner="golden"))
+    two = start_engine(tiny_checkpoint)
+    try:
+        one.add_request("a", prompt, params)
+        two.add_request("a", prompt, params)
+        assert [o.new_token_ids for o in step_until_done(one, 60)] == [o.new_token_ids for o in step_until_done(two, 60)]
+        exported = one.export_prefix(prompt)
+        assert exported.data.shape[0] == 1 and (two.export_prefix(prompt).data == exported.data).all()
+
+        fresh_one = LLMEngine.from_checkpoint(tiny_checkpoint, EngineConfig(runner="golden"))
+        two.close()
+        two = start_engine(tiny_checkpoint)
+        results = []
+        for engine in (fresh_one, two):
+            assert engine.import_prefix(exported) == 64
+            engine.add_request("b", prompt, params)
+            out = step_until_done(engine, 60)
+            results.append(([t for o in out for t in o.new_token_ids], out[-1].stats.num_cached_tokens))
+        assert results[1] == results[0] and results[0][1] == 64
+    finally:
+        two.close()
