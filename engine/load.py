@@ -7,11 +7,13 @@ from pathlib import Path
 
 import torch
 
-from engine.checkpoint.loader import CheckpointError, load_checkpoint
+from engine.checkpoint.loader import CheckpointError, load_checkpoint, rank_prefix
+from engine.checkpoint.sharding import check_shardable
 from engine.config import ModelConfig, load_config
 from engine.engram_tables import EngramTables, build_compressed_token_map
 from engine.model.engram import EngramEmbedding
 from engine.model.transformer import Transformer
+from engine.parallel import SINGLE, ShardSpec
 from engine.tokenizer import Tokenizer, load_tokenizer
 
 
@@ -39,17 +41,21 @@ def build_engram_tables(cfg: ModelConfig, tokenizer: Tokenizer) -> EngramTables 
 
 
 def load_model(ckpt_dir: str | Path, device: str | torch.device = "cpu", *, with_mtp: bool = True,
-               progress: bool = True) -> LoadedModel:
-    """Engram tables stay in host memory (the real ones are ~98 GB each); everything else goes to `device`."""
+               progress: bool = True, shard: ShardSpec = SINGLE) -> LoadedModel:
+    """Engram tables stay in host memory (the real ones are ~98 GB each); everything else goes to `device`.
+    With a shard of a split model: that rank's part only (engine/checkpoint/sharding.py); a config the
+    shards cannot split raises ShardingError naming the dimension, before anything is read."""
     ckpt_dir = Path(ckpt_dir)
     cfg = load_config(ckpt_dir)
+    check_shardable(cfg, shard.world_size, include_mtp=with_mtp)
     tokenizer = load_tokenizer(ckpt_dir)
     if tokenizer.vocab_size > cfg.vocab_size:
         raise CheckpointError(f"tokenizer.json has {tokenizer.vocab_size} ids but config.json says vocab_size={cfg.vocab_size}")
     tables = build_engram_tables(cfg, tokenizer)
     with torch.device("meta"):
-        model = Transformer(cfg, tables, with_mtp=with_mtp)
-    weights = load_checkpoint(ckpt_dir, cfg, include_mtp=with_mtp, progress=progress)
+        model = Transformer(cfg, tables, with_mtp=with_mtp, shard=shard)
+    weights = load_checkpoint(ckpt_dir, cfg, include_mtp=with_mtp, progress=progress, shard=shard)
+    check_parts(model, weights, shard)
     model.load_state_dict(weights, strict=True, assign=True)
     device = torch.device(device)
     for module in model.modules():
@@ -60,3 +66,16 @@ def load_model(ckpt_dir: str | Path, device: str | torch.device = "cpu", *, with
     if tables is not None:
         model.engram_tables = tables.to(device)
     return LoadedModel(cfg, tokenizer, model.eval())
+
+
+def check_parts(model: Transformer, weights: dict[str, torch.Tensor], shard: ShardSpec) -> None:
+    """The tensors read for this rank are exactly the model's buffers, shape for shape (the checkpoint
+    layout's split and the model classes' split agree); else CheckpointError naming the tensor and rank."""
+    wanted = dict(model.state_dict(keep_vars=True))
+    problems = [f"tensor {n} is not read for this rank" for n in wanted if n not in weights]
+    problems += [f"tensor {n} was read but the model has no such buffer" for n in weights if n not in wanted]
+    problems += [f"tensor {n} has shape {list(t.shape)} for this rank, the model holds {list(wanted[n].shape)}"
+                 for n, t in weights.items() if n in wanted and t.shape != wanted[n].shape]
+    if problems:
+        raise CheckpointError(f"{rank_prefix(shard)}" + "; ".join(problems[:5])
+                              + (f"; ... and {len(problems) - 5} more" if len(problems) > 5 else ""))

@@ -284,6 +284,14 @@ def exact_matmul(a: Tensor, b: Tensor) -> Tensor:
     return (a.double() @ b.double()).float()
 
 
+def round_product(y: Tensor, weight: Tensor) -> Tensor:
+    """A float64 product of `linear_f64` rounded as `linear` rounds it: to fp32, then to the output dtype
+    (bf16 for a quantised weight, else the weight's dtype). A row-parallel linear sums its ranks' float64
+    partial products first, so N shards round what one shard rounds."""
+    quantised = weight.dtype == torch.float8_e4m3fn or weight.dtype in _PACKED_FP4_DTYPES
+    return y.float().to(torch.bfloat16 if quantised else weight.dtype)
+
+
 def check_fp8_linear_args(x: Tensor, weight: Tensor, scale: Tensor) -> None:
     """The FP8 linear kernels' contract: x bf16 [..., K]; weight float8_e4m3fn [N, K] with K a positive
     multiple of 32; scale float8_e8m0fnu [ceil(N/32), K/32]; all contiguous and on one device."""
@@ -310,10 +318,15 @@ def linear(x: Tensor, weight: Tensor, scale: Tensor | None = None) -> Tensor:
     - bf16 / fp32 weight, no scale: the product in float64, rounded to the weight's dtype.
     For both quantised kinds x (bf16 [..., in], in % 32 == 0) is quantised with `act_quant(x, 32)`
     and the result is bf16 [..., out]. Implementation: both operands are dequantised to fp32 (exact,
-    all scales are powers of two) and multiplied with `exact_matmul`. That equals the kernels'
-    per-32-block scaled sum accumulated in fp32 up to fp32 summation order (rarely 1 bf16 ULP), and
-    is independent of the batch size.
+    all scales are powers of two) and multiplied in float64 (`linear_f64`), then rounded once
+    (`round_product`). That equals the kernels' per-32-block scaled sum accumulated in fp32 up to fp32
+    summation order (rarely 1 bf16 ULP), and is independent of the batch size.
     """
+    return round_product(linear_f64(x, weight, scale), weight)
+
+
+def linear_f64(x: Tensor, weight: Tensor, scale: Tensor | None = None) -> Tensor:
+    """`linear`'s product before its rounding: float64 [..., out] (see `linear` for the weight kinds)."""
     if weight.dtype == torch.float8_e4m3fn:
         in_features = weight.size(-1)
     elif weight.dtype in _PACKED_FP4_DTYPES:
@@ -321,8 +334,8 @@ def linear(x: Tensor, weight: Tensor, scale: Tensor | None = None) -> Tensor:
     else:
         if scale is not None:
             raise ValueError(f"a {weight.dtype} weight takes no scale, got one of shape {tuple(scale.shape)}")
-        y = exact_matmul(x.reshape(-1, x.size(-1)), weight.T)
-        return y.view(*x.shape[:-1], weight.size(0)).to(weight.dtype)
+        y = x.reshape(-1, x.size(-1)).double() @ weight.T.double()
+        return y.view(*x.shape[:-1], weight.size(0))
     if scale is None:
         raise ValueError(f"a {weight.dtype} weight {tuple(weight.shape)} needs a scale")
     if x.size(-1) != in_features or in_features % BLOCK:
@@ -337,5 +350,5 @@ def linear(x: Tensor, weight: Tensor, scale: Tensor | None = None) -> Tensor:
     else:
         w = dequant_fp4_weight(weight, scale)  # [out, in] fp32
     a = act_dequant(*act_quant(x, BLOCK), BLOCK)  # [..., in] fp32
-    y = exact_matmul(a.reshape(-1, in_features), w.T)  # [M, out]
-    return y.view(*x.shape[:-1], w.size(0)).to(torch.bfloat16)
+    y = a.reshape(-1, in_features).double() @ w.T.double()  # [M, out]
+    return y.view(*x.shape[:-1], w.size(0))

@@ -2,8 +2,10 @@
 
 One prompt prints its generated text on stdout and timing on stderr; `--batch FILE.jsonl` runs one
 request per line concurrently through the scheduler and prints one JSON line per request. Malformed
-input exits with status 2 and a one-line reason. See `--help` for the modes (raw text, token ids, an
-OpenAI chat request, a batch, teacher forcing, logit dumps, prompt printing, completion parsing).
+input (or a model the requested shards cannot split) exits with status 2 and a one-line reason; a model
+step that failed exits with status 1. `--num-shards N` splits the model over N local processes
+(engine/core/shard_group.py). See `--help` for the modes (raw text, token ids, an OpenAI chat request, a
+batch, teacher forcing, logit dumps, prompt printing, completion parsing).
 """
 
 from __future__ import annotations
@@ -24,10 +26,12 @@ from engine.checkpoint.loader import CheckpointError
 from engine.config import ConfigError
 from engine.core.engine import EngineConfig, LLMEngine, RequestError, RequestOutput
 from engine.core.engine_config import RUNNER_KINDS
+from engine.core.shard_group import default_threads
 from engine.core.request import FinishReason, RequestStats
 from engine.core.sampling_params import SamplingParams
 
 EXIT_BAD_INPUT = 2
+EXIT_STEP_FAILED = 1
 MAX_TEMPERATURE = 2.0  # SamplingParams' range
 BATCH_FIELDS = ("prompt_ids", "force_ids", "max_new_tokens", "temperature", "seed", "arrival_step")
 DEFAULTS = EngineConfig()
@@ -72,6 +76,7 @@ class Finished:
     finish_reason: FinishReason | None = None
     stats: RequestStats | None = None
     finish_step: int = 0  # engine.step() calls made when it finished (arrivals count them from 0)
+    error: str | None = None  # finish reason "error": what failed
 
     @property
     def kept_ids(self) -> list[int]:
@@ -221,6 +226,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-batch-tokens", type=int, default=DEFAULTS.max_num_batched_tokens,
                    help="positions computed per step, all requests together")
     p.add_argument("--max-seqs", type=int, default=DEFAULTS.max_num_seqs, help="requests running at once")
+    p.add_argument("--num-shards", type=int, default=1,
+                   help="split the model over N local processes (tensor-parallel attention, expert-parallel MoE; "
+                        "gloo on CPU); N must divide the heads, output groups and experts (golden runner only)")
     p.add_argument("--print-prompt", action="store_true", help='print {"prompt", "prompt_token_ids"} as JSON and exit')
     p.add_argument("--parse-completion", metavar="FILE.txt",
                    help="print the parse of a completion (reasoning_content, content, tool_calls) as JSON and exit")
@@ -248,7 +256,7 @@ def check_args(args: argparse.Namespace) -> None:
     if not 0 <= args.seed < 2**63:
         raise UsageError(f"--seed must be in [0, 2^63), got {args.seed}")
     for flag, value in (("--chunk-size", args.chunk_size), ("--max-batch-tokens", args.max_batch_tokens),
-                        ("--max-seqs", args.max_seqs)):
+                        ("--max-seqs", args.max_seqs), ("--num-shards", args.num_shards)):
         if value is not None and value < 1:
             raise UsageError(f"{flag} must be >= 1, got {value}")
     if args.device == "cuda" and not torch.cuda.is_available():
@@ -272,7 +280,18 @@ def run(args: argparse.Namespace) -> int:
     force_ids = parse_ids(args.force_ids, "--force-ids") if args.force_ids else None
     prompt_ids = parse_ids(args.prompt_ids, "--prompt-ids") if args.prompt_ids is not None else None
 
-    engine = LLMEngine.from_checkpoint(args.ckpt, engine_config(args), args.device, progress=True)
+    if args.num_shards > 1:
+        torch.set_num_threads(default_threads(args.num_shards))  # this process is rank 0 of N on this machine
+    engine = LLMEngine.from_checkpoint(args.ckpt, engine_config(args), args.device, progress=True,
+                                       num_shards=args.num_shards)
+    try:
+        return run_engine(engine, args, body, jobs, prompt_ids, force_ids)
+    finally:
+        engine.close()
+
+
+def run_engine(engine: LLMEngine, args: argparse.Namespace, body: dict | None, jobs: list[Job] | None,
+               prompt_ids: list[int] | None, force_ids: list[int] | None) -> int:
     tok, vocab_size = engine.tokenizer, engine.cfg.vocab_size
     if jobs is not None:
         for job in jobs:
@@ -302,7 +321,7 @@ def run(args: argparse.Namespace) -> int:
     print(request_timing(done), file=sys.stderr)
     if args.dump_logits:
         save_dump(done, vocab_size, Path(args.dump_logits))
-    return 0
+    return exit_status({1: done})
 
 
 def run_batch(engine: LLMEngine, jobs: list[Job], args: argparse.Namespace) -> int:
@@ -330,7 +349,15 @@ def run_batch(engine: LLMEngine, jobs: list[Job], args: argparse.Namespace) -> i
           f"{generated} tokens kept; wall {wall:.2f} s ({generated / wall:.1f} tok/s, "
           f"{s.num_computed_tokens / wall:.1f} positions/s); busy {ms_per_step:.2f} ms/step; "
           f"{s.num_preemptions} preemptions; prefix cache hit rate {engine.cache.hit_rate:.1%}", file=sys.stderr)
-    return 0
+    return exit_status(done)
+
+
+def exit_status(done: dict[int, Finished]) -> int:
+    """0, or EXIT_STEP_FAILED with each failed request's reason on stderr."""
+    failed = [d for d in done.values() if d.error is not None]
+    for d in failed:
+        print(f"error: {d.job.label}: {d.error}", file=sys.stderr)
+    return EXIT_STEP_FAILED if failed else 0
 
 
 def run_jobs(engine: LLMEngine, jobs: list[Job], keep_logits: bool) -> dict[int, Finished]:
@@ -363,7 +390,7 @@ def collect(d: Finished, out: RequestOutput, num_steps: int) -> None:
     if out.logits is not None:
         d.logit_rows.append(out.logits)
     if out.finished:
-        d.finish_reason, d.stats, d.finish_step = out.finish_reason, out.stats, num_steps
+        d.finish_reason, d.stats, d.finish_step, d.error = out.finish_reason, out.stats, num_steps, out.error
 
 
 def save_dump(d: Finished, vocab_size: int, path: Path) -> None:

@@ -5,7 +5,11 @@ read and check every shard header ourselves (JSON, dtypes, byte ranges against t
 truncated file fails before any data is read), compare the whole inventory with the layout (missing,
 unexpected, wrong shape, wrong dtype: all problems in one error, with a hint when a config value
 explains them), then memory-map each shard once with `safetensors.safe_open` and read its tensors.
-Every failure is a `CheckpointError` naming the tensor or file and what was expected.
+Every failure is a `CheckpointError` naming the tensor or file and what was expected (and the rank, when
+the model is split over several).
+
+A model-parallel rank validates the whole inventory the same way but reads only its part of each tensor
+(`safe_open(...).get_slice`, engine/checkpoint/sharding.py's layout) and none of the other ranks' experts.
 """
 
 from __future__ import annotations
@@ -22,7 +26,9 @@ from safetensors import safe_open
 from tqdm import tqdm
 
 from engine.checkpoint.layout import E8M0, FP4_PACKED, TensorSpec, expected_tensors, is_text_only_skippable, layer_of
+from engine.checkpoint.sharding import TensorSlice, part_bytes, tensor_slice
 from engine.config import ModelConfig
+from engine.parallel import SINGLE, ShardSpec
 
 INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
@@ -186,8 +192,13 @@ def _count_hints(cfg: ModelConfig, missing: Iterable[str], unexpected: Iterable[
     return hints
 
 
+def rank_prefix(shard: ShardSpec) -> str:
+    """"rank r of N: " in front of a message when the model is split, else nothing."""
+    return "" if shard.is_single else f"rank {shard.rank} of {shard.world_size}: "
+
+
 def _validate(cfg: ModelConfig, expected: dict[str, TensorSpec], weight_map: dict[str, str] | None,
-              shards: dict[str, _Shard], skip) -> dict[str, str]:
+              shards: dict[str, _Shard], skip, model_shard: ShardSpec) -> dict[str, str]:
     """Check the inventory; returns name -> shard file name of the tensors to load."""
     problems: list[str] = []
     located: dict[str, str] = {}
@@ -235,14 +246,16 @@ def _validate(cfg: ModelConfig, expected: dict[str, TensorSpec], weight_map: dic
         listed = problems[:MAX_LISTED_PROBLEMS]
         more = len(problems) - len(listed)
         raise CheckpointError(
-            f"checkpoint does not match the config ({len(problems)} problems):\n  "
+            f"{rank_prefix(model_shard)}checkpoint does not match the config ({len(problems)} problems):\n  "
             + "\n  ".join(hints + listed) + (f"\n  ... and {more} more" if more else ""))
     return {n: s for n, s in located.items() if n in expected and not skip(n)}
 
 
 def load_checkpoint(ckpt_dir: str | Path, cfg: ModelConfig, *, device: str | torch.device = "cpu",
-                    include_mtp: bool = True, progress: bool = True) -> dict[str, torch.Tensor]:
-    """Read and validate every tensor of a V4.1 checkpoint; returns name -> tensor as stored.
+                    include_mtp: bool = True, progress: bool = True,
+                    shard: ShardSpec = SINGLE) -> dict[str, torch.Tensor]:
+    """Read and validate every tensor of a V4.1 checkpoint; returns name -> tensor as stored (for a rank
+    of a split model: its part of each tensor, none of other ranks' experts; sharding.tensor_slice).
 
     FP8 weights are float8_e4m3fn, scales float8_e8m0fnu, packed FP4 experts uint8 [out, in/2],
     everything else in its checkpoint dtype (`attn.wo_a` stays FP8 + scale). Vision, aligner,
@@ -257,21 +270,31 @@ def load_checkpoint(ckpt_dir: str | Path, cfg: ModelConfig, *, device: str | tor
     def skip(name: str) -> bool:
         return is_text_only_skippable(name) or (not include_mtp and name.startswith("mtp."))
 
-    to_load = _validate(cfg, expected, weight_map, shards, skip)
+    located = _validate(cfg, expected, weight_map, shards, skip, shard)
+    parts = {n: part for n in located if (part := tensor_slice(expected[n], cfg, shard)) is not None}
     by_shard: dict[str, list[str]] = {}
-    for name, fname in to_load.items():
-        by_shard.setdefault(fname, []).append(name)
-    total = sum(expected[n].nbytes for n in to_load)
+    for name in parts:
+        by_shard.setdefault(located[name], []).append(name)
+    total = sum(part_bytes(expected[n], parts[n]) for n in parts)
     out: dict[str, torch.Tensor] = {}
     show = progress and sys.stderr.isatty()
-    with tqdm(total=total, unit="B", unit_scale=True, desc="loading checkpoint", file=sys.stderr,
-              disable=not show) as bar:
+    desc = "loading checkpoint" if shard.is_single else f"loading rank {shard.rank}/{shard.world_size}"
+    with tqdm(total=total, unit="B", unit_scale=True, desc=desc, file=sys.stderr, disable=not show) as bar:
         for fname in sorted(by_shard):
             with safe_open(str(ckpt_dir / fname), framework="pt", device=str(device)) as f:
                 for name in by_shard[fname]:
-                    out[name] = _as_storage_dtype(f.get_tensor(name), expected[name])
-                    bar.update(expected[name].nbytes)
+                    out[name] = _read_part(f, expected[name], parts[name])
+                    bar.update(part_bytes(expected[name], parts[name]))
     return out
+
+
+def _read_part(f, spec: TensorSpec, part: TensorSlice) -> torch.Tensor:
+    """The whole tensor, or its slice along part.dim (only what the slice covers is read from the file)."""
+    if part.dim is None:
+        return _as_storage_dtype(f.get_tensor(spec.name), spec)
+    assert not spec.is_packed_fp4, f"{spec.name}: packed FP4 tensors (routed experts) are never sliced"
+    index = tuple([slice(None)] * part.dim + [slice(part.start, part.stop)])
+    return _as_storage_dtype(f.get_slice(spec.name)[index], spec)
 
 
 def _as_storage_dtype(t: torch.Tensor, spec: TensorSpec) -> torch.Tensor:

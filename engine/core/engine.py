@@ -11,6 +11,7 @@ import random
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, replace
+from datetime import timedelta
 from pathlib import Path
 from typing import Protocol
 
@@ -74,7 +75,8 @@ class EngineStats:
 class Executor(Protocol):
     """Runs one step's plan on the model and returns its tokens (in-process, or a Ray shard actor). An executor
     may also `launch(plan)`: start a decode step and return a PendingStep (engine/core/overlap.py) without
-    waiting, or None where it cannot; the engine then overlaps its own work with the device's."""
+    waiting, or None where it cannot; the engine then overlaps its own work with the device's. An executor that
+    holds processes (engine/core/shard_group.py) also has `close()`, which LLMEngine.close calls."""
 
     def execute(self, plan: StepPlan) -> StepOutput: ...
 
@@ -165,7 +167,11 @@ class LLMEngine:
 
     @classmethod
     def from_checkpoint(cls, ckpt_dir: str | Path, config: EngineConfig = EngineConfig(), device: str = "cpu",
-                        progress: bool = False) -> "LLMEngine":
+                        progress: bool = False, num_shards: int = 1) -> "LLMEngine":
+        """The engine over a checkpoint: in this process, or split over num_shards local processes
+        (engine/core/shard_group.py; this process is rank 0). Close it when done (`close`)."""
+        if num_shards > 1:
+            return cls.sharded(ckpt_dir, config, device, num_shards)
         from engine.load import load_model
 
         loaded = load_model(ckpt_dir, device, with_mtp=False, progress=progress)
@@ -173,6 +179,40 @@ class LLMEngine:
                            weights_identity=str(Path(ckpt_dir).resolve()))
         engine.tokenizer = loaded.tokenizer
         return engine
+
+    @classmethod
+    def sharded(cls, ckpt_dir: str | Path, config: EngineConfig, device: str, num_shards: int,
+                step_timeout: timedelta | None = None) -> "LLMEngine":
+        """The model split over num_shards local processes (the golden runner only, for now); step_timeout
+        bounds a collective's wait for the other ranks (None: shard_group.STEP_TIMEOUT). A config the shards
+        cannot split, or the kernel runner, raises ShardingError before any process starts."""
+        from engine.checkpoint.sharding import check_shardable
+        from engine.config import load_config
+        from engine.core.shard_group import STEP_TIMEOUT, ShardGroupExecutor, default_threads
+        from engine.parallel import ShardingError
+        from engine.tokenizer import load_tokenizer
+
+        kernels = kernels_for(config.runner)
+        if kernels or (kernels is None and device == "cuda"):
+            raise ShardingError(f"--num-shards {num_shards}: the kernel runner is not split over shards yet; "
+                                "use --runner golden")
+        cfg = load_config(ckpt_dir)
+        check_shardable(cfg, num_shards)
+        tokenizer = load_tokenizer(ckpt_dir)
+        path = str(Path(ckpt_dir).resolve())
+        engine = cls(cfg, config,
+                     lambda layout: ShardGroupExecutor.start(path, device, layout, num_shards,
+                                                             step_timeout=step_timeout or STEP_TIMEOUT,
+                                                             num_threads=default_threads(num_shards)),
+                     eos_token_id=tokenizer.eos_id, weights_identity=path)
+        engine.tokenizer = tokenizer
+        return engine
+
+    def close(self) -> None:
+        """Release the executor's processes, if it has any (a shard group); the engine takes no more steps."""
+        close = getattr(self.executor, "close", None)
+        if close is not None:
+            close()
 
     # ---- API ----------------------------------------------------------------------------------------
     def add_request(self, request_id: str, prompt_ids: list[int], params: SamplingParams = SamplingParams(),

@@ -14,8 +14,9 @@ from torch import nn
 
 from engine.config import LayerRole, ModelConfig
 from engine.model.cache import ModelCache, SourceCache, StepShared
-from engine.model.layers import Linear, RMSNorm, register
+from engine.model.layers import ColumnParallelLinear, Linear, RMSNorm, RowParallelLinear, register
 from engine.model.rope import RotaryTable, apply_rotary
+from engine.parallel import SINGLE, ShardSpec
 from engine.quant import act_quant_qdq, fp4_qdq
 
 SINK_FREE_MAX = -1e30  # running max seed: an all-invalid row gives 0 output, not NaN
@@ -176,20 +177,28 @@ def _dense(cfg: ModelConfig) -> str:
 
 
 class Attention(nn.Module):
-    def __init__(self, cfg: ModelConfig, role: LayerRole):
+    """Tensor-parallel over heads: a rank holds n_local_heads query heads (wq_b rows, attn_sink) and the
+    n_local_groups output groups they feed (wo_a rows); wo_b is row-parallel over those groups' features.
+    The single KV head (wkv), the compressor and the indexer are replicated, so every rank writes the
+    same caches. n_heads / groups stay the whole model's counts (the kernel path, single-shard, reads them)."""
+
+    def __init__(self, cfg: ModelConfig, role: LayerRole, shard: ShardSpec = SINGLE):
         super().__init__()
         self.cfg, self.role = cfg, role
         self.n_heads, self.head_dim, self.rd = cfg.n_heads, cfg.head_dim, cfg.rope_head_dim
         self.window, self.groups, self.o_lora = cfg.window_size, cfg.o_groups, cfg.o_lora_rank
+        self.n_local_heads, self.n_local_groups = shard.split(cfg.n_heads, "n_heads"), shard.split(cfg.o_groups, "o_groups")
         dense = _dense(cfg)
         self.wq_a = Linear(cfg.dim, cfg.q_lora_rank, dense)
         self.q_norm = RMSNorm(cfg.q_lora_rank, cfg.norm_eps)
-        self.wq_b = Linear(cfg.q_lora_rank, cfg.n_heads * cfg.head_dim, dense)
+        self.wq_b = ColumnParallelLinear(cfg.q_lora_rank, cfg.n_heads * cfg.head_dim, dense, shard, "n_heads")
         self.wkv = Linear(cfg.dim, cfg.head_dim, dense)
         self.kv_norm = RMSNorm(cfg.head_dim, cfg.norm_eps)
-        self.wo_a = Linear(cfg.n_heads * cfg.head_dim // cfg.o_groups, cfg.o_groups * cfg.o_lora_rank, dense)
-        self.wo_b = Linear(cfg.o_groups * cfg.o_lora_rank, cfg.dim, dense)
-        register(self, "attn_sink", (cfg.n_heads,), torch.float32)
+        # block-diagonal: group g maps the features of heads g*H/G.. to o_lora outputs
+        self.wo_a = ColumnParallelLinear(cfg.n_heads * cfg.head_dim // cfg.o_groups, cfg.o_groups * cfg.o_lora_rank,
+                                         dense, shard, "o_groups")
+        self.wo_b = RowParallelLinear(cfg.o_groups * cfg.o_lora_rank, cfg.dim, dense, shard, "o_groups")
+        register(self, "attn_sink", (self.n_local_heads,), torch.float32)
         self.compressor = Compressor(cfg, role.ratio) if role.is_kv_source else None
         self.indexer = Indexer(cfg, role) if role.is_index_source else None
         if role.ratio > 0:
@@ -214,15 +223,16 @@ class Attention(nn.Module):
 
     def queries(self, x: torch.Tensor, pos: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         qr = self.q_norm(self.wq_a(x))  # [B,M,q_lora]
-        q = self.wq_b(qr).unflatten(-1, (self.n_heads, self.head_dim))  # [B,M,H,hd]; no per-head norm in V4.1
+        q = self.wq_b(qr).unflatten(-1, (self.n_local_heads, self.head_dim))  # [B,M,H_local,hd]; no per-head norm in V4.1
         return qr, apply_rotary(q, self.rope.at(pos).unsqueeze(0))
 
     def output(self, o: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
-        """Undo the K=V rotation on the output, then the grouped low-rank projection: [B,M,H,hd] -> [B,M,D]."""
+        """Undo the K=V rotation on the output, then the grouped low-rank projection: [B,M,H_local,hd] -> [B,M,D]
+        (wo_b sums the ranks' groups)."""
         o = apply_rotary(o, self.rope.at(pos).unsqueeze(0), inverse=True)
         B, M = o.shape[:2]
-        o = o.reshape(B, M, self.groups, -1)
-        wo_a = self.wo_a.dequantized(torch.bfloat16).view(self.groups, self.o_lora, -1)  # block-diagonal groups
+        o = o.reshape(B, M, self.n_local_groups, -1)
+        wo_a = self.wo_a.dequantized(torch.bfloat16).view(self.n_local_groups, self.o_lora, -1)  # block-diagonal groups
         o = torch.einsum("bsgd,grd->bsgr", o.double(), wo_a.double()).to(o.dtype)
         return self.wo_b(o.flatten(2))
 

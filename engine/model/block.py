@@ -11,16 +11,18 @@ from engine.model.engram import Engram
 from engine.model.layers import RMSNorm, register
 from engine.model.mhc import hc_mixes, hc_post, hc_pre
 from engine.model.moe import MoE
+from engine.parallel import SINGLE, ShardSpec
 
 
 class Block(nn.Module):
     """One layer: attention and MoE sublayers on the 4-copy stream with single-pass mHC."""
 
-    def __init__(self, cfg: ModelConfig, role: LayerRole, attention_cls: type[Attention] = Attention):
+    def __init__(self, cfg: ModelConfig, role: LayerRole, attention_cls: type[Attention] = Attention,
+                 shard: ShardSpec = SINGLE):
         super().__init__()
         self.cfg, self.role = cfg, role
-        self.attn = attention_cls(cfg, role)
-        self.ffn = MoE(cfg, role.layer_id)
+        self.attn = attention_cls(cfg, role, shard)
+        self.ffn = MoE(cfg, role.layer_id, shard)
         self.attn_norm = RMSNorm(cfg.dim, cfg.norm_eps)
         self.ffn_norm = RMSNorm(cfg.dim, cfg.norm_eps)
         mix, hc_dim = (2 + cfg.hc_mult) * cfg.hc_mult, cfg.hc_mult * cfg.dim

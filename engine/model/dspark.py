@@ -16,7 +16,8 @@ from engine.config import LayerRole, ModelConfig
 from engine.model.attention import Attention, sparse_attn
 from engine.model.block import Block
 from engine.model.cache import ModelCache
-from engine.model.layers import Embedding, Head, Linear, RMSNorm
+from engine.model.layers import Embedding, Linear, ParallelHead, RMSNorm
+from engine.parallel import SINGLE, ShardSpec
 
 
 @dataclass(slots=True)
@@ -54,9 +55,9 @@ class DSparkAttention(Attention):
 
 
 class MarkovHead(nn.Module):
-    def __init__(self, vocab: int, rank: int):
+    def __init__(self, vocab: int, rank: int, shard: ShardSpec = SINGLE):
         super().__init__()
-        self.embed, self.head = Embedding(vocab, rank), Head(vocab, rank)
+        self.embed, self.head = Embedding(vocab, rank), ParallelHead(vocab, rank, shard)
 
 
 class ConfidenceHead(nn.Module):
@@ -66,15 +67,18 @@ class ConfidenceHead(nn.Module):
 
 
 class DSparkStage(Block):
-    def __init__(self, cfg: ModelConfig, role: LayerRole, stage: int):
-        super().__init__(cfg, role, attention_cls=DSparkAttention)
+    """Laid out over the shards as a decoder layer is (Block's attention and MoE); the Markov head is
+    vocab-parallel like the model's head; the rest is replicated."""
+
+    def __init__(self, cfg: ModelConfig, role: LayerRole, stage: int, shard: ShardSpec = SINGLE):
+        super().__init__(cfg, role, attention_cls=DSparkAttention, shard=shard)
         if stage == 0:
             self.main_proj = Linear(cfg.dim * len(cfg.dspark_target_layer_ids), cfg.dim,
                                     "fp8" if cfg.dtype == "fp8" else "bf16")
             self.main_norm = RMSNorm(cfg.dim, cfg.norm_eps)
         if stage == cfg.n_mtp_layers - 1:
             self.norm = RMSNorm(cfg.dim, cfg.norm_eps)
-            self.markov_head = MarkovHead(cfg.vocab_size, cfg.dspark_markov_rank)
+            self.markov_head = MarkovHead(cfg.vocab_size, cfg.dspark_markov_rank, shard)
             self.confidence_head = ConfidenceHead(cfg.dim + cfg.dspark_markov_rank)
 
     def main_x(self, main_hidden: torch.Tensor) -> torch.Tensor:

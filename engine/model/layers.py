@@ -1,4 +1,11 @@
-"""Weight-holding building blocks whose attribute names are the checkpoint's tensor names."""
+"""Weight-holding building blocks whose attribute names are the checkpoint's tensor names.
+
+Model parallelism lives here, as in DeepSeek's reference: `ColumnParallelLinear` (output features split over
+the ranks), `RowParallelLinear` (input features split, partial products summed over the ranks) and the
+vocab-parallel `ParallelHead`. Everything else is written as if on one device, with n_local_* sizes. A
+row-parallel product is summed over the ranks in float64 before its one rounding, so N shards compute what
+one shard computes up to float64 summation order.
+"""
 
 from __future__ import annotations
 
@@ -8,7 +15,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engine.quant import dequant_fp8_weight, exact_matmul, linear
+from engine.parallel import SINGLE, ShardSpec, all_gather, all_reduce_sum
+from engine.quant import dequant_fp8_weight, exact_matmul, linear, linear_f64, round_product
 
 WeightFormat = Literal["fp8", "fp4", "bf16", "fp32"]
 
@@ -54,6 +62,33 @@ class Linear(nn.Module):
         return self.weight.to(dtype)
 
 
+class ColumnParallelLinear(Linear):
+    """Output features split over the ranks: this rank holds rows rank*out/N .. of the checkpoint weight
+    and returns its slice of y (out_features is the local count)."""
+
+    def __init__(self, in_features: int, out_features: int, fmt: WeightFormat, shard: ShardSpec = SINGLE,
+                 dim: str = "out_features"):
+        super().__init__(in_features, shard.split(out_features, dim), fmt)
+
+
+class RowParallelLinear(Linear):
+    """Input features split over the ranks: this rank holds columns rank*in/N .. of the checkpoint weight,
+    takes its slice of x and returns the whole y: the float64 partial products of every rank summed, then
+    rounded once (in_features is the local count)."""
+
+    def __init__(self, in_features: int, out_features: int, fmt: WeightFormat, shard: ShardSpec = SINGLE,
+                 dim: str = "in_features"):
+        super().__init__(shard.split(in_features, dim), out_features, fmt)
+        self.shard = shard
+
+    def partial(self, x: torch.Tensor) -> torch.Tensor:
+        """This rank's share of x W^T, float64 [..., out], unrounded (to be summed over the ranks)."""
+        return linear_f64(x, self.weight, self.scale)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return round_product(all_reduce_sum(self.partial(x), self.shard), self.weight)
+
+
 class RMSNorm(nn.Module):
     """y = (w * (x * rsqrt(mean(x^2) + eps))), the reference's fp32 math done in float64, cast to x's dtype."""
 
@@ -77,18 +112,22 @@ class Embedding(nn.Module):
         return F.embedding(ids, self.weight)
 
 
-class Head(nn.Module):
-    """bf16 in the checkpoint, fp32 math (the reference keeps it fp32): fp32 logits.
+class ParallelHead(nn.Module):
+    """The vocab-parallel head: bf16 in the checkpoint, fp32 math (the reference keeps it fp32): fp32 logits.
+    This rank holds vocabulary rows rank*V/N ..; the logits of every rank are gathered (all-gather, as
+    the reference does), so each row equals the one-shard row bit for bit and sampling stays exact.
 
     Computed exactly in float64 (see quant.exact_matmul); the float64 copy of the weight is made once
     per weight tensor (re-made when the weight is replaced or moved)."""
 
-    def __init__(self, vocab_size: int, dim: int):
+    def __init__(self, vocab_size: int, dim: int, shard: ShardSpec = SINGLE):
         super().__init__()
-        register(self, "weight", (vocab_size, dim), torch.bfloat16)
+        self.shard = shard
+        register(self, "weight", (shard.split(vocab_size, "vocab_size"), dim), torch.bfloat16)
         self._fp32: tuple[torch.Tensor, torch.Tensor] | None = None  # (source weight, fp32 copy)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x [..., dim] -> fp32 [..., vocab_size] (the whole vocabulary, on every rank)."""
         if self._fp32 is None or self._fp32[0] is not self.weight:
             self._fp32 = (self.weight, self.weight.double())
-        return (x.double() @ self._fp32[1].T).float()
+        return all_gather((x.double() @ self._fp32[1].T).float(), self.shard, dim=-1)

@@ -1,4 +1,9 @@
-"""Mixture of experts: sqrt-softplus router with aux-free bias, clamped SwiGLU experts (spec 4.5)."""
+"""Mixture of experts: sqrt-softplus router with aux-free bias, clamped SwiGLU experts (spec 4.5).
+
+Expert-parallel: a rank holds the routed experts `local_experts` (n_routed_experts / N contiguous ids; the
+others are not instantiated: `experts[e]` is None), the router is replicated (every rank routes every token alike), and
+the shared expert is tensor-parallel over its intermediate dim. Each rank's float64 partial sums, routed
+and shared, are summed over the ranks in one all-reduce before their roundings."""
 
 from __future__ import annotations
 
@@ -7,7 +12,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine.config import ModelConfig
-from engine.model.layers import Linear, register
+from engine.model.layers import ColumnParallelLinear, RowParallelLinear, register
+from engine.parallel import SINGLE, ShardSpec, all_reduce_sum
+from engine.quant import round_product
 
 
 class Gate(nn.Module):
@@ -39,14 +46,20 @@ class Gate(nn.Module):
 
 class Expert(nn.Module):
     """SwiGLU with the training clamps: up clamped to +-limit, gate only from above; the routing
-    weight multiplies the activation (fp32) before w2."""
+    weight multiplies the activation (fp32) before w2.
 
-    def __init__(self, dim: int, inter: int, fmt: str, limit: float):
+    A routed expert is whole on its rank (shard SINGLE); the shared expert passes the model's shard and is
+    tensor-parallel over `inter`: w1 / w3 column-parallel, w2 row-parallel (`partial` is this rank's share)."""
+
+    def __init__(self, dim: int, inter: int, fmt: str, limit: float, shard: ShardSpec = SINGLE):
         super().__init__()
-        self.w1, self.w2, self.w3 = Linear(dim, inter, fmt), Linear(inter, dim, fmt), Linear(dim, inter, fmt)
+        self.w1 = ColumnParallelLinear(dim, inter, fmt, shard, "moe_inter_dim")
+        self.w2 = RowParallelLinear(inter, dim, fmt, shard, "moe_inter_dim")
+        self.w3 = ColumnParallelLinear(dim, inter, fmt, shard, "moe_inter_dim")
         self.limit = limit
 
-    def forward(self, x: torch.Tensor, weights: torch.Tensor | None = None) -> torch.Tensor:
+    def hidden(self, x: torch.Tensor, weights: torch.Tensor | None = None) -> torch.Tensor:
+        """x [T,D] bf16 -> the (weighted) activation [T, inter_local] that w2 reads, bf16."""
         gate, up = self.w1(x).double(), self.w3(x).double()
         if self.limit > 0:
             up = up.clamp(-self.limit, self.limit)
@@ -54,26 +67,45 @@ class Expert(nn.Module):
         h = F.silu(gate) * up
         if weights is not None:
             h = weights * h
-        return self.w2(h.to(x.dtype))
+        return h.to(x.dtype)
+
+    def forward(self, x: torch.Tensor, weights: torch.Tensor | None = None) -> torch.Tensor:
+        return self.w2(self.hidden(x, weights))
+
+    def partial(self, x: torch.Tensor) -> torch.Tensor:
+        """This rank's float64 share of the output [T,D], unrounded (summed over the ranks, then rounded)."""
+        return self.w2.partial(self.hidden(x))
 
 
 class MoE(nn.Module):
-    def __init__(self, cfg: ModelConfig, layer_id: int):
+    def __init__(self, cfg: ModelConfig, layer_id: int, shard: ShardSpec = SINGLE):
         super().__init__()
         n_experts, topk = cfg.moe_experts(layer_id)
         routed = "fp4" if cfg.expert_dtype == "fp4" else ("fp8" if cfg.dtype == "fp8" else "bf16")
+        self.shard = shard
+        self.local_experts = shard.local_range(n_experts, "n_routed_experts" if layer_id < cfg.n_layers
+                                               else "dspark_n_routed_experts")
         self.gate = Gate(cfg, n_experts, topk)
-        self.experts = nn.ModuleList(Expert(cfg.dim, cfg.moe_inter_dim, routed, cfg.swiglu_limit) for _ in range(n_experts))
-        self.shared_experts = Expert(cfg.dim, cfg.moe_inter_dim, "fp8" if cfg.dtype == "fp8" else "bf16", cfg.swiglu_limit)
+        # checkpoint names keep the global expert index: experts.{e} exists on the rank that owns e
+        self.experts = nn.ModuleList(Expert(cfg.dim, cfg.moe_inter_dim, routed, cfg.swiglu_limit)
+                                     if e in self.local_experts else None for e in range(n_experts))
+        self.shared_experts = Expert(cfg.dim, cfg.moe_inter_dim, "fp8" if cfg.dtype == "fp8" else "bf16",
+                                     cfg.swiglu_limit, shard)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """x [...,D] bf16 -> [...,D] bf16; routed outputs summed in fp32 in expert order, then shared."""
+        """x [...,D] bf16 -> [...,D] bf16: the routed outputs (each bf16) summed in float64, plus the shared
+        expert's output rounded to bf16, rounded once. Sums of bf16 values in float64 are exact here, so the
+        ranks' split of the experts changes no bit."""
         shape = x.shape
         x = x.reshape(-1, shape[-1])
         weights, ids = self.gate(x)
         y = torch.zeros_like(x, dtype=torch.float64)
         for e in torch.unique(ids).tolist():
+            if e not in self.local_experts:
+                continue
             rows, slot = torch.where(ids == e)
             y[rows] += self.experts[e](x[rows], weights[rows, slot, None]).double()
-        y += self.shared_experts(x).double()
+        shared = self.shared_experts.partial(x)
+        y, shared = all_reduce_sum(torch.stack([y, shared]), self.shard)  # one all-reduce: [2,T,D] float64
+        y += round_product(shared, self.shared_experts.w2.weight).double()
         return y.to(x.dtype).view(shape)

@@ -25,8 +25,9 @@ from engine.engram_tables import EngramTables, hash_ngrams, initial_history, nex
 from engine.model.block import Block
 from engine.model.cache import ModelCache, StepShared
 from engine.model.dspark import DSparkStage, DraftOutput, sample
-from engine.model.layers import Embedding, Head, RMSNorm
+from engine.model.layers import Embedding, ParallelHead, RMSNorm
 from engine.model.mhc import hc_pre, identity_pre_mix
+from engine.parallel import SINGLE, ShardSpec
 
 
 @dataclass(slots=True)
@@ -37,19 +38,23 @@ class ForwardOutput:
 
 
 class Transformer(nn.Module):
-    """Attribute paths are the checkpoint's tensor names (embed, layers.N.*, norm, head, mtp.S.*)."""
+    """Attribute paths are the checkpoint's tensor names (embed, layers.N.*, norm, head, mtp.S.*).
 
-    def __init__(self, cfg: ModelConfig, engram_tables: EngramTables | None, with_mtp: bool = True):
+    `shard`: this process's rank among the model's shards (engine/parallel.py); the layers hold their
+    slices (layers.py's parallel classes, Attention's heads, MoE's experts) and everything else is whole."""
+
+    def __init__(self, cfg: ModelConfig, engram_tables: EngramTables | None, with_mtp: bool = True,
+                 shard: ShardSpec = SINGLE):
         super().__init__()
-        self.cfg, self.engram_tables = cfg, engram_tables
+        self.cfg, self.engram_tables, self.shard = cfg, engram_tables, shard
         if cfg.engram_layer_ids and engram_tables is None:
             raise ValueError("this config has Engram layers: pass the EngramTables built from its tokenizer")
         self.embed = Embedding(cfg.vocab_size, cfg.dim)
-        self.layers = nn.ModuleList(Block(cfg, cfg.layer_role(i)) for i in range(cfg.n_layers))
+        self.layers = nn.ModuleList(Block(cfg, cfg.layer_role(i), shard=shard) for i in range(cfg.n_layers))
         self.norm = RMSNorm(cfg.dim, cfg.norm_eps)
-        self.head = Head(cfg.vocab_size, cfg.dim)
+        self.head = ParallelHead(cfg.vocab_size, cfg.dim, shard)
         n_stages = cfg.n_mtp_layers if with_mtp else 0
-        self.mtp = nn.ModuleList(DSparkStage(cfg, cfg.layer_role(cfg.n_layers + s), s) for s in range(n_stages))
+        self.mtp = nn.ModuleList(DSparkStage(cfg, cfg.layer_role(cfg.n_layers + s), s, shard) for s in range(n_stages))
 
     def new_cache(self, batch: int, max_seq_len: int, device: torch.device | str | None = None) -> ModelCache:
         device = device if device is not None else self.embed.weight.device

@@ -2,6 +2,7 @@
 
     python -m engine.tools.make_checkpoint OUT --preset tiny [--seed N]
     python -m engine.tools.make_checkpoint --preset full      # writes nothing: parameter/byte/KV table
+    python -m engine.tools.make_checkpoint --preset full --num-shards 8   # ... and the bytes each rank holds
 
 A checkpoint directory holds `config.json` (HF form), `inference/config.json` (reference form),
 `model-0000K-of-0000N.safetensors` shards (at least two) with `model.safetensors.index.json`, and the
@@ -37,6 +38,8 @@ from safetensors.torch import save_file
 
 from engine.checkpoint.layout import (BF16, F32, FP4_PACKED, FP8, LAYER_COMPONENTS, TensorSpec, expected_tensors,
                                       parameter_report)
+from engine.checkpoint.sharding import bytes_per_rank
+from engine.parallel import ShardingError
 from engine.config import ModelConfig
 from engine.presets import PRESETS
 from engine.quant import act_quant, quant_fp4_weight, quant_fp8_weight
@@ -214,16 +217,45 @@ def format_report(cfg: ModelConfig) -> str:
     return "\n".join(lines)
 
 
+KV_CONTEXTS = {"128K": 128 * 1024, "1M": 1024 * 1024}
+
+
+def format_shard_report(cfg: ModelConfig, num_shards: int) -> str:
+    """Bytes one rank holds when the model is split over num_shards (engine/checkpoint/sharding.py's layout,
+    text-only, DSpark included), against the whole model; and one request's KV, which every rank holds."""
+    whole, part = bytes_per_rank(cfg, 1), bytes_per_rank(cfg, num_shards)
+    lines = [f"per rank at --num-shards {num_shards} (text-only, DSpark stages included)",
+             f"{'component':<24}{'whole':>14}{'per rank':>14}"]
+    lines += [f"{c:<24}{whole[c] / 1e9:>11.2f} GB{part[c] / 1e9:>11.2f} GB" for c in whole]
+    device = {c: b for c, b in part.items() if c != "Engram tables"}
+    lines.append(f"{'device weights':<24}{sum(v for c, v in whole.items() if c != 'Engram tables') / 1e9:>11.2f} GB"
+                 f"{sum(device.values()) / 1e9:>11.2f} GB")
+    lines.append(f"Engram tables stay in host memory: {part.get('Engram tables', 0) / 1e9:.2f} GB, today one copy per "
+                 f"rank ({num_shards * part.get('Engram tables', 0) / 1e9:.2f} GB on a node of {num_shards})")
+    swa = cfg.n_total_layers * cfg.window_size * cfg.swa_entry_bytes
+    for label, ctx in KV_CONTEXTS.items():
+        kv = ctx * cfg.global_kv_bytes_per_token + swa
+        lines.append(f"KV of one {label}-token request, on every rank (replicated): {kv / 1e9:.2f} GB")
+    return "\n".join(lines)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m engine.tools.make_checkpoint", description=__doc__.split("\n")[0])
     parser.add_argument("out", nargs="?", type=Path, help="output directory (not used with --preset full)")
     parser.add_argument("--preset", choices=sorted(PRESETS), default="tiny")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--num-shards", type=int, default=1,
+                        help="with --preset full: also print the bytes each of N model-parallel ranks holds")
     args = parser.parse_args(argv)
     cfg = PRESETS[args.preset]()
     if args.preset == "full":
         print(f"DeepSeek-V4.1-Flash ({args.preset} preset): no checkpoint written\n")
         print(format_report(cfg))
+        if args.num_shards > 1:
+            try:
+                print("\n" + format_shard_report(cfg, args.num_shards))
+            except ShardingError as e:
+                parser.error(str(e))
         return 0
     if args.out is None:
         parser.error("OUT is required for a preset that writes a checkpoint")

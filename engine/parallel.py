@@ -1,0 +1,135 @@
+"""Model parallelism's one seam to torch.distributed: who this process is (`ShardSpec`), the process group,
+and the few collectives the model and the shard group use. No other module imports torch.distributed.
+
+Every collective takes the caller's ShardSpec and is the identity at world size 1, so a single-shard run
+never touches torch.distributed (and needs no process group). Two groups are made at start-up:
+- the default group (gloo on CPU, NCCL on CUDA) carries the forward's all-reduces and all-gathers, with
+  the step timeout: a rank that dies or stalls mid-step fails the others' collective instead of hanging them;
+- a control group (gloo, CPU) carries the per-step plan broadcast from rank 0. Its timeout is each process's
+  own: long on ranks > 0, which wait there between steps for as long as the engine is idle; the step timeout
+  on rank 0, whose broadcast waits for every receiver (a gloo send to a rank that stalled blocks until it
+  answers or the timeout passes).
+"""
+
+from __future__ import annotations
+
+import pickle
+from dataclasses import dataclass
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+from engine.config import ConfigError
+
+IDLE_TIMEOUT = timedelta(days=7)  # how long ranks > 0 may wait for rank 0's next plan
+
+
+class ShardingError(ConfigError):
+    """A model that cannot be split over the requested number of shards; the message names the dimension."""
+
+
+@dataclass(frozen=True, slots=True)
+class ShardSpec:
+    """This process's place among the model's shards: rank in 0..world_size-1."""
+
+    rank: int = 0
+    world_size: int = 1
+
+    def __post_init__(self) -> None:
+        assert self.world_size >= 1 and 0 <= self.rank < self.world_size, self
+
+    @property
+    def is_single(self) -> bool:
+        return self.world_size == 1
+
+    def split(self, n: int, dim: str) -> int:
+        """The local size of a dimension of n split evenly over the ranks (n_local_heads = split(n_heads))."""
+        if n % self.world_size:
+            raise ShardingError(f"{dim}={n} is not divisible by {self.world_size} shards")
+        return n // self.world_size
+
+    def local_range(self, n: int, dim: str) -> range:
+        """This rank's contiguous part of 0..n-1 (its experts, its vocabulary rows)."""
+        k = self.split(n, dim)
+        return range(self.rank * k, (self.rank + 1) * k)
+
+
+SINGLE = ShardSpec()
+
+
+@dataclass(frozen=True, slots=True)
+class GroupAddress:
+    """Where rank 0's rendezvous store listens (the port is the OS's pick, never hard-coded)."""
+
+    host: str
+    port: int
+
+
+class Rendezvous:
+    """Rank 0's rendezvous store, listening before the other ranks start so that they can be told its port."""
+
+    def __init__(self, world_size: int, timeout: timedelta, host: str = "127.0.0.1"):
+        self.store = dist.TCPStore(host, 0, world_size, is_master=True, timeout=timeout, wait_for_workers=False)
+        self.address = GroupAddress(host, self.store.port)
+
+
+def backend_for(device: torch.device) -> str:
+    return "nccl" if device.type == "cuda" else "gloo"
+
+
+class ProcessGroups:
+    """The default (step) group and the control group of one process, made by `join`; `close` leaves both."""
+
+    def __init__(self, shard: ShardSpec, control: dist.ProcessGroup):
+        self.shard, self.control = shard, control
+
+    @classmethod
+    def join(cls, shard: ShardSpec, address: GroupAddress, device: torch.device, step_timeout: timedelta,
+             rendezvous: Rendezvous | None = None) -> "ProcessGroups":
+        """Blocks until every rank has joined (at most step_timeout); rank 0 passes its Rendezvous. On CUDA the
+        device must be set first."""
+        assert not shard.is_single, "a single shard needs no process group"
+        assert (rendezvous is not None) == (shard.rank == 0), "rank 0, and only rank 0, hosts the rendezvous"
+        store = rendezvous.store if rendezvous is not None else dist.TCPStore(
+            address.host, address.port, shard.world_size, is_master=False, timeout=step_timeout)
+        dist.init_process_group(backend_for(device), store=store, rank=shard.rank, world_size=shard.world_size,
+                                timeout=step_timeout)
+        control = dist.new_group(backend="gloo", timeout=step_timeout if shard.rank == 0 else IDLE_TIMEOUT)
+        return cls(shard, control)
+
+    def broadcast_object(self, obj: object = None) -> object:
+        """Rank 0's picklable obj, on every rank (one size broadcast and one byte broadcast)."""
+        if self.shard.rank == 0:
+            data = torch.frombuffer(bytearray(pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)), dtype=torch.uint8)
+            size = torch.tensor([data.numel()], dtype=torch.int64)
+        else:
+            size = torch.zeros(1, dtype=torch.int64)
+        dist.broadcast(size, 0, group=self.control)
+        if self.shard.rank != 0:
+            data = torch.empty(int(size), dtype=torch.uint8)
+        dist.broadcast(data, 0, group=self.control)
+        return obj if self.shard.rank == 0 else pickle.loads(data.numpy().tobytes())
+
+    def close(self) -> None:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def all_reduce_sum(x: torch.Tensor, shard: ShardSpec) -> torch.Tensor:
+    """The elementwise sum of every rank's x (same shape and dtype everywhere), identical on every rank.
+    The golden model reduces float64 partial products here, before their one rounding."""
+    if shard.is_single:
+        return x
+    x = x.contiguous()
+    dist.all_reduce(x, op=dist.ReduceOp.SUM)
+    return x
+
+
+def all_gather(x: torch.Tensor, shard: ShardSpec, dim: int = -1) -> torch.Tensor:
+    """Every rank's x (same shape everywhere) concatenated in rank order along dim, on every rank."""
+    if shard.is_single:
+        return x
+    parts = [torch.empty_like(x) for _ in range(shard.world_size)]
+    dist.all_gather(parts, x.contiguous())
+    return torch.cat(parts, dim=dim)
