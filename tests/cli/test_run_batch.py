@@ -14,24 +14,20 @@ from engine.core.engine import LLMEngine
 from engine.load import load_model
 from engine.run import main
 from tests.cli.test_run import compare_logits, golden_run
+from tests.core.conftest import random_prompt
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 NUM_NEW = 4
 
 
-def ids(n: int, seed: int) -> list[int]:
-    g = torch.Generator().manual_seed(seed)
-    return torch.randint(0, 120000, (n,), generator=g).tolist()
-
-
 # window 16: lengths below, above and at twice it; line 4 repeats line 1 three steps later
 LINES = [
-    {"prompt_ids": ids(30, 1)},
-    {"prompt_ids": ids(5, 2), "max_new_tokens": 3},
-    {"prompt_ids": ids(17, 3), "arrival_step": 1},
-    {"prompt_ids": ids(30, 1), "arrival_step": 3},
-    {"prompt_ids": ids(33, 5), "force_ids": [300, 301, 302], "arrival_step": 2},
+    {"prompt_ids": random_prompt(30, 1)},
+    {"prompt_ids": random_prompt(5, 2), "max_new_tokens": 3},
+    {"prompt_ids": random_prompt(17, 3), "arrival_step": 1},
+    {"prompt_ids": random_prompt(30, 1), "arrival_step": 3},
+    {"prompt_ids": random_prompt(33, 5), "force_ids": [300, 301, 302], "arrival_step": 2},
 ]
 
 
@@ -94,10 +90,10 @@ def test_batch_lines_equal_golden_alone_with_dumps_and_arrivals(tiny_checkpoint,
 
 def test_prefix_cache_across_lines(tiny_checkpoint, tmp_path, capsys):
     """An 80-token prompt fills one 64-token block; the repeat arrives after the first line finished."""
-    prompt = ids(80, 7)
+    prompt = random_prompt(80, 7)
     batch = write_batch(tmp_path / "b.jsonl", [
         {"prompt_ids": prompt, "max_new_tokens": 2},
-        {"prompt_ids": ids(20, 8), "max_new_tokens": 2},
+        {"prompt_ids": random_prompt(20, 8), "max_new_tokens": 2},
         {"prompt_ids": prompt, "max_new_tokens": 2, "arrival_step": 6},
     ])
     cached = run_batch(tiny_checkpoint, batch, capsys, "--prefix-cache")

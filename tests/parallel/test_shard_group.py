@@ -20,6 +20,7 @@ from engine.core.sampling_params import SamplingParams
 from engine.core.request import FinishReason
 from engine.run import EXIT_BAD_INPUT, main
 from tests.parallel.test_sharding import copy_checkpoint_with
+from tests.core.conftest import random_prompt
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -30,19 +31,14 @@ LOGIT_TOL = 1e-5
 NUM_NEW = 4
 
 
-def ids(n: int, seed: int) -> list[int]:
-    g = torch.Generator().manual_seed(seed)
-    return torch.randint(0, 120000, (n,), generator=g).tolist()
-
-
 # window 16, chunks of 7 within 24 positions a step; line 4 repeats line 3 (an 80-token prompt fills one
 # 64-token block) once line 3 is done, so it starts from a prefix-cache hit
 LINES = [
-    {"prompt_ids": ids(30, 1)},
-    {"prompt_ids": ids(33, 5), "force_ids": [300, 301, 302], "arrival_step": 1},
-    {"prompt_ids": ids(80, 7), "max_new_tokens": 2},
-    {"prompt_ids": ids(80, 7), "max_new_tokens": 2, "arrival_step": 30},
-    {"prompt_ids": ids(21, 9), "max_new_tokens": 3, "temperature": 0.8, "seed": 5, "arrival_step": 2},
+    {"prompt_ids": random_prompt(30, 1)},
+    {"prompt_ids": random_prompt(33, 5), "force_ids": [300, 301, 302], "arrival_step": 1},
+    {"prompt_ids": random_prompt(80, 7), "max_new_tokens": 2},
+    {"prompt_ids": random_prompt(80, 7), "max_new_tokens": 2, "arrival_step": 30},
+    {"prompt_ids": random_prompt(21, 9), "max_new_tokens": 3, "temperature": 0.8, "seed": 5, "arrival_step": 2},
 ]
 
 
@@ -117,7 +113,7 @@ def test_a_rank_that_dies_fails_its_requests_and_later_steps_without_hanging(tin
     engine = start_engine(tiny_checkpoint)
     try:
         group = engine.executor
-        engine.add_request("a", ids(20, 3), SamplingParams(max_tokens=8))
+        engine.add_request("a", random_prompt(20, 3), SamplingParams(max_tokens=8))
         first = engine.step()  # the prefill ran on both ranks
         assert first and first[0].new_token_ids and not first[0].finished
         os.kill(group.procs[0].pid, signal.SIGKILL)
@@ -125,7 +121,7 @@ def test_a_rank_that_dies_fails_its_requests_and_later_steps_without_hanging(tin
         out = step_until_done(engine, 60)
         assert [(o.request_id, o.finish_reason) for o in out] == [("a", FinishReason.ERROR)]
         assert "rank 1 exited" in out[0].error, out[0].error
-        engine.add_request("b", ids(5, 4), SamplingParams(max_tokens=2))
+        engine.add_request("b", random_prompt(5, 4), SamplingParams(max_tokens=2))
         (later,) = step_until_done(engine, 5)
         assert later.finish_reason == FinishReason.ERROR and "failed earlier" in later.error
         assert time.monotonic() - t0 < 60
@@ -143,7 +139,7 @@ def test_rank_0_raising_mid_step_stops_the_others(tiny_checkpoint, monkeypatch):
             raise RuntimeError("injected on rank 0")
 
         monkeypatch.setattr(group.runner, "execute", broken)  # the other rank waits in the forward's collectives
-        engine.add_request("a", ids(9, 6), SamplingParams(max_tokens=2))
+        engine.add_request("a", random_prompt(9, 6), SamplingParams(max_tokens=2))
         t0 = time.monotonic()
         (out,) = step_until_done(engine, 30)
         assert out.finish_reason == FinishReason.ERROR and "rank 0 saw RuntimeError: injected on rank 0" in out.error
@@ -159,7 +155,7 @@ def test_a_stalled_rank_fails_the_step_after_the_step_timeout(tiny_checkpoint):
     try:
         group = engine.executor
         os.kill(group.procs[0].pid, signal.SIGSTOP)  # alive, never answers
-        engine.add_request("a", ids(9, 6), SamplingParams(max_tokens=2))
+        engine.add_request("a", random_prompt(9, 6), SamplingParams(max_tokens=2))
         t0 = time.monotonic()
         (out,) = step_until_done(engine, 60)
         elapsed = time.monotonic() - t0
@@ -173,7 +169,7 @@ def test_a_stalled_rank_fails_the_step_after_the_step_timeout(tiny_checkpoint):
 def test_exported_blocks_match_and_imported_blocks_reach_every_rank(tiny_checkpoint):
     """Rank 0 answers block reads for the group (the pools are replicated); a block write reaches every rank,
     or the other rank's heads would read empty KV and the imported-prefix run would not match one shard's."""
-    prompt, params = ids(80, 11), SamplingParams(max_tokens=3)
+    prompt, params = random_prompt(80, 11), SamplingParams(max_tokens=3)
     one = LLMEngine.from_checkpoint(tiny_checkpoint, EngineConfig(runner="golden"))
     two = start_engine(tiny_checkpoint)
     try:
