@@ -12,8 +12,9 @@ record or raise `APIError` 400 whose message starts with the offending field (`t
   any DSML the model writes anyway as content; "auto" (the default when tools are given) renders all
   tools and parses calls; "required" does the same (a call is likely, not guaranteed); a named
   function renders only that tool, so it is the only one the model is told of (again not forced).
-- reasoning_effort mirrors `engine.chat.render_chat`: null (= "high"), "none" (chat mode),
-  "low"/"high"/"xhigh"/"max", or an integer 1-100, also as a decimal string ("30").
+- reasoning_effort mirrors `engine.chat.render_chat`: null (= "high"), "none" (chat mode), OpenAI's
+  "minimal"/"low"/"medium"/"high"/"xhigh" and V4.1's "max" (budgets 50/50/75/75/75/100, `EFFORT_PRESETS`), or an
+  integer 1-100, also as a decimal string ("30"); anything else is a 400 listing what is accepted.
 - Defaults follow OpenAI: temperature 1, top_p 1; chat max_tokens = the rest of the context window,
   completions max_tokens 16; max_completion_tokens wins over max_tokens.
 
@@ -37,7 +38,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from engine.chat import ChatFormatError, PromptPart, is_thinking, render_chat_parts
+from engine.chat import EFFORT_NAMES, ChatFormatError, PromptPart, is_thinking, render_chat_parts
 from engine.core.request import TokenLogprob
 from engine.core.sampling_params import SamplingError, SamplingParams
 from serve_app.errors import APIError, bad_request, model_not_found
@@ -57,7 +58,7 @@ DEFAULT_COMPLETION_MAX_TOKENS = 16
 MIN_LOGPROB = -9999.0  # what -inf is reported as (JSON has no infinity)
 
 CHAT_ROLES = ("system", "developer", "user", "assistant", "tool", "latest_reminder")
-REASONING_EFFORTS = ("none", "low", "high", "xhigh", "max")
+REASONING_EFFORTS = EFFORT_NAMES  # and the integers 1-100
 _TOOL_NAME = re.compile(r"^[A-Za-z0-9_-]{1,64}$")  # OpenAI's rule; also keeps names DSML-safe
 
 ToolChoice = Literal["none", "auto", "required", "function"]
@@ -578,7 +579,8 @@ def _reasoning_effort(f: _Fields) -> str | int | None:
         value = int(value)
     if value is None or value in REASONING_EFFORTS or (_is_int(value) and 1 <= value <= 100):
         return value
-    raise f.fail("reasoning_effort", f"one of {', '.join(REASONING_EFFORTS)} or an integer 1-100")
+    raise f.fail("reasoning_effort", f"one of {', '.join(REASONING_EFFORTS)}, or an integer 1-100 (also as a "
+                 "decimal string)")
 
 
 def _prompt(f: _Fields) -> str | list[int]:

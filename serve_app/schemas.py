@@ -157,7 +157,8 @@ class ChatCompletionBody(_CommonBody):
     tool_choice: Union[Literal["none", "auto", "required"], NamedToolChoice, None] = None
     reasoning_effort: Union[Literal[REASONING_EFFORTS], Annotated[int, Field(ge=1, le=100)],
                             Annotated[str, Field(pattern=r"^0*([1-9][0-9]?|100)$")], None] = Field(
-        None, description="none (chat mode), low/high/xhigh/max, or 1-100 (also as a decimal string); null: high")
+        None, description="none (chat mode); minimal/low (budget 50), medium/high/xhigh (75), max (100); or a budget "
+                          "1-100 (also as a decimal string); null: high")
     max_tokens: Annotated[int, Field(ge=1)] | None = Field(None, description="default: the rest of the window")
     max_completion_tokens: Annotated[int, Field(ge=1)] | None = Field(None, description="wins over max_tokens")
     logprobs: bool | None = None

@@ -191,7 +191,8 @@ CHAT_REJECTIONS = [
     ({"tools": [WEATHER], "tool_choice": {"type": "function", "function": {"name": "nope"}}},
      "tool_choice.function.name"),
     ({"tools": [WEATHER], "tool_choice": {"type": "function"}}, "tool_choice"),
-    ({"reasoning_effort": "medium"}, "reasoning_effort"),
+    ({"reasoning_effort": "Medium"}, "reasoning_effort"),
+    ({"reasoning_effort": "extreme"}, "reasoning_effort"),
     ({"reasoning_effort": 0}, "reasoning_effort"),
     ({"reasoning_effort": 101}, "reasoning_effort"),
     ({"reasoning_effort": "101"}, "reasoning_effort"),
@@ -256,10 +257,19 @@ def test_chat_field_values():
     assert p.parse_chat_request(chat(stream=True, stream_options={})).include_usage is False
 
 
+def test_a_bad_reasoning_effort_lists_what_is_accepted():
+    e = rejected(p.parse_chat_request, chat(reasoning_effort="extreme"))
+    assert (e.status, e.param) == (400, "reasoning_effort")
+    assert e.message == ('reasoning_effort: must be one of none, minimal, low, medium, high, xhigh, max, or an integer '
+                         '1-100 (also as a decimal string), got "extreme"')
+
+
 @pytest.mark.parametrize(("effort", "stored", "thinking", "line"), [
     (None, None, True, "Reasoning Effort: 75 "),
     ("none", "none", False, None),
+    ("minimal", "minimal", True, "Reasoning Effort: 50 "),
     ("low", "low", True, "Reasoning Effort: 50 "),
+    ("medium", "medium", True, "Reasoning Effort: 75 "),
     ("high", "high", True, "Reasoning Effort: 75 "),
     ("xhigh", "xhigh", True, "Reasoning Effort: 75 "),
     ("max", "max", True, "Reasoning Effort: 100 "),
