@@ -308,7 +308,8 @@ class OpenAIIngress:
         stop_ids = (self.tokenizer.eos_id, *req.stop_token_ids)
         streams = [ChatChoiceStream(self.tokenizer, thinking=req.thinking, tools=req.prompt_tools,
                                     parse_tool_calls=req.tool_choice != "none", stop=req.stop,
-                                    stop_token_ids=stop_ids, id_salt=f"{rid}-{i}") for i in range(req.n)]
+                                    stop_token_ids=stop_ids, id_salt=f"{rid}-{i}",
+                                    skip_special_tokens=req.skip_special_tokens) for i in range(req.n)]
         chunks = await self._start(GenerateRequest(rid, prompt_ids, params))
         turn = _ChatTurn(rid, int(time.time()), req.model, streams, self.strings, req.logprobs)
         if req.stream:
@@ -324,7 +325,8 @@ class OpenAIIngress:
                                     max_output_tokens=self.settings.max_output_tokens)
         rid = f"cmpl-{uuid.uuid4().hex}"
         stop_ids = (self.tokenizer.eos_id, *req.stop_token_ids)
-        streams = [CompletionChoiceStream(self.tokenizer, stop=req.stop, stop_token_ids=stop_ids) for _ in range(req.n)]
+        streams = [CompletionChoiceStream(self.tokenizer, stop=req.stop, stop_token_ids=stop_ids,
+                                          skip_special_tokens=req.skip_special_tokens) for _ in range(req.n)]
         chunks = await self._start(GenerateRequest(rid, prompt_ids, params))
         turn = _CompletionTurn(rid, int(time.time()), req.model, streams, self.strings, req.logprobs is not None)
         if req.stream:

@@ -86,6 +86,8 @@ class ChatCompletionRequest:
     stream: bool = False
     include_usage: bool = False
     user: str | None = None
+    skip_special_tokens: bool = True  # vLLM's: tokens flagged special are not text
+    spaces_between_special_tokens: bool = True  # vLLM's; no effect with this tokenizer (serve_app/streaming.py)
 
     @property
     def thinking(self) -> bool:
@@ -118,6 +120,8 @@ class CompletionRequest:
     stream: bool = False
     include_usage: bool = False
     user: str | None = None
+    skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True
 
 
 # --- bodies --------------------------------------------------------------------------------------
@@ -158,6 +162,7 @@ def parse_chat_request(body: dict, *, max_n: int = DEFAULT_MAX_N, max_messages: 
         stream=stream,
         include_usage=include_usage,
         user=f.string("user"),
+        **f.detokenize(),
         **f.sampling(),
     )
 
@@ -186,6 +191,7 @@ def parse_completion_request(body: dict, *, max_n: int = DEFAULT_MAX_N,
         stream=stream,
         include_usage=include_usage,
         user=f.string("user"),
+        **f.detokenize(),
         **f.sampling(),
     )
 
@@ -442,6 +448,10 @@ class _Fields:
         if not _is_number(value) or not (lo < value if lo_open else lo <= value) or value > hi:
             raise self.fail(name, f"a number in {'(' if lo_open else '['}{lo:g}, {hi:g}]")
         return float(value)
+
+    def detokenize(self) -> dict[str, bool]:
+        return {"skip_special_tokens": self.boolean("skip_special_tokens", True),
+                "spaces_between_special_tokens": self.boolean("spaces_between_special_tokens", True)}
 
     def sampling(self) -> dict[str, Any]:
         top_k = self.integer("top_k", lo=-1)

@@ -148,6 +148,8 @@ class _CommonBody(_Open):
     repetition_penalty: Annotated[float, Field(ge=1, le=1)] | None = Field(None, description="only 1")
     logit_bias: Annotated[dict[str, Any], Field(max_length=0)] | None = Field(None, description="only {}")
     response_format: ResponseFormat | None = None
+    skip_special_tokens: bool | None = Field(None, description="default true: tokens flagged special are not text")
+    spaces_between_special_tokens: bool | None = Field(None, description="default true (vLLM's; no effect here)")
 
 
 class ChatCompletionBody(_CommonBody):

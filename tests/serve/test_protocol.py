@@ -198,6 +198,8 @@ CHAT_REJECTIONS = [
     ({"reasoning_effort": "101"}, "reasoning_effort"),
     ({"reasoning_effort": True}, "reasoning_effort"),
     ({"user": 5}, "user"),
+    ({"skip_special_tokens": "false"}, "skip_special_tokens"),
+    ({"spaces_between_special_tokens": 0}, "spaces_between_special_tokens"),
 ]
 
 
@@ -255,6 +257,13 @@ def test_chat_field_values():
     assert (req.stream, req.include_usage, req.user) == (True, True, "u1")
     assert p.parse_chat_request(chat(top_k=40, stop=["a", "b"])).top_k == 40
     assert p.parse_chat_request(chat(stream=True, stream_options={})).include_usage is False
+
+
+def test_detokenization_flags_default_true():
+    for parse, body in ((p.parse_chat_request, chat), (p.parse_completion_request, completion)):
+        assert (parse(body()).skip_special_tokens, parse(body()).spaces_between_special_tokens) == (True, True)
+        req = parse(body(skip_special_tokens=False, spaces_between_special_tokens=False))
+        assert (req.skip_special_tokens, req.spaces_between_special_tokens) == (False, False)
 
 
 def test_a_bad_reasoning_effort_lists_what_is_accepted():
@@ -488,7 +497,7 @@ def test_chat_completion_response_validates_as_openai(tok):
     assert json.loads(json.dumps(resp)) == resp  # plain JSON
     msg = parsed.choices[0].message
     assert parsed.choices[0].finish_reason == "tool_calls"
-    assert msg.content == "On it." and msg.reasoning_content == "Check."
+    assert msg.content == "On it.\n\n" and msg.reasoning_content == "Check."  # vLLM keeps the blank line
     assert msg.tool_calls[0].function.name == "get_weather"
     assert json.loads(msg.tool_calls[0].function.arguments) == {"city": "Paris"}
     content = parsed.choices[0].logprobs.content

@@ -140,7 +140,9 @@ CHAT_CASES = [
     {"reasoning_effort": 1}, {"reasoning_effort": 100}, {"reasoning_effort": 0}, {"reasoning_effort": 101},
     {"reasoning_effort": "30"}, {"reasoning_effort": "0100"}, {"reasoning_effort": "101"}, {"reasoning_effort": "0"},
     {"reasoning_effort": "extreme"}, {"reasoning_effort": True}, {"reasoning_effort": "minimal"},
-    {"reasoning_effort": "medium"}, {"reasoning_effort": "xhigh"}, {"reasoning_effort": "Medium"}, {"model": ""}, {"model": 7}, {"model": "other"},
+    {"reasoning_effort": "medium"}, {"reasoning_effort": "xhigh"}, {"reasoning_effort": "Medium"},
+    {"skip_special_tokens": False}, {"skip_special_tokens": "no"}, {"spaces_between_special_tokens": False},
+    {"spaces_between_special_tokens": 1}, {"model": ""}, {"model": 7}, {"model": "other"},
     {"tools": [TOOL]}, {"tools": [TOOL], "tool_choice": "required"}, {"tools": []}, {"tools": TOOL},
     {"tools": [{**TOOL, "type": "other"}]}, {"tools": [{"type": "function", "function": {"name": "a b"}}]},
     {"tools": [{"type": "function", "function": {"name": "x" * 65}}]},
@@ -175,7 +177,8 @@ COMPLETION_CASES = [
     {"suffix": "x"}, {"best_of": 1}, {"best_of": 2}, {"best_of": True}, {"logprobs": 0}, {"logprobs": 5},
     {"logprobs": 6}, {"logprobs": True}, {"max_tokens": 1}, {"max_tokens": 0}, {"n": MAX_N}, {"n": MAX_N + 1},
     {"temperature": 2.5}, {"stop": ["a"] * 5}, {"presence_penalty": 0.5}, {"logit_bias": {"1": 1}},
-    {"stream": False, "stream_options": None}, {"unknown_field": "x"},
+    {"stream": False, "stream_options": None}, {"unknown_field": "x"}, {"skip_special_tokens": False},
+    {"skip_special_tokens": 0},
 ]
 
 
