@@ -137,6 +137,14 @@ CHAT_CASES = [
     {"repetition_penalty": 1}, {"repetition_penalty": 1.2}, {"logit_bias": {}}, {"logit_bias": {"5": 1}},
     {"response_format": {"type": "text"}}, {"response_format": {"type": "json_object"}},
     {"response_format": {"type": "text", "x": 1}}, {"reasoning_effort": "none"}, {"reasoning_effort": "max"},
+    {"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "object"}}}},
+    {"response_format": {"type": "json_schema", "json_schema": {"name": "x", "strict": True, "description": "d"}}},
+    {"response_format": {"type": "json_schema", "json_schema": {"name": "a b"}}},
+    {"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": [1]}}},
+    {"response_format": {"type": "json_schema", "json_schema": {"name": "x", "other": 1}}},
+    {"response_format": {"type": "json_schema"}}, {"response_format": {"type": "json_object", "x": 1}},
+    {"tools": [{**TOOL, "function": {**TOOL["function"], "strict": True}}]},
+    {"tools": [{**TOOL, "function": {**TOOL["function"], "strict": "yes"}}]},
     {"reasoning_effort": 1}, {"reasoning_effort": 100}, {"reasoning_effort": 0}, {"reasoning_effort": 101},
     {"reasoning_effort": "30"}, {"reasoning_effort": "0100"}, {"reasoning_effort": "101"}, {"reasoning_effort": "0"},
     {"reasoning_effort": "extreme"}, {"reasoning_effort": True}, {"reasoning_effort": "minimal"},
@@ -178,6 +186,7 @@ COMPLETION_CASES = [
     {"logprobs": 6}, {"logprobs": True}, {"max_tokens": 1}, {"max_tokens": 0}, {"n": MAX_N}, {"n": MAX_N + 1},
     {"temperature": 2.5}, {"stop": ["a"] * 5}, {"presence_penalty": 0.5}, {"logit_bias": {"1": 1}},
     {"stream": False, "stream_options": None}, {"unknown_field": "x"}, {"skip_special_tokens": False},
+    {"response_format": {"type": "json_object"}}, {"response_format": {"type": "text"}},
     {"skip_special_tokens": 0},
 ]
 
