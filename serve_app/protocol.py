@@ -11,8 +11,8 @@ record or raise `APIError` 400 whose message starts with the offending field (`t
 - tool_choice: "none" renders no tools and returns any DSML the model writes anyway as content; "auto" (the
   default when tools are given) renders all tools and parses calls; "required" renders them and constrains the
   output to one or more calls (a grammar, `serve_app/structured.py`); a named function renders only that tool
-  and constrains the output to one call of it. Under "auto", tools with `strict: true` have their calls'
-  arguments constrained. A chat response_format json_object / json_schema constrains the output to JSON.
+  and constrains the output to one call of it (`strict` is accepted, not yet enforced under "auto"). A chat
+  response_format json_object / json_schema constrains the output to JSON.
 - reasoning_effort mirrors `engine.chat.render_chat`: null (= "high"), "none" (chat mode), OpenAI's
   "minimal"/"low"/"medium"/"high"/"xhigh" and V4.1's "max" (budgets 50/50/75/75/75/100, `EFFORT_PRESETS`), or an
   integer 1-100, also as a decimal string ("30"); anything else is a 400 listing what is accepted.

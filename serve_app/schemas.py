@@ -106,7 +106,8 @@ class FunctionDefinition(_Open):
     name: Annotated[str, Field(pattern=r"^[A-Za-z0-9_-]{1,64}$")]
     description: str | None = None
     parameters: dict[str, Any] | None = Field(None, description="a JSON schema")
-    strict: bool | None = Field(None, description="true: under tool_choice auto, this tool's arguments are enforced")
+    strict: bool | None = Field(None, description="accepted; arguments are enforced under tool_choice required or "
+                                                  "named whatever it says, not yet under auto")
 
 
 class Tool(_Open):

@@ -5,8 +5,9 @@
   against `schema` (strict true or false alike: the schema is enforced either way, as vLLM does; no schema is
   any JSON object).
 - tool_choice "required": one or more DSML calls of the tools, each call's arguments valid against its tool's
-  parameters; a named function: exactly one call of it. tool_choice "auto" with a tool whose `strict` is true:
-  the content is free, and a calls block, if the model writes one, has its strict tools' arguments constrained.
+  parameters; a named function: exactly one call of it. A tool's `strict` is accepted (a boolean) but under
+  "auto" not enforced yet: free content followed by constrained calls needs a content lexeme that excludes the
+  calls tag and still lets the output end, which llguidance 1.9.1's negated lexemes do not (they refuse the end).
 - response_format json_* cannot be combined with tool_choice "required" or a named function (a 400).
 A grammar llguidance cannot compile is a 400 whose message is llguidance's, naming the keyword (e.g.
 `response_format.json_schema.schema: cannot be enforced: Unimplemented keys: ["uniqueItems"]`).
@@ -75,12 +76,9 @@ def output_grammar(schema: dict | None, tools: list[dict] | None, tool_choice: s
         return _compiled(constraints.json_grammar(schema), "response_format.json_schema.schema")
     if not tools or tool_choice == "none":
         return None
-    if tool_choice in ("required", "function"):
-        grammar = constraints.tool_calls_grammar(tools, name if tool_choice == "function" else None)
-    elif any(t["function"].get("strict") is True for t in tools):
-        grammar = constraints.auto_tools_grammar(tools)
-    else:
+    if tool_choice not in ("required", "function"):
         return None
+    grammar = constraints.tool_calls_grammar(tools, name if tool_choice == "function" else None)
     try:
         return constraints.check(grammar)
     except constraints.GrammarError as e:

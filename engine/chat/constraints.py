@@ -6,10 +6,9 @@
   invokes calling `name` only (tool_choice naming a function: exactly one call) or any of `tools` (tool_choice
   "required": one or more). Each invoke writes its tool's declared parameters in schema order, the required ones
   always, each value as JSON valid against the parameter's schema (string="false"; a plain string parameter,
-  one with no constraint beyond its type, may also be raw text without "<", string="true"). A tool without
-  declared properties takes no parameters.
-- `auto_tools_grammar(tools)`: tool_choice "auto" with strict tools: free content text, optionally followed by
-  a calls block in which the strict tools' invokes are constrained as above and the others take any parameters.
+  one with no constraint beyond its type, may also be raw text without "<", and a string enum one of its values
+  raw, string="true", as the model usually writes strings). A tool without declared properties takes no
+  parameters.
 
 JSON is compact (", " and ": " separators, no other whitespace, as OpenAI's strict mode writes it), so that a
 constrained completion always ends: the grammar leaves no unbounded run of whitespace. `check(grammar)` compiles
@@ -52,38 +51,17 @@ def tool_calls_grammar(tools: Sequence[dict], name: str | None = None) -> str:
     functions = [t["function"] for t in tools if name is None or t["function"]["name"] == name]
     calls = "invoke" if name is not None else "invoke next_invoke*"
     rules = [f"start: {_lit(s.CALLS_SEPARATOR + s.CALLS_OPEN + chr(10))} {calls} {_lit(chr(10) + s.CALLS_CLOSE)}",
-             *_alternatives(len(functions), False), "RAW: /[^<]*/"]
+             *_alternatives(len(functions)), "RAW: /[^<]*/"]
     for i, function in enumerate(functions):
         rules += _invoke_rules(f"invoke_{i}", function)
     return llguidance.LLMatcher.grammar_from_lark("\n".join(rules) + "\n")
 
 
-def auto_tools_grammar(tools: Sequence[dict]) -> str:
-    """Free content, then optionally the calls block; strict tools' invokes constrained, the others' free."""
-    strict = [t["function"] for t in tools if t["function"].get("strict") is True]
-    free = [t["function"]["name"] for t in tools if t["function"].get("strict") is not True]
-    rules = [f"start: CONTENT ({_lit(s.CALLS_OPEN + chr(10))} invoke next_invoke* {_lit(chr(10) + s.CALLS_CLOSE)})?",
-             f"CONTENT: /(.|\\n)*/ & ~/(.|\\n)*{_regex_escape(s.CALLS_OPEN)}(.|\\n)*/",
-             *_alternatives(len(strict), bool(free)), "RAW: /[^<]*/"]
-    for i, function in enumerate(strict):
-        rules += _invoke_rules(f"invoke_{i}", function)
-    if free:
-        names = " | ".join(_lit(n) for n in free)
-        for rule, head in (("free_invoke", s.INVOKE_OPEN), ("next_free_invoke", chr(10) + s.INVOKE_OPEN)):
-            rules.append(f"{rule}: {_lit(head + ' name=' + chr(34))} ({names}) {_lit(chr(34) + '>' + chr(10))} free_body")
-        rules += [f"free_body: free_param* {_lit(chr(10))}? {_lit(s.INVOKE_CLOSE)}",
-                  f"free_param: {_lit(s.PARAM_OPEN + ' name=' + chr(34))} /[A-Za-z0-9_.-]+/ "
-                  f"({_lit(chr(34) + ' string=' + chr(34) + 'true' + chr(34) + '>')} RAW | "
-                  f"{_lit(chr(34) + ' string=' + chr(34) + 'false' + chr(34) + '>')} %json{{}}) "
-                  f"{_lit(s.PARAM_CLOSE + chr(10))}"]
-    return llguidance.LLMatcher.grammar_from_lark("\n".join(rules) + "\n")
-
-
-def _alternatives(num_constrained: int, free: bool) -> list[str]:
+def _alternatives(num_tools: int) -> list[str]:
     """`invoke` (the first of a block) and `next_invoke` (a later one: its newline is part of its first literal, so
     that no literal is a prefix of another where both may come next: llguidance's lexer does not go back)."""
-    first = [f"invoke_{i}" for i in range(num_constrained)] + (["free_invoke"] if free else [])
-    later = [f"next_invoke_{i}" for i in range(num_constrained)] + (["next_free_invoke"] if free else [])
+    first = [f"invoke_{i}" for i in range(num_tools)]
+    later = [f"next_invoke_{i}" for i in range(num_tools)]
     return [f"invoke: {' | '.join(first)}", f"next_invoke: {' | '.join(later)}"]
 
 
@@ -99,12 +77,23 @@ def _invoke_rules(rule: str, function: dict) -> list[str]:
         value = f"{_lit(_param_head(key, False))} %json{json.dumps({**schema, **defs, 'x-guidance': JSON_OPTIONS})}"
         if isinstance(schema, dict) and schema.get("type") == "string" and set(schema) <= _PLAIN_STRING_KEYS:
             value = f"{_lit(_param_head(key, True))} RAW | {value}"
+        elif isinstance(schema, dict) and _raw_choices(schema):
+            choices = " | ".join(_lit(v) for v in _raw_choices(schema))
+            value = f"{_lit(_param_head(key, True))} ({choices}) | {value}"
         rules.append(f"{name}: ({value}) {_lit(s.PARAM_CLOSE + chr(10))}")
         body.append(name if key in required else f"{name}?")
     head = f'{s.INVOKE_OPEN} name="{function["name"]}">\n'
     # the encoder ends each parameter with a newline, and writes an empty line for an invoke without parameters
     return [f"{rule}: {_lit(head)} {rule}_body", f"next_{rule}: {_lit(chr(10) + head)} {rule}_body",
             f"{rule}_body: {' '.join(body)} {_lit(chr(10))}? {_lit(s.INVOKE_CLOSE)}", *rules]
+
+
+def _raw_choices(schema: dict) -> list[str]:
+    """The values of a string enum (or const) that can be written raw (string="true"): none with "<"."""
+    values = schema.get("enum") if isinstance(schema.get("enum"), list) else [schema["const"]] if "const" in schema \
+        else []
+    ok = values and all(isinstance(v, str) and "<" not in v for v in values) and schema.get("type") in (None, "string")
+    return values if ok and set(schema) <= _PLAIN_STRING_KEYS | {"enum", "const"} else []
 
 
 def _param_head(key: str, is_string: bool) -> str:
@@ -115,6 +104,3 @@ def _lit(text: str) -> str:
     """A Lark string literal."""
     return json.dumps(text, ensure_ascii=False)
 
-
-def _regex_escape(text: str) -> str:
-    return "".join("\\" + c if c in "\\^$.|?*+()[]{}/" else c for c in text)
