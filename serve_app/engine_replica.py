@@ -28,6 +28,7 @@ from ray import serve
 from engine.config import load_config
 from engine.core.async_engine import AsyncEngine, EngineShutdownError, EngineStuckError
 from engine.core.engine import LLMEngine, RequestError, RequestOutput
+from engine.core.grammar import GrammarCompiler
 from engine.core.request import RequestStats
 from engine.core.sampling_params import SamplingError, SamplingParams
 from engine.tokenizer import load_tokenizer
@@ -84,8 +85,10 @@ class EngineReplica:
         ckpt = Path(settings.checkpoint)
         cfg = load_config(ckpt)
         tokenizer = load_tokenizer(ckpt)
+        grammars = GrammarCompiler(tokenizer.path.read_text(encoding="utf-8"), tokenizer.eos_id)
         self.engine = LLMEngine(cfg, settings.to_engine_config(), make_shard_executor(settings, cfg),
-                                eos_token_id=tokenizer.eos_id, weights_identity=str(ckpt.resolve()))
+                                eos_token_id=tokenizer.eos_id, weights_identity=str(ckpt.resolve()),
+                                grammars=grammars)
         self.executor: ShardExecutor = self.engine.executor
         self.metrics = ServeMetrics(settings.model_name)
         self.request_log = request_logger(settings.request_log_file)

@@ -29,6 +29,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from ray import serve
 from ray.exceptions import RayActorError
 
+from engine.chat.syntax import THINK_END
 from engine.tokenizer import load_tokenizer
 from serve_app.errors import APIError, overloaded, payload_too_large, rate_limited, server_error, unauthorized
 from serve_app.json_body import parse_json_body
@@ -303,12 +304,14 @@ class OpenAIIngress:
         req, prompt_ids = await self._prepare(self._prepare_chat, await self._body(request))
         status = await self._engine_status()
         params = to_sampling_params(req, num_prompt_tokens=len(prompt_ids), max_model_len=status.max_model_len,
-                                    max_output_tokens=self.settings.max_output_tokens)
+                                    max_output_tokens=self.settings.max_output_tokens,
+                                    think_end_id=self.tokenizer.token_to_id(THINK_END))
         rid = f"chatcmpl-{uuid.uuid4().hex}"
         stop_ids = (self.tokenizer.eos_id, *req.stop_token_ids)
         streams = [ChatChoiceStream(self.tokenizer, thinking=req.thinking, tools=req.prompt_tools,
                                     parse_tool_calls=req.tool_choice != "none", stop=req.stop,
-                                    stop_token_ids=stop_ids, id_salt=f"{rid}-{i}") for i in range(req.n)]
+                                    stop_token_ids=stop_ids, id_salt=f"{rid}-{i}",
+                                    skip_special_tokens=req.skip_special_tokens) for i in range(req.n)]
         chunks = await self._start(GenerateRequest(rid, prompt_ids, params))
         turn = _ChatTurn(rid, int(time.time()), req.model, streams, self.strings, req.logprobs)
         if req.stream:
@@ -324,7 +327,8 @@ class OpenAIIngress:
                                     max_output_tokens=self.settings.max_output_tokens)
         rid = f"cmpl-{uuid.uuid4().hex}"
         stop_ids = (self.tokenizer.eos_id, *req.stop_token_ids)
-        streams = [CompletionChoiceStream(self.tokenizer, stop=req.stop, stop_token_ids=stop_ids) for _ in range(req.n)]
+        streams = [CompletionChoiceStream(self.tokenizer, stop=req.stop, stop_token_ids=stop_ids,
+                                          skip_special_tokens=req.skip_special_tokens) for _ in range(req.n)]
         chunks = await self._start(GenerateRequest(rid, prompt_ids, params))
         turn = _CompletionTurn(rid, int(time.time()), req.model, streams, self.strings, req.logprobs is not None)
         if req.stream:

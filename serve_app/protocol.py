@@ -6,14 +6,16 @@ record or raise `APIError` 400 whose message starts with the offending field (`t
 - Unknown top-level fields are accepted and ignored (as vLLM does; OpenAI would answer 400), so
   clients that send vendor extras keep working. Known fields that would change the output in a way
   this server cannot honour are rejected: non-zero presence/frequency penalties, a non-neutral
-  repetition_penalty, a non-empty logit_bias, a response_format other than text, echo, suffix,
+  repetition_penalty, a non-empty logit_bias, a completions response_format other than text, echo, suffix,
   best_of > 1. A null value counts as absent.
-- tool_choice: the V4.1 format has no syntax that forces a call. "none" renders no tools and returns
-  any DSML the model writes anyway as content; "auto" (the default when tools are given) renders all
-  tools and parses calls; "required" does the same (a call is likely, not guaranteed); a named
-  function renders only that tool, so it is the only one the model is told of (again not forced).
-- reasoning_effort mirrors `engine.chat.render_chat`: null (= "high"), "none" (chat mode),
-  "low"/"high"/"xhigh"/"max", or an integer 1-100, also as a decimal string ("30").
+- tool_choice: "none" renders no tools and returns any DSML the model writes anyway as content; "auto" (the
+  default when tools are given) renders all tools and parses calls; "required" renders them and constrains the
+  output to one or more calls (a grammar, `serve_app/structured.py`); a named function renders only that tool
+  and constrains the output to one call of it (`strict` is accepted, not yet enforced under "auto"). A chat
+  response_format json_object / json_schema constrains the output to JSON.
+- reasoning_effort mirrors `engine.chat.render_chat`: null (= "high"), "none" (chat mode), OpenAI's
+  "minimal"/"low"/"medium"/"high"/"xhigh" and V4.1's "max" (budgets 50/50/75/75/75/100, `EFFORT_PRESETS`), or an
+  integer 1-100, also as a decimal string ("30"); anything else is a 400 listing what is accepted.
 - Defaults follow OpenAI: temperature 1, top_p 1; chat max_tokens = the rest of the context window,
   completions max_tokens 16; max_completion_tokens wins over max_tokens.
 
@@ -37,12 +39,13 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from engine.chat import ChatFormatError, PromptPart, is_thinking, render_chat_parts
+from engine.chat import EFFORT_NAMES, ChatFormatError, PromptPart, is_thinking, render_chat_parts
 from engine.core.request import TokenLogprob
-from engine.core.sampling_params import SamplingError, SamplingParams
+from engine.core.sampling_params import GrammarSpec, SamplingError, SamplingParams
 from serve_app.errors import APIError, bad_request, model_not_found
 from serve_app.json_body import json_kind
 from serve_app.streaming import TokenStrings
+from serve_app.structured import check_strict, output_grammar, response_schema
 
 # What one request may ask for (docs/reliability.md lists them; each is a 400 naming the field). The server's
 # settings set max_n, max_messages and max_output_tokens; the others are the API's (OpenAI's where it has one).
@@ -57,7 +60,7 @@ DEFAULT_COMPLETION_MAX_TOKENS = 16
 MIN_LOGPROB = -9999.0  # what -inf is reported as (JSON has no infinity)
 
 CHAT_ROLES = ("system", "developer", "user", "assistant", "tool", "latest_reminder")
-REASONING_EFFORTS = ("none", "low", "high", "xhigh", "max")
+REASONING_EFFORTS = EFFORT_NAMES  # and the integers 1-100
 _TOOL_NAME = re.compile(r"^[A-Za-z0-9_-]{1,64}$")  # OpenAI's rule; also keeps names DSML-safe
 
 ToolChoice = Literal["none", "auto", "required", "function"]
@@ -85,6 +88,9 @@ class ChatCompletionRequest:
     stream: bool = False
     include_usage: bool = False
     user: str | None = None
+    skip_special_tokens: bool = True  # vLLM's: tokens flagged special are not text
+    spaces_between_special_tokens: bool = True  # vLLM's; no effect with this tokenizer (serve_app/streaming.py)
+    grammar: str | None = None  # the output's constraint (serve_app/structured.py), compiled once here
 
     @property
     def thinking(self) -> bool:
@@ -117,6 +123,8 @@ class CompletionRequest:
     stream: bool = False
     include_usage: bool = False
     user: str | None = None
+    skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True
 
 
 # --- bodies --------------------------------------------------------------------------------------
@@ -134,6 +142,7 @@ def parse_chat_request(body: dict, *, max_n: int = DEFAULT_MAX_N, max_messages: 
     tools = _tools(f)
     choice, choice_name = _tool_choice(f, tools)
     f.check_neutral()
+    grammar = output_grammar(response_schema(f.get("response_format")), tools, choice, choice_name)
     max_tokens = f.integer("max_tokens", lo=1, hi=max_output_tokens)
     max_completion_tokens = f.integer("max_completion_tokens", lo=1, hi=max_output_tokens)
     logprobs = f.boolean("logprobs", False)
@@ -157,6 +166,8 @@ def parse_chat_request(body: dict, *, max_n: int = DEFAULT_MAX_N, max_messages: 
         stream=stream,
         include_usage=include_usage,
         user=f.string("user"),
+        grammar=grammar,
+        **f.detokenize(),
         **f.sampling(),
     )
 
@@ -165,6 +176,9 @@ def parse_completion_request(body: dict, *, max_n: int = DEFAULT_MAX_N,
                              max_output_tokens: int | None = None) -> CompletionRequest:
     f = _Fields(body)
     f.check_neutral()
+    if f.get("response_format") not in (None, {"type": "text"}):
+        raise bad_request(f"response_format: only {{\"type\": \"text\"}} is supported by completions (chat takes JSON "
+                          f"formats), got {_show(f.get('response_format'))}", "response_format")
     if f.boolean("echo", False):
         raise bad_request("echo: not supported (only false)", "echo")
     if f.get("suffix") is not None:
@@ -185,6 +199,7 @@ def parse_completion_request(body: dict, *, max_n: int = DEFAULT_MAX_N,
         stream=stream,
         include_usage=include_usage,
         user=f.string("user"),
+        **f.detokenize(),
         **f.sampling(),
     )
 
@@ -245,11 +260,13 @@ def _too_many_chars(param: str, num_chars: int, max_chars: int) -> APIError:
 
 def to_sampling_params(
     req: ChatCompletionRequest | CompletionRequest, *, num_prompt_tokens: int, max_model_len: int,
-    max_output_tokens: int | None = None,
+    max_output_tokens: int | None = None, think_end_id: int | None = None,
 ) -> SamplingParams:
     """The engine's parameters. max_tokens None becomes the rest of the context window (at most
     max_output_tokens); a prompt that leaves no room, or prompt + max_tokens beyond the window, is a 400
-    (OpenAI's context_length_exceeded). Chat logprobs map to top_logprobs alternatives, legacy ones to `logprobs`."""
+    (OpenAI's context_length_exceeded). Chat logprobs map to top_logprobs alternatives, legacy ones to `logprobs`.
+    A chat grammar constrains the output from its first token in chat mode, and after the `</think>` token
+    (think_end_id) in thinking mode: the reasoning is free."""
     prompt_param = "messages" if isinstance(req, ChatCompletionRequest) else "prompt"
     room = max_model_len - num_prompt_tokens
     max_tokens = min(room, max_output_tokens or room) if req.max_tokens is None else req.max_tokens
@@ -258,13 +275,17 @@ def to_sampling_params(
             f"{prompt_param}: this model's maximum context length is {max_model_len} tokens; the request "
             f"has {num_prompt_tokens} prompt tokens and asks for up to {max_tokens} more",
             prompt_param, "context_length_exceeded")
+    grammar = None
     if isinstance(req, ChatCompletionRequest):
         logprobs = req.top_logprobs if req.logprobs else None
+        if req.grammar is not None:
+            grammar = GrammarSpec(req.grammar, think_end_id if req.thinking else None)
     else:
         logprobs = req.logprobs
     params = SamplingParams(
         max_tokens=max_tokens, temperature=req.temperature, top_p=req.top_p, top_k=req.top_k,
-        min_p=req.min_p, seed=req.seed, stop_token_ids=req.stop_token_ids, logprobs=logprobs, n=req.n)
+        min_p=req.min_p, seed=req.seed, stop_token_ids=req.stop_token_ids, logprobs=logprobs, n=req.n,
+        grammar=grammar)
     try:
         return params.validate()
     except SamplingError as e:  # the checks above make this unreachable; kept as the edge's guard
@@ -442,6 +463,10 @@ class _Fields:
             raise self.fail(name, f"a number in {'(' if lo_open else '['}{lo:g}, {hi:g}]")
         return float(value)
 
+    def detokenize(self) -> dict[str, bool]:
+        return {"skip_special_tokens": self.boolean("skip_special_tokens", True),
+                "spaces_between_special_tokens": self.boolean("spaces_between_special_tokens", True)}
+
     def sampling(self) -> dict[str, Any]:
         top_k = self.integer("top_k", lo=-1)
         return {
@@ -497,10 +522,6 @@ class _Fields:
                 raise bad_request(f"{name}: not supported by this server (only {neutral}), got {_show(value)}", name)
         if self.get("logit_bias") not in (None, {}):
             raise bad_request("logit_bias: not supported by this server (only an empty object)", "logit_bias")
-        response_format = self.get("response_format")
-        if response_format is not None and response_format != {"type": "text"}:
-            raise bad_request(f"response_format: only {{\"type\": \"text\"}} is supported, got {_show(response_format)}",
-                              "response_format")
 
 
 def _messages(f: _Fields, max_messages: int) -> list[dict]:
@@ -552,6 +573,7 @@ def _tools(f: _Fields) -> list[dict] | None:
         for key, kind, ok in (("description", "a string", str), ("parameters", "an object (a JSON schema)", dict)):
             if function.get(key) is not None and not isinstance(function[key], ok):
                 raise bad_request(f"{where}.function.{key}: must be {kind}", f"{where}.function.{key}")
+    check_strict(tools)
     return tools
 
 
@@ -578,7 +600,8 @@ def _reasoning_effort(f: _Fields) -> str | int | None:
         value = int(value)
     if value is None or value in REASONING_EFFORTS or (_is_int(value) and 1 <= value <= 100):
         return value
-    raise f.fail("reasoning_effort", f"one of {', '.join(REASONING_EFFORTS)} or an integer 1-100")
+    raise f.fail("reasoning_effort", f"one of {', '.join(REASONING_EFFORTS)}, or an integer 1-100 (also as a "
+                 "decimal string)")
 
 
 def _prompt(f: _Fields) -> str | list[int]:

@@ -5,7 +5,9 @@ accepts: fields, types, ranges, enums; a null counts as absent; unknown fields a
 They validate nothing: the handlers take the raw body and protocol.py stays the validator, with its
 messages naming the field. The routes attach the schemas through `openapi_extra` (`request_body`).
 
-What JSON Schema cannot say, and protocol.py alone checks: tool_choice other than "none" needs tools, a named
+What JSON Schema cannot say, and protocol.py alone checks: that a response_format schema or a tool's parameters can
+be enforced (llguidance compiles them), that a JSON response_format does not come with tool_choice required or
+named, tool_choice other than "none" needs tools, a named
 tool_choice must name one of them, tool names are unique, top_logprobs needs logprobs, stream_options needs
 stream, a tool message answers an earlier call's id, completion token ids are below the vocabulary size, and
 the prompt fits the context window and --max-prompt-chars. JSON Schema also counts 2.0 as an integer; Python's
@@ -104,6 +106,8 @@ class FunctionDefinition(_Open):
     name: Annotated[str, Field(pattern=r"^[A-Za-z0-9_-]{1,64}$")]
     description: str | None = None
     parameters: dict[str, Any] | None = Field(None, description="a JSON schema")
+    strict: bool | None = Field(None, description="accepted; arguments are enforced under tool_choice required or "
+                                                  "named whatever it says, not yet under auto")
 
 
 class Tool(_Open):
@@ -130,6 +134,25 @@ class ResponseFormat(BaseModel):
     type: Literal["text"]
 
 
+class JsonObjectFormat(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    type: Literal["json_object"]
+
+
+class JsonSchemaSpec(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    name: Annotated[str, Field(pattern=r"^[A-Za-z0-9_-]{1,64}$")]
+    schema_: dict[str, Any] | None = Field(None, alias="schema", description="a JSON schema; null: any JSON object")
+    strict: bool | None = Field(None, description="enforced either way")
+    description: str | None = None
+
+
+class JsonSchemaFormat(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    type: Literal["json_schema"]
+    json_schema: JsonSchemaSpec
+
+
 class _CommonBody(_Open):
     model: NonEmpty = Field(description="a served model's name (see /v1/models)")
     temperature: Annotated[float, Field(ge=0, le=2)] | None = Field(None, description="default 1; 0 is greedy")
@@ -147,17 +170,21 @@ class _CommonBody(_Open):
     frequency_penalty: Annotated[float, Field(ge=0, le=0)] | None = Field(None, description="only 0")
     repetition_penalty: Annotated[float, Field(ge=1, le=1)] | None = Field(None, description="only 1")
     logit_bias: Annotated[dict[str, Any], Field(max_length=0)] | None = Field(None, description="only {}")
-    response_format: ResponseFormat | None = None
+    skip_special_tokens: bool | None = Field(None, description="default true: tokens flagged special are not text")
+    spaces_between_special_tokens: bool | None = Field(None, description="default true (vLLM's; no effect here)")
 
 
 class ChatCompletionBody(_CommonBody):
     messages: Annotated[list[Message], Field(min_length=1, max_length=DEFAULT_MAX_MESSAGES)] = Field(
         description="at most the server's --max-messages")
+    response_format: Union[ResponseFormat, JsonObjectFormat, JsonSchemaFormat, None] = Field(
+        None, description="json_object / json_schema: the output is constrained to JSON (the schema enforced)")
     tools: list[Tool] | None = None
     tool_choice: Union[Literal["none", "auto", "required"], NamedToolChoice, None] = None
     reasoning_effort: Union[Literal[REASONING_EFFORTS], Annotated[int, Field(ge=1, le=100)],
                             Annotated[str, Field(pattern=r"^0*([1-9][0-9]?|100)$")], None] = Field(
-        None, description="none (chat mode), low/high/xhigh/max, or 1-100 (also as a decimal string); null: high")
+        None, description="none (chat mode); minimal/low (budget 50), medium/high/xhigh (75), max (100); or a budget "
+                          "1-100 (also as a decimal string); null: high")
     max_tokens: Annotated[int, Field(ge=1)] | None = Field(None, description="default: the rest of the window")
     max_completion_tokens: Annotated[int, Field(ge=1)] | None = Field(None, description="wins over max_tokens")
     logprobs: bool | None = None
@@ -173,6 +200,7 @@ class CompletionBody(_CommonBody):
     echo: Literal[False] | None = None
     suffix: None = Field(None, description="not supported")
     best_of: Literal[1] | None = None
+    response_format: ResponseFormat | None = Field(None, description="only text (chat takes the JSON formats)")
 
 
 BODY_MODELS: tuple[type[BaseModel], ...] = (ChatCompletionBody, CompletionBody)

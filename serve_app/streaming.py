@@ -5,9 +5,13 @@ Pipeline per choice: token ids -> `IncrementalDetokenizer` (whole UTF-8 characte
 `engine.chat.CompletionParser` (reasoning / content / DSML tool calls) -> delta dicts.
 
 Choices made here:
-- Text is decoded with special tokens kept (`<think>`, `｜DSML｜` are what the parser reads). The
-  end-of-sentence token and the request's stop_token_ids are not text: they end the output, are
-  counted as generated tokens, and are never shown (vLLM's default).
+- skip_special_tokens (default true, as vLLM): tokens the tokenizer flags special (`<｜place▁holder▁no▁N｜>`, BOS,
+  `<｜System｜>`) are not text. V4.1's chat tags (`<think>`, `</think>`, `｜DSML｜`, `<｜User｜>`) are added tokens
+  but not special, so the parser always reads them. spaces_between_special_tokens (default true) is accepted as
+  vLLM accepts it: its fast detokenizer (tokenizers' DecodeStream) writes no space between added tokens of this
+  byte-level tokenizer either way, and neither does this one. The end-of-sentence token and the request's
+  stop_token_ids are not text whatever is asked: they end the output, are counted as generated tokens, and are
+  never shown (vLLM's default).
 - Stop strings apply to the raw completion text, reasoning and DSML included (as vLLM does). The
   text is cut before the earliest hit; tokens after the hitting one are not consumed, and the caller
   should abort the engine request once `is_stopped`.
@@ -22,7 +26,7 @@ import json
 from collections.abc import Iterable, Sequence
 from typing import Any
 
-from engine.chat import CompletionDelta, CompletionParser, ParsedCompletion
+from engine.chat import CompletionDelta, CompletionParser
 from engine.chat import syntax
 
 SSE_DONE = "data: [DONE]\n\n"
@@ -80,8 +84,9 @@ class IncrementalDetokenizer:
     held back; once a decode ends in a whole character the pending ids are dropped, and since lossy
     UTF-8 decoding restarts cleanly after a whole character, later text decodes as it would in full."""
 
-    def __init__(self, tokenizer: Any) -> None:
+    def __init__(self, tokenizer: Any, skip_special_tokens: bool = False) -> None:
         self._tokenizer = tokenizer
+        self._skip = skip_special_tokens
         self._pending: list[int] = []
         self._num_emitted = 0
 
@@ -89,7 +94,7 @@ class IncrementalDetokenizer:
         self._pending.extend(token_ids)
         if not self._pending:
             return ""
-        text = self._tokenizer.decode(self._pending)
+        text = self._tokenizer.decode(self._pending, skip_special_tokens=self._skip)
         safe = text.rstrip("\ufffd")
         out = safe[self._num_emitted :]
         if len(safe) == len(text):
@@ -101,7 +106,7 @@ class IncrementalDetokenizer:
 
     def finish(self) -> str:
         """The held-back text (U+FFFD for a character that never completed)."""
-        text = self._tokenizer.decode(self._pending)[self._num_emitted :] if self._pending else ""
+        text = self._tokenizer.decode(self._pending, self._skip)[self._num_emitted :] if self._pending else ""
         self._pending.clear()
         self._num_emitted = 0
         return text
@@ -148,48 +153,12 @@ class StopChecker:
         return out
 
 
-class _ReasoningSplitter:
-    """`CompletionParser` without tool calls (tool_choice "none"): reasoning up to the first
-    `</think>` in thinking mode, everything else content, DSML included."""
-
-    def __init__(self, thinking: bool) -> None:
-        self._thinking = thinking
-        self._in_reasoning = thinking
-        self._held = ""
-        self._reasoning: list[str] = []
-        self._content: list[str] = []
-
-    def feed(self, text: str) -> CompletionDelta:
-        if not self._in_reasoning:
-            self._content.append(text)
-            return CompletionDelta(content=text)
-        buf = self._held + text
-        end = buf.find(syntax.THINK_END)
-        if end >= 0:
-            self._in_reasoning, self._held = False, ""
-            reasoning, content = buf[:end], buf[end + len(syntax.THINK_END) :]
-        else:
-            keep = _held_len(buf, (syntax.THINK_END,))
-            reasoning, content, self._held = buf[: len(buf) - keep], "", buf[len(buf) - keep :]
-        self._reasoning.append(reasoning)
-        self._content.append(content)
-        return CompletionDelta(reasoning_content=reasoning, content=content)
-
-    def finish(self) -> CompletionDelta:
-        held, self._held = self._held, ""
-        self._reasoning.append(held)
-        return CompletionDelta(reasoning_content=held)
-
-    def result(self) -> ParsedCompletion:
-        reasoning = "".join(self._reasoning) if self._thinking else None
-        return ParsedCompletion(reasoning, "".join(self._content), [])
-
-
 class _TokenText:
     """The shared front of both streams: stop ids dropped, detokenized, cut at stop strings."""
 
-    def __init__(self, tokenizer: Any, stop: Sequence[str], stop_token_ids: Iterable[int]) -> None:
-        self.detok = IncrementalDetokenizer(tokenizer)
+    def __init__(self, tokenizer: Any, stop: Sequence[str], stop_token_ids: Iterable[int],
+                 skip_special_tokens: bool = True) -> None:
+        self.detok = IncrementalDetokenizer(tokenizer, skip_special_tokens)
         self.stop = StopChecker(stop)
         self.stop_ids = frozenset(stop_token_ids) | {tokenizer.eos_id}
 
@@ -209,9 +178,11 @@ def _finish_reason(stopped: bool, engine_reason: str | None) -> str:
 class ChatChoiceStream:
     """One chat choice: `feed(token_ids)` per engine chunk and `finish(engine_reason)` once return
     OpenAI delta dicts, in order: {"role": "assistant", "content": ""} first, then
-    {"reasoning_content": ...}, {"content": ...} (consecutive ones of a kind merged) and
-    {"tool_calls": [{"index", "id", "type": "function", "function": {"name", "arguments"}}]}, one per
-    call, each whole. Deltas of a kind concatenate to the fields of `message()`.
+    {"reasoning_content": ...}, {"content": ...} (consecutive ones of a kind merged) and tool calls as OpenAI
+    streams them: {"tool_calls": [{"index", "id", "type": "function", "function": {"name", "arguments": ""}}]}
+    once a call's name is read, then {"tool_calls": [{"index", "function": {"arguments": fragment}}]} as its
+    parameters complete (consecutive fragments of a call merged). Deltas of a kind concatenate to the fields of
+    `message()`, a call's argument fragments to its arguments.
 
     tools / parse_tool_calls: what `CompletionParser` is given; parse_tool_calls=False (tool_choice
     "none") leaves DSML in the content. id_salt: per request and choice, so tool-call ids differ
@@ -228,12 +199,11 @@ class ChatChoiceStream:
         stop: Sequence[str] = (),
         stop_token_ids: Iterable[int] = (),
         id_salt: str = "",
+        skip_special_tokens: bool = True,
     ) -> None:
-        self._text = _TokenText(tokenizer, stop, stop_token_ids)
+        self._text = _TokenText(tokenizer, stop, stop_token_ids, skip_special_tokens)
         self._thinking = thinking
-        self._parser: CompletionParser | _ReasoningSplitter = (
-            CompletionParser(thinking, tools, id_salt=id_salt) if parse_tool_calls else _ReasoningSplitter(thinking)
-        )
+        self._parser = CompletionParser(thinking, tools, id_salt=id_salt, parse_tool_calls=parse_tool_calls)
         self._in_reasoning = thinking
         self._think_tail = ""
         self._started = False
@@ -275,7 +245,7 @@ class ChatChoiceStream:
 
     def message(self) -> dict:
         """The non-streaming `message`: content (None when empty and there are tool calls),
-        reasoning_content (thinking mode only), tool_calls (when any)."""
+        reasoning_content (thinking mode, or when the model opened `<think>`), tool_calls (when any)."""
         if self.finish_reason is None:
             raise RuntimeError("ChatChoiceStream.message before finish")
         parsed = self._parser.result()
@@ -283,7 +253,7 @@ class ChatChoiceStream:
             "role": "assistant",
             "content": parsed.content if parsed.content or not parsed.tool_calls else None,
         }
-        if self._thinking:
+        if parsed.reasoning_content is not None:
             message["reasoning_content"] = parsed.reasoning_content
         if parsed.tool_calls:
             message["tool_calls"] = [
@@ -315,19 +285,24 @@ class ChatChoiceStream:
             else:
                 deltas.append({key: text})
         for call in delta.tool_calls:
-            deltas.append({"tool_calls": [{
-                "index": self._num_calls, "id": call.id, "type": "function",
-                "function": {"name": call.name, "arguments": call.arguments},
-            }]})
-            self._num_calls += 1
+            last = deltas[-1]["tool_calls"][0] if deltas and deltas[-1].keys() == {"tool_calls"} else None
+            if call.id is not None:
+                self._num_calls += 1
+                deltas.append({"tool_calls": [{"index": call.index, "id": call.id, "type": "function",
+                                               "function": {"name": call.name, "arguments": call.arguments}}]})
+            elif last is not None and last["index"] == call.index and "id" not in last:
+                last["function"]["arguments"] += call.arguments
+            else:
+                deltas.append({"tool_calls": [{"index": call.index, "function": {"arguments": call.arguments}}]})
 
 
 class CompletionChoiceStream:
     """One /v1/completions choice: plain text. `feed` and `finish` return the new text; `text` is
     all of it; finish_reason "stop" on a stop string, else the engine's."""
 
-    def __init__(self, tokenizer: Any, *, stop: Sequence[str] = (), stop_token_ids: Iterable[int] = ()) -> None:
-        self._text = _TokenText(tokenizer, stop, stop_token_ids)
+    def __init__(self, tokenizer: Any, *, stop: Sequence[str] = (), stop_token_ids: Iterable[int] = (),
+                 skip_special_tokens: bool = True) -> None:
+        self._text = _TokenText(tokenizer, stop, stop_token_ids, skip_special_tokens)
         self._parts: list[str] = []
         self.num_tokens = 0
         self.finish_reason: str | None = None

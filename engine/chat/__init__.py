@@ -2,10 +2,12 @@
 (`parse_completion`, streaming `CompletionParser`)."""
 
 from engine.chat.parse import CompletionDelta, CompletionParser, ParsedCompletion, ToolCall, parse_completion
-from engine.chat.render import ChatFormatError, is_thinking, render_chat, render_chat_parts
+from engine.chat.render import EFFORT_NAMES, EFFORT_PRESETS, ChatFormatError, is_thinking, render_chat, render_chat_parts
 from engine.chat.syntax import PromptPart
 
 __all__ = [
+    "EFFORT_NAMES",
+    "EFFORT_PRESETS",
     "ChatFormatError",
     "CompletionDelta",
     "CompletionParser",

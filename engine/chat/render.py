@@ -26,8 +26,12 @@ from typing import Any, Literal
 from engine.chat import syntax as s
 
 # The released encoder (and the spec) map low/high/max to 50/75/100; "xhigh" is kept as an alias of
-# high, as vLLM does. (vLLM's vendored pre-release table, 25/50/75/100, is stale.)
-EFFORT_PRESETS: dict[str, int] = {"low": 50, "high": 75, "xhigh": 75, "max": 100}
+# high, as vLLM does. (vLLM's vendored pre-release table, 25/50/75/100, is stale.) OpenAI's "minimal" and
+# "medium" have no V4.1 preset: each takes the released preset it sits on (minimal -> low's 50, medium ->
+# high's 75), as DeepSeek's API treats its in-between names. "none" is chat mode (no reasoning).
+EFFORT_PRESETS: dict[str, int] = {"minimal": 50, "low": 50, "medium": 75, "high": 75, "xhigh": 75, "max": 100}
+# Every accepted name, in the order OpenAI ranks them, then V4.1's own "max".
+EFFORT_NAMES: tuple[str, ...] = ("none", "minimal", "low", "medium", "high", "xhigh", "max")
 # reasoning_effort=None does what the reference does without one: thinking mode with preset "high".
 DEFAULT_EFFORT = "high"
 ROLES = ("system", "developer", "user", "assistant", "tool", "latest_reminder")
@@ -102,8 +106,8 @@ def render_chat(
     """The full prompt text: BOS, the turns, and the assistant header that generation continues from
     (none after a final latest_reminder message: the reference writes the reminder after the header).
 
-    reasoning_effort: "none" -> chat mode (`<｜Assistant｜></think>`); "low"/"high"/"xhigh"/"max"
-    (50/75/75/100) or an int 1-100 -> thinking mode (`<｜Assistant｜><think>`) with the effort line
+    reasoning_effort: "none" -> chat mode (`<｜Assistant｜></think>`); "minimal"/"low"/"medium"/"high"/"xhigh"/
+    "max" (50/50/75/75/75/100) or an int 1-100 -> thinking mode (`<｜Assistant｜><think>`) with the effort line
     "Reasoning Effort: N (…)" at the start; None -> "high". Raises ChatFormatError on invalid input.
     To tokenize a prompt, render its parts (`render_chat_parts`) instead: the text alone cannot tell the
     template's special tokens from the same spellings inside a message."""
@@ -122,7 +126,7 @@ def _effort_budget(effort: object) -> int | None:
     elif type(effort) is int and 1 <= effort <= 100:  # not bool
         return effort
     raise ChatFormatError(
-        f"reasoning_effort: must be none/low/high/xhigh/max or an integer 1-100, got {effort!r}"
+        f"reasoning_effort: must be {'/'.join(EFFORT_NAMES)} or an integer 1-100, got {effort!r}"
     )
 
 

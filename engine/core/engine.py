@@ -23,6 +23,7 @@ from engine.core import kv_blocks
 from engine.core.cache_manager import CacheLayout, KVCacheManager
 from engine.core.engine_config import DecodeOptions, EngineConfig, decode_options
 from engine.core.engine_config import kernels_for
+from engine.core.grammar import GrammarCompiler, GrammarError
 from engine.core.kv_blocks import ExportedPrefix, PrefixImportError
 from engine.core.kv_cache import PagedKVCache, size_layout
 from engine.core.overlap import InFlight, can_overlap, from_rows
@@ -141,8 +142,11 @@ def cache_layout(cfg: ModelConfig, config: EngineConfig) -> CacheLayout:
 
 class LLMEngine:
     def __init__(self, cfg: ModelConfig, config: EngineConfig, make_executor: Callable[[CacheLayout], Executor], *,
-                 eos_token_id: int | None = None, weights_identity: str = "unnamed"):
+                 eos_token_id: int | None = None, weights_identity: str = "unnamed",
+                 grammars: GrammarCompiler | None = None):
+        """grammars: compiles the requests' GrammarSpecs (None: a request with one is refused)."""
         self.cfg, self.config = cfg, config
+        self.grammars = grammars
         self.eos_token_id = eos_token_id if eos_token_id is not None else cfg.eos_token_id
         self.max_model_len = config.max_model_len or cfg.max_position_embeddings
         layout = cache_layout(cfg, config)
@@ -175,8 +179,9 @@ class LLMEngine:
         from engine.load import load_model
 
         loaded = load_model(ckpt_dir, device, with_mtp=False, progress=progress)
+        grammars = GrammarCompiler(loaded.tokenizer.path.read_text(encoding="utf-8"), loaded.tokenizer.eos_id)
         engine = cls.local(loaded.model, config, eos_token_id=loaded.tokenizer.eos_id,
-                           weights_identity=str(Path(ckpt_dir).resolve()))
+                           weights_identity=str(Path(ckpt_dir).resolve()), grammars=grammars)
         engine.tokenizer = loaded.tokenizer
         return engine
 
@@ -238,6 +243,13 @@ class LLMEngine:
         capacity = self.cache.layout.num_global_blocks * self.cache.layout.global_block_size
         if len(prompt_ids) + 1 > capacity:
             raise RequestError(f"the prompt has {len(prompt_ids)} tokens; this replica's KV cache holds {capacity}")
+        if params.grammar is not None:
+            if self.grammars is None:
+                raise RequestError("this engine has no grammar compiler: constrained decoding is not available")
+            try:
+                self.grammars.matcher(params.grammar)  # compiled (and cached) now, so a bad grammar queues nothing
+            except GrammarError as e:
+                raise RequestError(f"the grammar does not compile: {e}") from None
         seed = params.seed if params.seed is not None else self._rng.randrange(2**63)
         req = self._new_request(request_id, request_id, 0, list(prompt_ids), params, seed, force_ids)
         req.keep_logits = keep_logits
@@ -419,6 +431,8 @@ class LLMEngine:
                       list(force_ids) if force_ids else None)
         req.fork_of = None if choice == 0 else group
         req.choice_index = choice
+        if params.grammar is not None:
+            req.grammar = self.grammars.matcher(params.grammar)
         req.stats.arrival_time = time.monotonic()
         self.requests[rid] = req
         return req
@@ -460,14 +474,17 @@ class LLMEngine:
             req = c.request
             n_out = len(req.output_ids)
             force = req.force_ids[n_out] if req.force_ids is not None and n_out < len(req.force_ids) else None
-            specs.append(SampleSpec(row, req.params, req.seed, n_out, force))
-            specs += [SampleSpec(row, req.params, _sibling_seed(req.seed, i), 0, force)
+            allowed = req.grammar.mask() if req.grammar is not None else None  # the siblings' grammars start alike
+            specs.append(SampleSpec(row, req.params, req.seed, n_out, force, allowed))
+            specs += [SampleSpec(row, req.params, _sibling_seed(req.seed, i), 0, force, allowed)
                       for i in range(1, self._num_draws(req))]
         return specs
 
     def _take(self, req: Request, token: int, lp, error: str | None, slot: int | None = None) -> RequestOutput:
         """A drawn token: appended (slot None) or in place of the request's PENDING_TOKEN at `slot`; ends the
         request on a stop, its length or an error (a later step's pending position rolled back first)."""
+        if error is None and req.grammar is not None and not req.grammar.accept(token):
+            error = f"the grammar does not allow the drawn token {token} ({req.grammar.error})"
         if error is not None:
             self._end(req, FinishReason.ERROR, len(req.output_ids) if slot is None else slot)
             return self._output(req, [], [], FinishReason.ERROR, error)
@@ -481,6 +498,8 @@ class LLMEngine:
         if req.stats.first_token_time is None:
             req.stats.first_token_time = time.monotonic()
         reason = req.check_stop(num_outputs)
+        if reason is None and req.grammar is not None and req.grammar.is_done:
+            reason = FinishReason.STOP  # the grammar is complete: only the end-of-sentence token could follow
         if reason is not None:
             self._end(req, reason, num_outputs)
         elif slot is not None:

@@ -11,7 +11,8 @@ request's tokens, cache state and snapshot are those of the synchronous order.
 
 The engine overlaps only where that cannot change what the scheduler decides (can_overlap): every running request
 decodes one position, nothing waits to be admitted, no fork copies are pending, the token budget covers the batch,
-and the pools hold the blocks the next positions need without preempting anyone or dropping a snapshot. Otherwise
+and the pools hold the blocks the next positions need without preempting anyone or dropping a snapshot, and no
+running request is constrained by a grammar (its next mask is computed from the token still in flight). Otherwise
 the step in flight is read first and the next step runs as it would without overlap.
 """
 
@@ -50,8 +51,8 @@ def can_overlap(scheduler: Scheduler) -> bool:
     G, S = cache.layout.global_block_size, cache.layout.swa_block_size
     need_global = need_swa = 0
     for r in running:
-        if r.num_tokens - r.num_computed != 1 or r.keep_logits:
-            return False
+        if r.num_tokens - r.num_computed != 1 or r.keep_logits or r.grammar is not None:
+            return False  # a grammar's next mask needs the token in flight (engine/core/grammar.py)
         end = r.num_computed + 1
         need_global += max(0, -(-end // G) - len(r.global_blocks))
         need_swa += (end - 1) // S not in r.swa_blocks

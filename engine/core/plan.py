@@ -40,6 +40,7 @@ class SampleSpec:
     seed: int  # the choice's effective seed
     step: int  # index of the token within the choice's output (0 = first output token)
     force_id: int | None = None  # teacher forcing: this token is taken (its logprob reported) whatever is drawn
+    allowed: bytes | None = None  # a grammar's bitmask of the tokens this draw may take (engine/core/grammar.py)
 
 
 @dataclass(slots=True)

@@ -70,6 +70,7 @@ class Request:
     max_total_len: int  # prompt + output cap from the context window
     force_ids: list[int] | None = None  # teacher forcing: output i is force_ids[i] while they last
     keep_logits: bool = False  # return the logits of every computed decoder row, not just the sampled ones
+    grammar: object | None = None  # its GrammarMatcher (engine/core/grammar.py) when params.grammar is set
     output_ids: list[int] = field(default_factory=list)  # PENDING_TOKEN: drawn by a step still on the device
     logprobs: list[TokenLogprob | None] = field(default_factory=list)
     status: RequestStatus = RequestStatus.WAITING

@@ -127,8 +127,23 @@ def filter_logits(x: torch.Tensor, ps: Sequence[SamplingParams]) -> torch.Tensor
     return x
 
 
-def sample(logits: torch.Tensor, rows: Sequence[SampleRow]) -> SampleOutput:
+def allowed_tokens(masks: Sequence[bytes | None], vocab_size: int, device: torch.device) -> torch.Tensor | None:
+    """Grammar bitmasks (engine/core/grammar.py: bit t of little-endian 32-bit word t // 32 allows token t; None: no
+    constraint) -> bool [N, V] of the tokens each row may draw; None when no row has a mask."""
+    if all(m is None for m in masks):
+        return None
+    num_bytes = (vocab_size + 31) // 32 * 4  # llguidance may add a word; bits at and above vocab_size are dropped
+    assert all(m is None or len(m) >= num_bytes for m in masks), f"a bitmask shorter than {num_bytes} bytes"
+    raw = torch.frombuffer(bytearray(b"".join(m[:num_bytes] if m is not None else b"\xff" * num_bytes for m in masks)),
+                           dtype=torch.uint8).view(len(masks), num_bytes)
+    bits = (raw[:, :, None] >> torch.arange(8, dtype=torch.uint8)) & 1  # [N, bytes, 8], lowest bit first
+    return bits.view(len(masks), -1)[:, :vocab_size].bool().to(device)
+
+
+def sample(logits: torch.Tensor, rows: Sequence[SampleRow], allowed: torch.Tensor | None = None) -> SampleOutput:
     """logits fp32 [N, V] (any device), one SampleRow per row -> N tokens and, where asked, their logprobs.
+    allowed: bool [N, V] (allowed_tokens), the tokens a grammar lets each row draw: the others are -inf for the draw
+    (not for the logprobs, which are the model's, as vLLM's default raw logprobs).
 
     Temperature 0 (or below SamplingParams.MIN_TEMPERATURE) is argmax of the raw logits. Otherwise the
     logits are divided by the temperature in fp32 (IEEE division: the same bits on every device), filtered
@@ -145,6 +160,9 @@ def sample(logits: torch.Tensor, rows: Sequence[SampleRow]) -> SampleOutput:
     if num_rows == 0:
         return SampleOutput(token_ids=[], logprobs=[], errors=[])
     device = logits.device
+    raw = logits
+    if allowed is not None:
+        logits = logits.masked_fill(~allowed, float("-inf"))  # no allowed token left: the row fails (unusable)
     usable = _usable(logits)
     logits = logits.masked_fill(~usable[:, None], 0.0)  # a failed row samples harmlessly, then is dropped
     token_ids = logits.argmax(dim=-1)  # [N]; first maximum -> lowest id on ties
@@ -166,7 +184,7 @@ def sample(logits: torch.Tensor, rows: Sequence[SampleRow]) -> SampleOutput:
     logprobs: list[TokenLogprobs | None] = [None] * num_rows
     lp_idx = [i for i, r in enumerate(rows) if r.params.logprobs is not None and errors[i] is None]
     if lp_idx:
-        lp = torch.log_softmax(logits.index_select(0, torch.tensor(lp_idx, device=device)).double(), dim=-1)
+        lp = torch.log_softmax(raw.index_select(0, torch.tensor(lp_idx, device=device)).double(), dim=-1)
         num_top = max(rows[i].params.logprobs or 0 for i in lp_idx)
         top_lp, top_ids = lp.sort(dim=-1, descending=True, stable=True)  # stable: ties -> lower id
         top_lp, top_ids = top_lp[:, :num_top].tolist(), top_ids[:, :num_top].tolist()
@@ -186,7 +204,8 @@ def sample_specs(logits: torch.Tensor, specs: Sequence[SampleSpec]) -> SampleOut
     rows = [spec.row for spec in specs]
     if rows != list(range(logits.size(0))):
         logits = logits.index_select(0, torch.tensor(rows, device=logits.device))
-    out = sample(logits, [SampleRow(spec.params, spec.seed, spec.step) for spec in specs])
+    allowed = allowed_tokens([spec.allowed for spec in specs], logits.size(1), logits.device)
+    out = sample(logits, [SampleRow(spec.params, spec.seed, spec.step) for spec in specs], allowed)
     forced = [i for i, spec in enumerate(specs) if spec.force_id is not None and out.errors[i] is None]
     for i in forced:
         out.token_ids[i] = specs[i].force_id

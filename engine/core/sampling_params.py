@@ -5,6 +5,15 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 
+@dataclass(frozen=True, slots=True)
+class GrammarSpec:
+    """A constraint on the output (engine/core/grammar.py): llguidance grammar text (engine/chat/constraints.py
+    writes it), enforced from the first output token, or only after `after_token` has been drawn."""
+
+    grammar: str
+    after_token: int | None = None
+
+
 class SamplingError(ValueError):
     """A sampling parameter out of range; the message names the field (the API turns it into a 400)."""
 
@@ -27,6 +36,7 @@ class SamplingParams:
     logprobs: int | None = None
     n: int = 1
     ignore_eos: bool = False
+    grammar: GrammarSpec | None = None  # constrained decoding
 
     MAX_LOGPROBS = 20
     MIN_TEMPERATURE = 1e-5

@@ -1,5 +1,13 @@
-"""parse_completion / CompletionParser: reasoning split, DSML tool calls, malformed output, ids,
-render -> parse round trips, and streaming == whole-text parsing for every chunking."""
+"""parse_completion / CompletionParser against vLLM's DeepSeek V4.1 parser, and streaming.
+
+`VLLM_SAMPLES` are model outputs with what vLLM's parser returns for them, written out by hand from its code
+(`vllm/parser/deepseek_v41.py`, `deepseek_v4.py`, `parser/engine/{streaming_parser_engine,parser_engine}.py`,
+`tool_parsers/utils.py`): reasoning with its trailing whitespace stripped, content verbatim (the "\\n\\n" before a
+calls block kept, whitespace-only content dropped when calls are made), text between tags dropped, arguments from
+the parameter regex with JSON decoding, wrapper unwrapping and coercion to the tool's schema types. vLLM's message
+fields are `reasoning` / `content` / `tool_calls`, null when empty; ours are the same with "" for no content.
+Streaming: every split point of every sample gives the same result, and no delta ever holds tag text.
+"""
 
 from __future__ import annotations
 
@@ -9,320 +17,194 @@ import re
 
 import pytest
 
-from engine.chat import CompletionParser, ParsedCompletion, ToolCall, parse_completion, render_chat
+from engine.chat import CompletionParser, ParsedCompletion, ToolCall, parse_completion, syntax
 
-EOS = "<｜end▁of▁sentence｜>"
+EOS = syntax.EOS
 ID_RE = re.compile(r"^call_\d+_[0-9a-f]{12}$")
+TAG_TEXT = ("｜DSML｜", "<think>", "</think>", EOS)
 
-# The assistant turn of the reference fixture deepseek_v41/test_output_1.txt (after "<think>").
-FIXTURE_CALL = (
-    "The user wants to know the weather in Beijing. I should use the get_weather tool.</think>\n\n"
-    "<｜DSML｜ calls>\n"
-    '<｜DSML｜ invoke name="get_weather">\n'
-    '<｜DSML｜ parameter name="location" string="true">Beijing</｜DSML｜ parameter>\n'
-    '<｜DSML｜ parameter name="unit" string="true">celsius</｜DSML｜ parameter>\n'
-    "</｜DSML｜ invoke>\n"
-    "</｜DSML｜ calls>" + EOS
-)
+
+def call(name: str, *params: tuple[str, str, str], close: bool = True) -> str:
+    body = "\n".join(f'<｜DSML｜ parameter name="{k}" string="{flag}">{v}</｜DSML｜ parameter>' for k, flag, v in params)
+    return f'<｜DSML｜ invoke name="{name}">\n{body}\n' + ("</｜DSML｜ invoke>" if close else "")
 
 
 def block(*invokes: str) -> str:
     return "<｜DSML｜ calls>\n" + "\n".join(invokes) + "\n</｜DSML｜ calls>"
 
 
-def invoke(name: str, *params: tuple[str, str, str]) -> str:
-    body = "\n".join(
-        f'<｜DSML｜ parameter name="{k}" string="{flag}">{v}</｜DSML｜ parameter>' for k, flag, v in params
-    )
-    return f'<｜DSML｜ invoke name="{name}">\n{body}\n</｜DSML｜ invoke>'
+def tool(name: str, **properties: dict) -> dict:
+    return {"type": "function", "function": {"name": name, "parameters": {"type": "object", "properties": properties}}}
 
 
-def without_ids(parsed: ParsedCompletion) -> tuple:
-    return parsed.reasoning_content, parsed.content, [(c.name, json.loads(c.arguments)) for c in parsed.tool_calls]
+WEATHER = tool("get_weather", city={"type": "string"}, days={"type": "integer"})
+TYPED = tool("typed", n={"type": "integer"}, x={"type": "number"}, on={"type": "boolean"}, unit={"type": "string"},
+             tags={"type": "array", "items": {"type": "integer"}}, opt={"type": ["null", "string"]},
+             mode={"enum": [1, 2, "auto"]}, free={})
+TOOLS = [WEATHER, tool("get_time", tz={"type": "string"}), TYPED]
+BOTH = block(call("get_weather", ("city", "true", "Paris"), ("days", "false", "2")), call("get_time", ("tz", "true", "UTC")))
 
-
-# --- reasoning / content -------------------------------------------------------------------------
-
-
-def test_thinking_splits_at_think_end_and_strips_eos():
-    parsed = parse_completion("Let me see.</think>Paris." + EOS, thinking=True)
-    assert parsed == ParsedCompletion("Let me see.", "Paris.", [])
-
-
-def test_thinking_without_think_end_is_all_reasoning():
-    text = 'still thinking\n\n<｜DSML｜ calls>\n<｜DSML｜ invoke name="f">'
-    assert parse_completion(text, thinking=True) == ParsedCompletion(text, "", [])
-    assert parse_completion("abc" + EOS, thinking=True) == ParsedCompletion("abc", "", [])
-
-
-def test_chat_mode_is_all_content():
-    parsed = parse_completion("Paris.</think> is the <think>answer" + EOS, thinking=False)
-    assert parsed == ParsedCompletion(None, "Paris.</think> is the <think>answer", [])
-
-
-def test_only_the_trailing_eos_is_removed():
-    assert parse_completion("a" + EOS + "b", thinking=False).content == "a" + EOS + "b"
-    assert parse_completion("a" + EOS + EOS, thinking=False).content == "a" + EOS
-    assert parse_completion("a" + EOS[:5], thinking=False).content == "a" + EOS[:5]
-    assert parse_completion("", thinking=True) == ParsedCompletion("", "", [])
-
-
-def test_empty_reasoning_and_second_think_end_is_content():
-    assert parse_completion("</think>x</think>y", thinking=True) == ParsedCompletion("", "x</think>y", [])
-
-
-# --- tool calls ----------------------------------------------------------------------------------
-
-
-def test_reference_fixture_tool_call():
-    parsed = parse_completion(FIXTURE_CALL, thinking=True)
-    assert parsed.reasoning_content == (
-        "The user wants to know the weather in Beijing. I should use the get_weather tool."
-    )
-    assert parsed.content == ""
-    assert [(c.name, c.arguments) for c in parsed.tool_calls] == [
-        ("get_weather", '{"location": "Beijing", "unit": "celsius"}')
-    ]
-
-
-def test_string_false_values_are_json_with_raw_fallback():
-    text = "\n\n" + block(
-        invoke(
-            "f",
-            ("n", "false", "3"),
-            ("x", "false", " 2.5 "),
-            ("b", "false", "true"),
-            ("l", "false", '[1, "é"]'),
-            ("o", "false", '{"a": null}'),
-            ("bad", "false", "not json{"),
-            ("nan", "false", "NaN"),
-            ("s", "true", "42"),
-            ("raw", "true", ' keep  "quotes" & <b>tags</b>\n'),
-        )
-    )
-    (c,) = parse_completion(text, thinking=False).tool_calls
-    assert json.loads(c.arguments) == {
-        "n": 3,
-        "x": 2.5,
-        "b": True,
-        "l": [1, "é"],
-        "o": {"a": None},
-        "bad": "not json{",
-        "nan": "NaN",
-        "s": "42",
-        "raw": ' keep  "quotes" & <b>tags</b>\n',
-    }
-    assert '"l": [1, "é"]' in c.arguments  # non-ASCII kept, reference spacing
-
-
-def test_content_before_and_after_calls_and_several_blocks():
-    text = (
-        "Checking both.\n\n" + block(invoke("f", ("a", "true", "1")), invoke("g"))
-        + "middle\n\n" + block(invoke("h", ("z", "false", "[]"))) + " tail" + EOS
-    )
-    parsed = parse_completion(text, thinking=False)
-    assert parsed.content == "Checking both.middle tail"
-    assert [(c.name, c.arguments) for c in parsed.tool_calls] == [
-        ("f", '{"a": "1"}'), ("g", "{}"), ("h", '{"z": []}')
-    ]
-
-
-def test_separator_is_only_the_blank_line_before_the_block():
-    parsed = parse_completion("a\n\n\n" + block(invoke("f")), thinking=False)
-    assert parsed.content == "a\n"
-    parsed = parse_completion("a " + block(invoke("f")), thinking=False)
-    assert parsed.content == "a "
-    assert len(parsed.tool_calls) == 1
-
-
-def test_whitespace_between_tags_is_free():
-    text = (
-        '<｜DSML｜ calls><｜DSML｜ invoke name="f">  <｜DSML｜ parameter name="a" string="false">1'
-        '</｜DSML｜ parameter>\t\r\n</｜DSML｜ invoke></｜DSML｜ calls>'
-    )
-    assert [c.arguments for c in parse_completion(text, thinking=False).tool_calls] == ['{"a": 1}']
-
-
-def test_empty_calls_block_yields_no_calls():
-    assert parse_completion("x\n\n" + block(), thinking=False) == ParsedCompletion(None, "x", [])
-
-
-def test_tool_call_ids_are_deterministic_and_salted():
-    text = "\n\n" + block(invoke("f", ("a", "true", "1")), invoke("f", ("a", "true", "1")))
-    first = parse_completion(text, thinking=False).tool_calls
-    assert first == parse_completion(text, thinking=False).tool_calls
-    assert all(ID_RE.match(c.id) for c in first)
-    assert [c.id.split("_")[1] for c in first] == ["0", "1"]
-    assert first[0].id != first[1].id  # identical calls, different index
-    salted = parse_completion(text, thinking=False, id_salt="req-7").tool_calls
-    assert [c.id for c in salted] != [c.id for c in first]
-    assert [(c.name, c.arguments) for c in salted] == [(c.name, c.arguments) for c in first]
-
-
-def test_call_index_counts_across_blocks():
-    text = block(invoke("f")) + "\n\n" + block(invoke("g"))
-    assert [c.id.split("_")[1] for c in parse_completion(text, thinking=False).tool_calls] == ["0", "1"]
-
-
-def test_wrapped_arguments_are_unwrapped_only_against_the_schema():
-    tools = [
-        {"type": "function", "function": {"name": "f", "parameters": {"properties": {"a": {}, "b": {}}}}},
-        {"type": "function", "function": {"name": "g", "parameters": {"properties": {"arguments": {}}}}},
-    ]
-    wrapped = ("arguments", "true", '{"a": 1}')
-    assert parse_completion(block(invoke("f", wrapped)), False, tools).tool_calls[0].arguments == '{"a": 1}'
-    as_object = ("input", "false", '{"b": "x"}')
-    assert parse_completion(block(invoke("f", as_object)), False, tools).tool_calls[0].arguments == '{"b": "x"}'
-    # g declares "arguments"; unknown keys inside; no tools given: all kept as written.
-    assert parse_completion(block(invoke("g", wrapped)), False, tools).tool_calls[0].arguments == (
-        '{"arguments": "{\\"a\\": 1}"}'
-    )
-    unknown = ("arguments", "false", '{"c": 1}')
-    assert parse_completion(block(invoke("f", unknown)), False, tools).tool_calls[0].arguments == (
-        '{"arguments": {"c": 1}}'
-    )
-    assert parse_completion(block(invoke("f", wrapped)), False).tool_calls[0].arguments == (
-        '{"arguments": "{\\"a\\": 1}"}'
-    )
-
-
-# --- malformed DSML stays content ----------------------------------------------------------------
-
-GOOD = "Sure.\n\n" + block(invoke("f", ("a", "true", "x"), ("n", "false", "2")), invoke("g")) + EOS
-
-
-def test_every_truncation_of_a_calls_block_is_verbatim_content():
-    start = GOOD.index("\n\n<｜DSML｜")
-    end = GOOD.index(EOS)
-    for cut in range(start + 1, end):
-        text = GOOD[:cut]
-        parsed = parse_completion(text, thinking=False)
-        assert parsed == ParsedCompletion(None, text, []), cut
-
-
-@pytest.mark.parametrize(
-    "broken",
-    [
-        '<｜DSML｜ calls>\n<｜DSML｜ invoke name="f">\nhello\n</｜DSML｜ invoke>\n</｜DSML｜ calls>',
-        '<｜DSML｜ calls>\n<｜DSML｜ invoke name="">\n</｜DSML｜ invoke>\n</｜DSML｜ calls>',
-        '<｜DSML｜ calls>\n<｜DSML｜ invoke name="f>\n</｜DSML｜ invoke>\n</｜DSML｜ calls>',
-        '<｜DSML｜ calls>\n<｜DSML｜ invoke name="f">\n<｜DSML｜ parameter name="a">1</｜DSML｜ parameter>\n'
-        "</｜DSML｜ invoke>\n</｜DSML｜ calls>",
-        '<｜DSML｜ calls>\n<｜DSML｜ invoke name="f">\n<｜DSML｜ parameter name="a" string="yes">1'
-        "</｜DSML｜ parameter>\n</｜DSML｜ invoke>\n</｜DSML｜ calls>",
-        '<｜DSML｜ calls>\n<｜DSML｜ invoke name="f">\n'
-        '<｜DSML｜ parameter name="a" string="true">1</｜DSML｜ parameter>\n'
-        '<｜DSML｜ parameter name="a" string="true">2</｜DSML｜ parameter>\n'
-        "</｜DSML｜ invoke>\n</｜DSML｜ calls>",
-        "<｜DSML｜ calls>\n<｜DSML｜tool_calls>\n</｜DSML｜ calls>",  # V4 spelling inside
-        '<｜DSML｜ calls>\n<｜DSML｜ invoke name="f">\n</｜DSML｜ invoke>\ntrailing words',
-    ],
-)
-def test_malformed_block_is_verbatim_content_and_parsing_resumes(broken):
-    good = "\n\n" + block(invoke("ok", ("k", "false", "1")))
-    text = "Before." + "\n\n" + broken + " after." + good + EOS
-    parsed = parse_completion(text, thinking=True)
-    assert parsed.reasoning_content == "Before.\n\n" + broken + " after." + good
-    parsed = parse_completion("r</think>" + text, thinking=True)
-    assert parsed.reasoning_content == "r"
-    assert parsed.content == "Before.\n\n" + broken + " after."
-    assert [(c.name, c.arguments) for c in parsed.tool_calls] == [("ok", '{"k": 1}')]
-
-
-# --- round trip ----------------------------------------------------------------------------------
-
-ROUND_TRIP_CALLS = [
-    {
-        "id": "call_a",
-        "type": "function",
-        "function": {
-            "name": "search",
-            "arguments": json.dumps({"query": "北京 weather\n<b>", "num_results": 3, "filters": {"x": [1, None]}}),
-        },
-    },
-    {"id": "call_b", "type": "function", "function": {"name": "now", "arguments": "{}"}},
-    {"id": "call_c", "type": "function", "function": {"name": "flag", "arguments": '{"on": true, "s": "true"}'}},
+# (name, thinking, model output, vLLM's (reasoning, content, [(name, arguments JSON text)]))
+VLLM_SAMPLES = [
+    ("issue_24_content_keeps_its_blank_line", True,
+     "The user asks for two cities.\n\n</think>Let me check both.\n\n" + BOTH + EOS,
+     ("The user asks for two cities.", "Let me check both.\n\n",
+      [("get_weather", '{"city": "Paris", "days": 2}'), ("get_time", '{"tz": "UTC"}')])),
+    ("reference_fixture_whitespace_only_content_dropped", True,
+     "The user wants to know the weather in Beijing. I should use the get_weather tool.</think>\n\n"
+     + block(call("get_weather", ("location", "true", "Beijing"), ("unit", "true", "celsius"))) + EOS,
+     ("The user wants to know the weather in Beijing. I should use the get_weather tool.", None,
+      [("get_weather", '{"location": "Beijing", "unit": "celsius"}')])),
+    ("chat_mode_content_verbatim", False, "  Hello!\n\nBye.\n", (None, "  Hello!\n\nBye.\n", [])),
+    ("no_think_end_is_all_reasoning", True, "Still thinking about it \n\n", ("Still thinking about it", None, [])),
+    ("reasoning_keeps_inner_whitespace", True, "a\n\nb \n</think>\n\nAnswer.", ("a\n\nb", "\n\nAnswer.", [])),
+    ("calls_block_ends_reasoning", True, "Need the weather." + BOTH,
+     ("Need the weather.", None, [("get_weather", '{"city": "Paris", "days": 2}'), ("get_time", '{"tz": "UTC"}')])),
+    ("think_tags_out_of_place", False, "A</think>B<think>C \n</think>D", ("C", "ABD", [])),
+    ("second_think_in_reasoning_is_dropped", True, "x<think>y</think>z", ("xy", "z", [])),
+    ("text_between_tags_dropped_and_name_stripped", False,
+     'Go.<｜DSML｜ calls> junk <｜DSML｜ invoke name=" get_time ">'
+     '<｜DSML｜ parameter name="tz" string="true">CET</｜DSML｜ parameter> also junk </｜DSML｜ invoke>between'
+     "</｜DSML｜ calls>", (None, "Go.", [("get_time", '{"tz": "CET"}')])),
+    ("coercion_to_schema_types", False,
+     block(call("typed", ("n", "true", "7"), ("x", "true", "2.50"), ("on", "true", "1"), ("unit", "false", "5"),
+                ("tags", "false", '["1", 2]'), ("opt", "true", "null"), ("mode", "true", "2"),
+                ("free", "true", "{\"a\": 1}"), ("undeclared", "true", "8"))),
+     (None, None, [("typed", '{"n": 7, "x": 2.5, "on": true, "unit": "5", "tags": [1, 2], "opt": null, '
+                             '"mode": 2, "free": "{\\"a\\": 1}", "undeclared": "8"}')])),
+    ("string_false_json_with_raw_fallback", False,
+     block(call("f", ("a", "false", '{"k": [1, 2.5, null]}'), ("b", "false", "not json"))),
+     (None, None, [("f", '{"a": {"k": [1, 2.5, null]}, "b": "not json"}')])),
+    ("wrapper_unwrapped_against_the_schema", False,
+     block(call("get_weather", ("arguments", "false", '{"city": "Rome", "days": "3"}'))),
+     (None, None, [("get_weather", '{"city": "Rome", "days": 3}')])),
+    ("wrapper_kept_when_not_all_keys_declared", False,
+     block(call("get_weather", ("input", "true", '{"city": "Rome", "when": "now"}'))),
+     (None, None, [("get_weather", '{"input": "{\\"city\\": \\"Rome\\", \\"when\\": \\"now\\"}"}')])),
+    ("parameter_ended_by_the_next_one", False,
+     block('<｜DSML｜ invoke name="f">\n<｜DSML｜ parameter name="a" string="true">1\n'
+           '<｜DSML｜ parameter name="b" string="true">2</｜DSML｜ parameter>\n</｜DSML｜ invoke>'),
+     (None, None, [("f", '{"a": "1\\n", "b": "2"}')])),
+    ("truncated_inside_a_parameter", False,
+     "Checking.\n\n<｜DSML｜ calls>\n" + call("get_weather", ("city", "true", "Oslo"), close=False)
+     + '<｜DSML｜ parameter name="days" string="false">1',
+     (None, "Checking.\n\n", [("get_weather", '{"city": "Oslo"}')])),
+    ("truncated_inside_a_name", False, 'x\n\n<｜DSML｜ calls>\n<｜DSML｜ invoke name="get_wea',
+     (None, "x\n\n", [("get_wea", "{}")])),
+    ("empty_name_dropped", False, block(call("", ("a", "true", "1")), call("g")), (None, None, [("g", "{}")])),
+    ("unknown_tool_no_coercion", False, block(call("nope", ("n", "true", "7"))), (None, None, [("nope", '{"n": "7"}')])),
+    ("two_blocks_back_to_back", False, "One.\n\n" + block(call("get_time")) + block(call("get_time")),
+     (None, "One.\n\n", [("get_time", "{}"), ("get_time", "{}")])),
+    ("unicode_values", False, block(call("get_weather", ("city", "true", "東京 🌧\n")), ), (None, None,
+     [("get_weather", '{"city": "東京 🌧\\n"}')])),
 ]
-
-
-@pytest.mark.parametrize("effort", ["high", "none"])
-@pytest.mark.parametrize("content", ["", "Let me look that up."])
-def test_rendered_tool_calls_parse_back(effort, content):
-    messages = [
-        {"role": "user", "content": "q"},
-        {"role": "assistant", "reasoning_content": "I need tools.", "content": content, "tool_calls": ROUND_TRIP_CALLS},
-    ]
-    prompt = render_chat(messages, reasoning_effort=effort, drop_thinking=False)
-    header = "<｜User｜>q<｜Assistant｜>" + ("<think>" if effort == "high" else "</think>")
-    turn = prompt[prompt.index(header) + len(header) : prompt.index(EOS) + len(EOS)]
-    parsed = parse_completion(turn, thinking=effort == "high")
-    assert parsed.reasoning_content == ("I need tools." if effort == "high" else None)
-    assert parsed.content == content
-    assert [c.name for c in parsed.tool_calls] == ["search", "now", "flag"]
-    for got, sent in zip(parsed.tool_calls, ROUND_TRIP_CALLS):
-        assert got.arguments == json.dumps(json.loads(sent["function"]["arguments"]), ensure_ascii=False)
-
-
-# --- streaming -----------------------------------------------------------------------------------
-
-STREAM_TEXTS = [
-    (True, FIXTURE_CALL),
-    (True, "a</think>b" + EOS),
-    (True, "x</thi</think>\n\n\n<｜DSML｜ call" + EOS + "s>" + EOS + EOS),
-    (False, GOOD),
-    (False, "Before.\n\n<｜DSML｜ calls>\n<｜DSML｜ invoke name=\"f\">\nbad</｜DSML｜ invoke>\n\n" + block(invoke("g"))),
-    (False, "text\n\n" + block(invoke("f", ("a", "true", "v</｜DSML｜ invoke>" + EOS)))),
-    (False, "unterminated\n\n<｜DSML｜ calls>\n<｜DSML｜ invoke name=\"f\">\n<｜DSML｜ param"),
-    (True, "think</think>" + GOOD[: GOOD.index("</｜DSML｜ calls>") + 3]),
-    (False, "\n\n\n\n<｜DSML｜ calls><｜DSML｜ calls></｜DSML｜ calls>\n\n"),
-    (False, "日本語の\n\nテキスト" + EOS[:-1]),
+# Where this parser differs from vLLM on purpose (module docstring of engine/chat/parse.py):
+OUR_SAMPLES = [
+    ("content_after_calls_is_content", False, "Before.\n\n" + block(call("get_time")) + "\nAfter.",
+     (None, "Before.\n\n\nAfter.", [("get_time", "{}")])),  # vLLM's streaming keeps it; its whole-text parse drops it
+    ("empty_calls_block_returns_to_content", False, "a<｜DSML｜ calls></｜DSML｜ calls>b", (None, "ab", [])),
+    ("non_finite_json_is_text", False, block(call("f", ("c", "false", "NaN"))),
+     (None, None, [("f", '{"c": "NaN"}')])),  # vLLM's json.loads takes NaN and writes the invalid JSON `NaN`
+    ("repeated_parameter_keeps_the_first", False, block(call("f", ("a", "true", "1"), ("a", "true", "2"))),
+     (None, None, [("f", '{"a": "1"}')])),
 ]
+SAMPLES = VLLM_SAMPLES + OUR_SAMPLES
 
 
-def stream(thinking: bool, chunks: list[str]) -> tuple[ParsedCompletion, ParsedCompletion]:
-    """(the parser's result, the same assembled from the deltas)."""
-    parser = CompletionParser(thinking)
+def as_vllm(parsed: ParsedCompletion) -> tuple:
+    return (parsed.reasoning_content or None, parsed.content or None,
+            [(c.name, c.arguments) for c in parsed.tool_calls])
+
+
+@pytest.mark.parametrize(("name", "thinking", "text", "expected"), SAMPLES, ids=[s[0] for s in SAMPLES])
+def test_samples_parse_as_vllm_does(name, thinking, text, expected):
+    parsed = parse_completion(text, thinking, TOOLS)
+    assert as_vllm(parsed) == expected
+    assert all(ID_RE.match(c.id) for c in parsed.tool_calls)
+    assert (parsed.reasoning_content is None) == (not thinking and expected[0] is None)
+
+
+def stream(thinking: bool, chunks: list[str]) -> tuple[ParsedCompletion, ParsedCompletion, list]:
+    """(the parser's result, the same assembled from the deltas, the deltas)."""
+    parser = CompletionParser(thinking, TOOLS, id_salt="s")
     deltas = [parser.feed(chunk) for chunk in chunks] + [parser.finish()]
-    assembled = ParsedCompletion(
-        "".join(d.reasoning_content for d in deltas) if thinking else None,
-        "".join(d.content for d in deltas),
-        [c for d in deltas for c in d.tool_calls],
-    )
-    return parser.result(), assembled
+    calls: dict[int, list] = {}
+    for d in deltas:
+        for c in d.tool_calls:
+            if c.id is not None:
+                assert c.index == len(calls) and c.arguments == "", c
+                calls[c.index] = [c.id, c.name, ""]
+            else:
+                calls[c.index][2] += c.arguments
+    result = parser.result()
+    assembled = ParsedCompletion("".join(d.reasoning_content for d in deltas)
+                                 if result.reasoning_content is not None else None,
+                                 "".join(d.content for d in deltas), [ToolCall(*calls[i]) for i in sorted(calls)])
+    return result, assembled, deltas
 
 
-@pytest.mark.parametrize(("thinking", "text"), STREAM_TEXTS)
-def test_streaming_equals_whole_text_for_every_split(thinking, text):
-    expected = parse_completion(text, thinking)
+def assert_no_tag_text(deltas: list, where: str) -> None:
+    for d in deltas:
+        pieces = [d.reasoning_content, d.content] + [c.arguments + (c.name or "") for c in d.tool_calls]
+        assert not any(tag in piece for piece in pieces for tag in TAG_TEXT), f"{where}: {d}"
+
+
+@pytest.mark.parametrize(("name", "thinking", "text", "expected"), SAMPLES, ids=[s[0] for s in SAMPLES])
+def test_every_split_point_streams_the_same_and_never_shows_a_tag(name, thinking, text, expected):
+    whole = parse_completion(text, thinking, TOOLS, id_salt="s")
     for cut in range(len(text) + 1):
-        result, assembled = stream(thinking, [text[:cut], text[cut:]])
-        assert result == expected, f"split at {cut}: {text[:cut]!r} | {text[cut:]!r}"
-        assert assembled == expected, f"deltas, split at {cut}: {text[:cut]!r} | {text[cut:]!r}"
-    assert stream(thinking, list(text)) == (expected, expected)
-
-
-@pytest.mark.parametrize(("thinking", "text"), STREAM_TEXTS)
-def test_streaming_equals_whole_text_for_random_chunkings(thinking, text):
-    expected = parse_completion(text, thinking)
+        result, assembled, deltas = stream(thinking, [text[:cut], text[cut:]])
+        where = f"split at {cut}: {text[:cut]!r} | {text[cut:]!r}"
+        assert result == whole and assembled == whole, where
+        assert_no_tag_text(deltas, where)
+    result, assembled, deltas = stream(thinking, list(text))
+    assert result == assembled == whole
+    assert_no_tag_text(deltas, "one character at a time")
     rng = random.Random(len(text))
-    for _ in range(200):
+    for _ in range(50):
         cuts = sorted(rng.sample(range(len(text) + 1), k=min(len(text) + 1, rng.randint(1, 12))))
         chunks = [text[a:b] for a, b in zip([0, *cuts], [*cuts, len(text)])]
-        assert stream(thinking, chunks) == (expected, expected), chunks
+        result, assembled, deltas = stream(thinking, chunks)
+        assert result == assembled == whole, chunks
+        assert_no_tag_text(deltas, str(chunks))
 
 
-def test_streaming_emits_text_as_soon_as_it_is_decided():
-    parser = CompletionParser(thinking=True)
-    assert parser.feed("Let me think").reasoning_content == "Let me think"
-    assert parser.feed(" more</thi").reasoning_content == " more"
-    delta = parser.feed("nk>The answer\n")
-    assert (delta.reasoning_content, delta.content) == ("", "The answer")
-    assert parser.feed("\n<｜DSML｜ calls>\n").is_empty
-    delta = parser.feed('<｜DSML｜ invoke name="f">\n</｜DSML｜ invoke>\n</｜DSML｜ calls>')
-    assert (delta.content, [c.name for c in delta.tool_calls]) == ("", ["f"])
-    assert parser.feed(EOS).is_empty
-    assert parser.finish().is_empty
-    assert parser.result().content == "The answer"
+def test_a_call_streams_name_first_then_each_parameter_as_it_completes():
+    parser = CompletionParser(False, TOOLS, id_salt="s")
+    assert parser.feed("Let me check.\n\n<｜DSML｜ calls>\n<｜DSML｜ invoke name=\"get_wea").content == "Let me check.\n\n"
+    [first] = parser.feed('ther">\n<｜DSML｜ parameter name="city" string="true">Par').tool_calls
+    assert (first.index, first.name, first.arguments) == (0, "get_weather", "") and ID_RE.match(first.id)
+    assert parser.feed("is</｜DSML｜ param").is_empty
+    assert [c.arguments for c in parser.feed('eter>\n<｜DSML｜ parameter name="days" string="false">').tool_calls] == [
+        '{"city": "Paris"']
+    assert [c.arguments for c in parser.feed("2</｜DSML｜ parameter>\n</｜DSML｜ invoke>").tool_calls] == [', "days": 2', "}"]
+    [second] = parser.feed('\n<｜DSML｜ invoke name="get_time">\n</｜DSML｜ invoke>\n</｜DSML｜ calls>').tool_calls[:1]
+    assert (second.index, second.name) == (1, "get_time")
+    parser.finish()
+    assert [(c.name, c.arguments) for c in parser.result().tool_calls] == [
+        ("get_weather", '{"city": "Paris", "days": 2}'), ("get_time", "{}")]
+
+
+def test_a_possible_wrapper_is_held_until_the_invoke_ends():
+    parser = CompletionParser(False, TOOLS)
+    parser.feed('<｜DSML｜ calls><｜DSML｜ invoke name="get_weather"><｜DSML｜ parameter name="arguments" '
+                'string="false">{"city": "Rome"}</｜DSML｜ parameter>x')
+    assert [c.arguments for c in parser.feed("").tool_calls] == []
+    assert [c.arguments for c in parser.feed("</｜DSML｜ invoke>").tool_calls] == ['{"city": "Rome"}']
+
+
+def test_tool_call_ids_are_deterministic_salted_and_known_with_the_name():
+    text = block(call("get_time"), call("get_time"))
+    a, b = parse_completion(text, False, id_salt="req-1"), parse_completion(text, False, id_salt="req-2")
+    assert a == parse_completion(text, False, id_salt="req-1")
+    assert len({c.id for c in a.tool_calls + b.tool_calls}) == 4
+    assert [c.id[:7] for c in a.tool_calls] == ["call_0_", "call_1_"]
+
+
+def test_tool_choice_none_leaves_dsml_in_the_content():
+    text = "r</think>Hi.\n\n" + BOTH
+    parsed = parse_completion(text, True, TOOLS, parse_tool_calls=False)
+    assert (parsed.reasoning_content, parsed.content, parsed.tool_calls) == ("r", "Hi.\n\n" + BOTH, [])
 
 
 def test_parser_misuse_raises():
@@ -336,7 +218,7 @@ def test_parser_misuse_raises():
         parser.finish()
 
 
-def test_tool_call_record_is_frozen():
-    call = ToolCall(id="call_0_x", name="f", arguments="{}")
-    with pytest.raises(AttributeError):
-        call.name = "g"  # type: ignore[misc]
+def test_arguments_are_json_objects():
+    for _, thinking, text, _ in SAMPLES:
+        for c in parse_completion(text, thinking, TOOLS).tool_calls:
+            assert isinstance(json.loads(c.arguments), dict)

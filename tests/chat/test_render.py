@@ -59,7 +59,8 @@ def test_chat_mode_system_message_has_no_effort_line():
 
 @pytest.mark.parametrize(
     ("value", "budget"),
-    [(None, 75), ("low", 50), ("high", 75), ("xhigh", 75), ("max", 100), (1, 1), (42, 42), (100, 100)],
+    [(None, 75), ("minimal", 50), ("low", 50), ("medium", 75), ("high", 75), ("xhigh", 75), ("max", 100), (1, 1),
+     (42, 42), (100, 100)],
 )
 def test_reasoning_effort_values(value, budget):
     assert render_chat(HI, reasoning_effort=value) == BOS + effort(budget) + "<｜User｜>Hi<｜Assistant｜><think>"
@@ -508,11 +509,11 @@ def test_invalid_input_names_the_field(kwargs, message):
 
 @pytest.mark.parametrize(
     ("value", "shown"),
-    [(150, "150"), (0, "0"), (-1, "-1"), ("medium", "'medium'"), ("HIGH", "'HIGH'"), (True, "True"),
+    [(150, "150"), (0, "0"), (-1, "-1"), ("extreme", "'extreme'"), ("HIGH", "'HIGH'"), (True, "True"),
      (50.0, "50.0"), ([], "[]")],
 )
 def test_invalid_reasoning_effort(value, shown):
-    expected = f"reasoning_effort: must be none/low/high/xhigh/max or an integer 1-100, got {shown}"
+    expected = f"reasoning_effort: must be none/minimal/low/medium/high/xhigh/max or an integer 1-100, got {shown}"
     with pytest.raises(ChatFormatError, match="^" + expected.replace("[", r"\[").replace("]", r"\]") + "$"):
         render_chat(HI, reasoning_effort=value)
     with pytest.raises(ChatFormatError):

@@ -197,8 +197,9 @@ def run_offline(reference: LLMEngine,
 
 
 def visible_text(reference: LLMEngine, ids: list[int]) -> str:
-    """What the API shows for these ids: the decoded text without the end-of-sentence token."""
-    return reference.tokenizer.decode([t for t in ids if t != reference.tokenizer.eos_id])
+    """What the API shows for these ids by default: the decoded text without special tokens (skip_special_tokens
+    true, as vLLM: the end-of-sentence token, placeholders)."""
+    return reference.tokenizer.decode(ids, skip_special_tokens=True)
 
 
 def num_split_chars(strings: TokenStrings, ids: list[int]) -> int:

@@ -174,7 +174,22 @@ CHAT_REJECTIONS = [
     ({"frequency_penalty": "0"}, "frequency_penalty"),
     ({"repetition_penalty": 1.1}, "repetition_penalty"),
     ({"logit_bias": {"50256": -100}}, "logit_bias"),
-    ({"response_format": {"type": "json_object"}}, "response_format"),
+    ({"response_format": {"type": "xml"}}, "response_format"),
+    ({"response_format": {"type": "json_object", "x": 1}}, "response_format"),
+    ({"response_format": {"type": "json_schema"}}, "response_format.json_schema"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"schema": {}}}}, "response_format.json_schema.name"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "a b"}}}, "response_format.json_schema.name"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": []}}},
+     "response_format.json_schema.schema"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "strict": "yes"}}},
+     "response_format.json_schema.strict"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "array",
+      "uniqueItems": True}}}}, "response_format.json_schema.schema"),
+    ({"response_format": {"type": "json_object"}, "tools": [WEATHER], "tool_choice": "required"}, "response_format"),
+    ({"tools": [{**WEATHER, "function": {**WEATHER["function"], "strict": 1}}]}, "tools[0].function.strict"),
+    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": {
+      "d": {"type": "string", "format": "bogus"}}}}}], "tool_choice": "required"},
+     "tools[0].function.parameters.properties.d"),
     ({"tools": WEATHER}, "tools"),
     ({"tools": [{"type": "retrieval"}]}, "tools[0].type"),
     ({"tools": [{"type": "function"}]}, "tools[0].function"),
@@ -191,12 +206,15 @@ CHAT_REJECTIONS = [
     ({"tools": [WEATHER], "tool_choice": {"type": "function", "function": {"name": "nope"}}},
      "tool_choice.function.name"),
     ({"tools": [WEATHER], "tool_choice": {"type": "function"}}, "tool_choice"),
-    ({"reasoning_effort": "medium"}, "reasoning_effort"),
+    ({"reasoning_effort": "Medium"}, "reasoning_effort"),
+    ({"reasoning_effort": "extreme"}, "reasoning_effort"),
     ({"reasoning_effort": 0}, "reasoning_effort"),
     ({"reasoning_effort": 101}, "reasoning_effort"),
     ({"reasoning_effort": "101"}, "reasoning_effort"),
     ({"reasoning_effort": True}, "reasoning_effort"),
     ({"user": 5}, "user"),
+    ({"skip_special_tokens": "false"}, "skip_special_tokens"),
+    ({"spaces_between_special_tokens": 0}, "spaces_between_special_tokens"),
 ]
 
 
@@ -256,10 +274,26 @@ def test_chat_field_values():
     assert p.parse_chat_request(chat(stream=True, stream_options={})).include_usage is False
 
 
+def test_detokenization_flags_default_true():
+    for parse, body in ((p.parse_chat_request, chat), (p.parse_completion_request, completion)):
+        assert (parse(body()).skip_special_tokens, parse(body()).spaces_between_special_tokens) == (True, True)
+        req = parse(body(skip_special_tokens=False, spaces_between_special_tokens=False))
+        assert (req.skip_special_tokens, req.spaces_between_special_tokens) == (False, False)
+
+
+def test_a_bad_reasoning_effort_lists_what_is_accepted():
+    e = rejected(p.parse_chat_request, chat(reasoning_effort="extreme"))
+    assert (e.status, e.param) == (400, "reasoning_effort")
+    assert e.message == ('reasoning_effort: must be one of none, minimal, low, medium, high, xhigh, max, or an integer '
+                         '1-100 (also as a decimal string), got "extreme"')
+
+
 @pytest.mark.parametrize(("effort", "stored", "thinking", "line"), [
     (None, None, True, "Reasoning Effort: 75 "),
     ("none", "none", False, None),
+    ("minimal", "minimal", True, "Reasoning Effort: 50 "),
     ("low", "low", True, "Reasoning Effort: 50 "),
+    ("medium", "medium", True, "Reasoning Effort: 75 "),
     ("high", "high", True, "Reasoning Effort: 75 "),
     ("xhigh", "xhigh", True, "Reasoning Effort: 75 "),
     ("max", "max", True, "Reasoning Effort: 100 "),
@@ -478,7 +512,7 @@ def test_chat_completion_response_validates_as_openai(tok):
     assert json.loads(json.dumps(resp)) == resp  # plain JSON
     msg = parsed.choices[0].message
     assert parsed.choices[0].finish_reason == "tool_calls"
-    assert msg.content == "On it." and msg.reasoning_content == "Check."
+    assert msg.content == "On it.\n\n" and msg.reasoning_content == "Check."  # vLLM keeps the blank line
     assert msg.tool_calls[0].function.name == "get_weather"
     assert json.loads(msg.tool_calls[0].function.arguments) == {"city": "Paris"}
     content = parsed.choices[0].logprobs.content

@@ -206,9 +206,18 @@ def run_chat(tok, thinking: bool, ids: list[int], chunks: list[list[int]], **kwa
 
 
 def assemble(deltas: list[dict]) -> tuple[str, str, list[dict]]:
+    """The deltas joined: a call opens with index, id, type and name (arguments ""), then argument fragments."""
     reasoning = "".join(d.get("reasoning_content", "") for d in deltas)
     content = "".join(d.get("content") or "" for d in deltas)
-    calls = [c for d in deltas for c in d.get("tool_calls", [])]
+    calls: list[dict] = []
+    for d in deltas:
+        for c in d.get("tool_calls", []):
+            if "id" in c:
+                assert c["index"] == len(calls) and c["function"]["arguments"] == "", c
+                calls.append(json.loads(json.dumps(c)))
+            else:
+                assert set(c) == {"index", "function"} and set(c["function"]) == {"arguments"}, c
+                calls[c["index"]]["function"]["arguments"] += c["function"]["arguments"]
     return reasoning, content, calls
 
 
@@ -321,3 +330,51 @@ def test_chat_finish_reasons_and_misuse(tok):
 def test_sse_event():
     assert sse_event({"a": "é\n"}) == 'data: {"a":"é\\n"}\n\n'
     assert SSE_DONE == "data: [DONE]\n\n"
+
+
+# --- the parser samples through the token pipeline; special tokens -------------------------------------------
+
+
+def _samples():
+    from tests.chat.test_parse import SAMPLES, TOOLS as SAMPLE_TOOLS
+
+    return SAMPLES, SAMPLE_TOOLS
+
+
+@pytest.mark.parametrize("index", range(len(_samples()[0])), ids=[s[0] for s in _samples()[0]])
+def test_every_token_split_of_the_parser_samples_streams_no_tag_text(tok, index):
+    """The model's output as token ids, cut at every token boundary (two chunks) and one token at a time: no
+    reasoning, content or argument delta holds DSML or think-tag text, and each call's argument fragments join to
+    the non-streamed message's arguments."""
+    samples, tools = _samples()
+    _, thinking, text, _ = samples[index]
+    ids = tok.encode(text) + [tok.eos_id]
+    whole, _ = run_chat(tok, thinking, ids, [ids], tools=tools, id_salt="r/0")
+    want = whole.message()
+    for chunks in [[[i] for i in ids]] + [[ids[:cut], ids[cut:]] for cut in range(1, len(ids))]:
+        stream, deltas = run_chat(tok, thinking, ids, chunks, tools=tools, id_salt="r/0")
+        for d in deltas:
+            pieces = [d.get("reasoning_content", ""), d.get("content") or ""]
+            pieces += [c["function"].get("arguments", "") + c["function"].get("name", "") for c in d.get("tool_calls", [])]
+            assert not any(tag in p for p in pieces for tag in ("｜DSML｜", "<think>", "</think>", syntax.EOS)), d
+        reasoning, content, calls = assemble(deltas)
+        assert stream.message() == want
+        assert [c["function"] for c in calls] == [c["function"] for c in want.get("tool_calls", [])]
+        assert content == (want["content"] or "") and reasoning == (want.get("reasoning_content") or "")
+
+
+def test_skip_special_tokens(tok):
+    """Tokens flagged special (a placeholder, BOS) are not text by default and are with skip_special_tokens false;
+    V4.1's chat tags are added tokens but not special, so they stay text either way."""
+    placeholder = tok.token_to_id("<｜place▁holder▁no▁111｜>")
+    ids = tok.encode("A") + [placeholder, tok.bos_id] + tok.encode("B")
+    shown = CompletionChoiceStream(tok, skip_special_tokens=False)
+    assert shown.feed(ids) + shown.finish("stop") == "A<｜place▁holder▁no▁111｜><｜begin▁of▁sentence｜>B"
+    hidden = CompletionChoiceStream(tok)
+    assert hidden.feed(ids) + hidden.finish("stop") == "AB" and hidden.num_tokens == len(ids)
+    chat = ChatChoiceStream(tok, thinking=True)
+    chat.feed(tok.encode("r") + [placeholder, THINK_END_ID, placeholder] + tok.encode("c"))
+    chat.finish("stop")
+    assert (chat.message()["reasoning_content"], chat.message()["content"]) == ("r", "c")
+    two_tags = CompletionChoiceStream(tok)  # no space between added tokens (vLLM's fast detokenizer: none either)
+    assert two_tags.feed([THINK_END_ID, THINK_END_ID]) + two_tags.finish("stop") == "</think></think>"

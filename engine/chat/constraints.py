@@ -1,0 +1,106 @@
+"""Grammars that constrain a V4.1 completion (llguidance's grammar text; `engine/core/grammar.py` enforces them).
+
+- `json_grammar(schema)`: the completion is one JSON value valid against `schema` (response_format json_schema;
+  json_object is the schema {"type": "object"}).
+- `tool_calls_grammar(tools, name)`: the completion is the encoder's "\\n\\n" and one DSML calls block, its
+  invokes calling `name` only (tool_choice naming a function: exactly one call) or any of `tools` (tool_choice
+  "required": one or more). Each invoke writes its tool's declared parameters in schema order, the required ones
+  always, each value as JSON valid against the parameter's schema (string="false"; a plain string parameter,
+  one with no constraint beyond its type, may also be raw text without "<", and a string enum one of its values
+  raw, string="true", as the model usually writes strings). A tool without declared properties takes no
+  parameters.
+
+JSON is compact (", " and ": " separators, no other whitespace, as OpenAI's strict mode writes it), so that a
+constrained completion always ends: the grammar leaves no unbounded run of whitespace. `check(grammar)` compiles
+a grammar without a tokenizer and raises GrammarError with llguidance's message, which names the keyword it
+cannot enforce (e.g. `Unimplemented keys: ["uniqueItems"]`).
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from typing import Any
+
+import llguidance
+
+from engine.chat import syntax as s
+
+JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+_PLAIN_STRING_KEYS = {"type", "description", "title"}
+
+
+class GrammarError(ValueError):
+    """A grammar llguidance cannot compile; the message is llguidance's (it names the offending keyword)."""
+
+
+def check(grammar: str) -> str:
+    """The grammar, after llguidance compiled it (without a tokenizer); raises GrammarError."""
+    error = llguidance.LLMatcher.validate_grammar(grammar)
+    if error:
+        raise GrammarError(error.strip().splitlines()[0])
+    return grammar
+
+
+def json_grammar(schema: dict[str, Any]) -> str:
+    return llguidance.LLMatcher.grammar_from_json_schema(schema, defaults=JSON_OPTIONS)
+
+
+def tool_calls_grammar(tools: Sequence[dict], name: str | None = None) -> str:
+    """tools: the request's OpenAI tool definitions; name: the one to call (None: any, one or more calls)."""
+    functions = [t["function"] for t in tools if name is None or t["function"]["name"] == name]
+    calls = "invoke" if name is not None else "invoke next_invoke*"
+    rules = [f"start: {_lit(s.CALLS_SEPARATOR + s.CALLS_OPEN + chr(10))} {calls} {_lit(chr(10) + s.CALLS_CLOSE)}",
+             *_alternatives(len(functions)), "RAW: /[^<]*/"]
+    for i, function in enumerate(functions):
+        rules += _invoke_rules(f"invoke_{i}", function)
+    return llguidance.LLMatcher.grammar_from_lark("\n".join(rules) + "\n")
+
+
+def _alternatives(num_tools: int) -> list[str]:
+    """`invoke` (the first of a block) and `next_invoke` (a later one: its newline is part of its first literal, so
+    that no literal is a prefix of another where both may come next: llguidance's lexer does not go back)."""
+    first = [f"invoke_{i}" for i in range(num_tools)]
+    later = [f"next_invoke_{i}" for i in range(num_tools)]
+    return [f"invoke: {' | '.join(first)}", f"next_invoke: {' | '.join(later)}"]
+
+
+def _invoke_rules(rule: str, function: dict) -> list[str]:
+    """An invoke of `function` whose parameters are its declared properties, in order, the required ones always."""
+    params = function.get("parameters") if isinstance(function.get("parameters"), dict) else {}
+    properties = params.get("properties") if isinstance(params.get("properties"), dict) else {}
+    required = set(params.get("required") or ())
+    defs = {k: params[k] for k in ("$defs", "definitions") if k in params}  # what a property's $ref may name
+    body, rules = [], []
+    for j, (key, schema) in enumerate(properties.items()):
+        name = f"{rule}_p{j}"
+        value = f"{_lit(_param_head(key, False))} %json{json.dumps({**schema, **defs, 'x-guidance': JSON_OPTIONS})}"
+        if isinstance(schema, dict) and schema.get("type") == "string" and set(schema) <= _PLAIN_STRING_KEYS:
+            value = f"{_lit(_param_head(key, True))} RAW | {value}"
+        elif isinstance(schema, dict) and _raw_choices(schema):
+            choices = " | ".join(_lit(v) for v in _raw_choices(schema))
+            value = f"{_lit(_param_head(key, True))} ({choices}) | {value}"
+        rules.append(f"{name}: ({value}) {_lit(s.PARAM_CLOSE + chr(10))}")
+        body.append(name if key in required else f"{name}?")
+    head = f'{s.INVOKE_OPEN} name="{function["name"]}">\n'
+    # the encoder ends each parameter with a newline, and writes an empty line for an invoke without parameters
+    return [f"{rule}: {_lit(head)} {rule}_body", f"next_{rule}: {_lit(chr(10) + head)} {rule}_body",
+            f"{rule}_body: {' '.join(body)} {_lit(chr(10))}? {_lit(s.INVOKE_CLOSE)}", *rules]
+
+
+def _raw_choices(schema: dict) -> list[str]:
+    """The values of a string enum (or const) that can be written raw (string="true"): none with "<"."""
+    values = schema.get("enum") if isinstance(schema.get("enum"), list) else [schema["const"]] if "const" in schema \
+        else []
+    ok = values and all(isinstance(v, str) and "<" not in v for v in values) and schema.get("type") in (None, "string")
+    return values if ok and set(schema) <= _PLAIN_STRING_KEYS | {"enum", "const"} else []
+
+
+def _param_head(key: str, is_string: bool) -> str:
+    return f'{s.PARAM_OPEN} name="{key}" string="{"true" if is_string else "false"}">'
+
+
+def _lit(text: str) -> str:
+    """A Lark string literal."""
+    return json.dumps(text, ensure_ascii=False)
+

@@ -1,0 +1,97 @@
+"""What a chat request asks its output to be, as a grammar (`engine.chat.constraints`), or a 400 naming the field.
+
+- response_format {"type": "text"} (or none): no grammar. {"type": "json_object"}: one JSON object.
+  {"type": "json_schema", "json_schema": {"name", "schema", "strict", "description"}}: one JSON value valid
+  against `schema` (strict true or false alike: the schema is enforced either way, as vLLM does; no schema is
+  any JSON object).
+- tool_choice "required": one or more DSML calls of the tools, each call's arguments valid against its tool's
+  parameters; a named function: exactly one call of it. A tool's `strict` is accepted (a boolean) but under
+  "auto" not enforced yet: free content followed by constrained calls needs a content lexeme that excludes the
+  calls tag and still lets the output end, which llguidance 1.9.1's negated lexemes do not (they refuse the end).
+- response_format json_* cannot be combined with tool_choice "required" or a named function (a 400).
+A grammar llguidance cannot compile is a 400 whose message is llguidance's, naming the keyword (e.g.
+`response_format.json_schema.schema: cannot be enforced: Unimplemented keys: ["uniqueItems"]`).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from typing import Any
+
+from engine.chat import constraints
+from serve_app.errors import bad_request
+
+_SCHEMA_NAME = re.compile(r"^[A-Za-z0-9_-]{1,64}$")  # OpenAI's rule for json_schema.name
+FORMAT_KEYS = {"text": {"type"}, "json_object": {"type"}, "json_schema": {"type", "json_schema"}}
+JSON_SCHEMA_KEYS = {"name", "schema", "strict", "description"}
+
+
+def _show(value: object) -> str:
+    text = json.dumps(value, ensure_ascii=False, default=repr)
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
+def response_schema(value: Any) -> dict | None:
+    """response_format -> the JSON schema the output must follow (None: text). Raises a 400 naming the field."""
+    if value is None:
+        return None
+    kind = value.get("type") if isinstance(value, dict) else None
+    if kind not in FORMAT_KEYS or set(value) - FORMAT_KEYS[kind]:
+        raise bad_request('response_format: must be {"type": "text"}, {"type": "json_object"} or {"type": '
+                          f'"json_schema", "json_schema": {{...}}}}, got {_show(value)}', "response_format")
+    if kind == "text":
+        return None
+    if kind == "json_object":
+        return {"type": "object"}
+    spec = value.get("json_schema")
+    where = "response_format.json_schema"
+    if not isinstance(spec, dict) or set(spec) - JSON_SCHEMA_KEYS:
+        raise bad_request(f"{where}: must be an object with name and schema (strict and description optional), got "
+                          f"{_show(spec)}", where)
+    if not isinstance(spec.get("name"), str) or not _SCHEMA_NAME.match(spec["name"]):
+        raise bad_request(f"{where}.name: must be 1-64 letters, digits, '_' or '-', got {_show(spec.get('name'))}",
+                          f"{where}.name")
+    for key, ok, what in (("schema", dict, "an object (a JSON schema)"), ("strict", bool, "a boolean"),
+                          ("description", str, "a string")):
+        if spec.get(key) is not None and not isinstance(spec[key], ok):
+            raise bad_request(f"{where}.{key}: must be {what}, got {_show(spec[key])}", f"{where}.{key}")
+    return spec.get("schema") if spec.get("schema") is not None else {"type": "object"}
+
+
+def check_strict(tools: list[dict] | None) -> None:
+    for i, tool in enumerate(tools or []):
+        strict = tool["function"].get("strict")
+        if strict is not None and not isinstance(strict, bool):
+            raise bad_request(f"tools[{i}].function.strict: must be a boolean, got {_show(strict)}",
+                              f"tools[{i}].function.strict")
+
+
+def output_grammar(schema: dict | None, tools: list[dict] | None, tool_choice: str, name: str | None) -> str | None:
+    """The grammar of a chat request's output (None: unconstrained); raises a 400 naming what cannot compile."""
+    if schema is not None:
+        if tool_choice in ("required", "function"):
+            raise bad_request("response_format: a JSON response_format cannot be combined with tool_choice "
+                              f"{'required' if tool_choice == 'required' else 'naming a function'}", "response_format")
+        return _compiled(constraints.json_grammar(schema), "response_format.json_schema.schema")
+    if not tools or tool_choice == "none":
+        return None
+    if tool_choice not in ("required", "function"):
+        return None
+    grammar = constraints.tool_calls_grammar(tools, name if tool_choice == "function" else None)
+    try:
+        return constraints.check(grammar)
+    except constraints.GrammarError as e:
+        for i, tool in enumerate(tools):  # name the parameter that cannot be enforced
+            params = tool["function"].get("parameters") or {}
+            for key, prop in (params.get("properties") or {}).items():
+                where = f"tools[{i}].function.parameters.properties.{key}"
+                _compiled(constraints.json_grammar(prop if isinstance(prop, dict) else {}), where)
+        raise bad_request(f"tools: the tools' parameters cannot be enforced: {e}", "tools") from None
+
+
+def _compiled(grammar: str, where: str) -> str:
+    try:
+        return constraints.check(grammar)
+    except constraints.GrammarError as e:
+        raise bad_request(f"{where}: cannot be enforced: {e}", where) from None

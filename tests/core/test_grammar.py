@@ -1,0 +1,159 @@
+"""Grammar-constrained decoding in the engine (engine/core/grammar.py, the sampler's mask, overlap's rule) on the tiny
+random-weight model: only the grammar can make its output valid, so valid output is the grammar's doing.
+
+- The bitmask -> bool unpacking agrees with llguidance's own verdict per token.
+- A masked draw takes only allowed tokens (greedy and sampled); logprobs stay the model's.
+- JSON with enums, booleans, nested objects and bounded arrays, and DSML tool calls, decoded by the engine, parse
+  and validate (jsonschema; the tool's parameters schema), with async scheduling off and on (the same tokens: a
+  constrained request's mask for step k+1 needs its token k, so the engine reads the step in flight first).
+- A grammar that waits for a token (`</think>` in thinking mode) leaves the draws before it free.
+"""
+
+from __future__ import annotations
+
+import json
+
+import jsonschema
+import llguidance
+import pytest
+import torch
+
+from engine.chat import parse_completion
+from engine.chat.constraints import json_grammar, tool_calls_grammar
+from engine.core.engine import LLMEngine, RequestError
+from engine.core.grammar import GrammarCompiler
+from engine.core.sampler import SampleRow, allowed_tokens, sample
+from engine.core.sampling_params import GrammarSpec, SamplingParams
+from tests.core.conftest import random_prompt
+from tests.core.test_overlap import both, drive, engine
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
+SCHEMA = {
+    "type": "object",
+    "properties": {
+        "ok": {"type": "boolean"},
+        "color": {"enum": ["red", "green", "blue"]},
+        "size": {"type": "object", "properties": {"w": {"type": "integer", "minimum": 0, "maximum": 999},
+                                                  "unit": {"enum": ["cm", "in"]}},
+                 "required": ["w", "unit"], "additionalProperties": False},
+        "tags": {"type": "array", "items": {"enum": ["a", "b", "c"]}, "minItems": 1, "maxItems": 3},
+    },
+    "required": ["ok", "color", "size", "tags"],
+    "additionalProperties": False,
+}
+TOOL = {"type": "function", "function": {"name": "book", "parameters": {
+    "type": "object", "properties": {"seats": {"type": "integer", "minimum": 1, "maximum": 9},
+                                     "window": {"type": "boolean"}, "meal": {"enum": ["veg", "fish"]}},
+    "required": ["seats", "meal"], "additionalProperties": False}}}
+
+
+@pytest.fixture(scope="module")
+def grammars(tok) -> GrammarCompiler:
+    return GrammarCompiler(tok.path.read_text(encoding="utf-8"), tok.eos_id)
+
+
+@pytest.fixture(scope="module")
+def llg_tokenizer(tok) -> llguidance.LLTokenizer:
+    return llguidance.LLTokenizer(tok.path.read_text(encoding="utf-8"), eos_token=tok.eos_id)
+
+
+def test_bitmask_unpacks_to_llguidances_verdict(tok, llg_tokenizer):
+    grammar = json_grammar(SCHEMA)
+    matcher = llguidance.LLMatcher(llg_tokenizer, grammar)
+    matcher.consume_tokens(tok.encode('{"ok": true, "color": "'))
+    allowed = allowed_tokens([matcher.compute_bitmask(), None], tok.vocab_size, torch.device("cpu"))
+    assert allowed.shape == (2, tok.vocab_size) and allowed[1].all()
+    probe = sorted(set(tok.encode('red green blue " } { 7 true')) | {0, 1, 127, 128822, tok.vocab_size - 1})
+    for token_id in probe:
+        assert bool(allowed[0, token_id]) == (matcher.validate_tokens([token_id]) == 1), token_id
+    assert 0 < int(allowed[0].sum()) < 1000
+
+
+def test_a_masked_draw_takes_only_allowed_tokens_and_reports_raw_logprobs():
+    torch.manual_seed(0)
+    logits = torch.randn(3, 1000)
+    allowed = torch.zeros(3, 1000, dtype=torch.bool)
+    allowed[:, [5, 17, 999]] = True
+    rows = [SampleRow(SamplingParams(temperature=0.0, logprobs=1), 1, 0),
+            SampleRow(SamplingParams(temperature=1.0, logprobs=1), 2, 0),
+            SampleRow(SamplingParams(temperature=1.0, top_k=2), 3, 0)]
+    for step in range(20):
+        out = sample(logits, [SampleRow(r.params, r.seed, step) for r in rows], allowed)
+        assert all(t in (5, 17, 999) for t in out.token_ids), out.token_ids
+    assert out.token_ids[0] == max((5, 17, 999), key=lambda t: logits[0, t])
+    raw = torch.log_softmax(logits[0].double(), dim=-1)
+    assert out.logprobs[0].logprob == pytest.approx(float(raw[out.token_ids[0]]))
+    assert out.logprobs[0].top[0][0] == int(logits[0].argmax())  # the model's top token, though not allowed
+    nothing = sample(logits[:1], rows[:1], torch.zeros(1, 1000, dtype=torch.bool))
+    assert nothing.token_ids == [-1] and nothing.errors[0] is not None
+
+
+def constrained_engine(model, grammars, async_scheduling: bool) -> LLMEngine:
+    e = engine(model, async_scheduling)
+    e.grammars = grammars
+    return e
+
+
+def run_both(model, grammars, script) -> tuple[dict, dict, LLMEngine]:
+    sync = drive(constrained_engine(model, grammars, False), script)
+    a = constrained_engine(model, grammars, True)
+    return sync, drive(a, script), a
+
+
+def test_constrained_json_and_tool_calls_validate_with_and_without_async_scheduling(tiny_model, grammars, tok):
+    model = tiny_model.model
+    json_spec = GrammarSpec(json_grammar(SCHEMA))
+    calls_spec = GrammarSpec(tool_calls_grammar([TOOL]))
+    script = {
+        0: [("add", "free", random_prompt(9, seed=1), SamplingParams(max_tokens=150, temperature=1.0, seed=2)),
+            ("add", "json", random_prompt(11, seed=3), SamplingParams(max_tokens=80, temperature=1.0, seed=4,
+                                                                       grammar=json_spec, n=2))],
+        2: [("add", "calls", random_prompt(7, seed=5), SamplingParams(max_tokens=150, temperature=1.0, seed=6,
+                                                                       grammar=calls_spec))],
+    }
+    sync, overlapped, a = run_both(model, grammars, script)
+    assert overlapped == sync
+    assert a.executor.num_behind >= 1, "the unconstrained request overlapped once the constrained ones ended"
+    for rid in ("json", "json/1"):
+        ids, _, reason, _, error = sync[rid]
+        assert error is None and reason.value == "stop", (rid, reason, error)
+        jsonschema.validate(json.loads(tok.decode(ids)), SCHEMA)
+    ids, _, reason, _, error = sync["calls"]
+    assert error is None and reason.value == "stop", tok.decode(ids)
+    parsed = parse_completion(tok.decode(ids), thinking=False, tools=[TOOL])
+    assert parsed.tool_calls and parsed.content == ""
+    for call in parsed.tool_calls:
+        assert call.name == "book"
+        jsonschema.validate(json.loads(call.arguments), TOOL["function"]["parameters"])
+
+
+def test_a_grammar_waits_for_its_token(tiny_model, grammars, tok):
+    """Thinking mode: the draws before `</think>` are free (here teacher-forced), the ones after it constrained."""
+    think_end = tok.token_to_id("</think>")
+    forced = tok.encode("Some reasoning") + [think_end]
+    params = SamplingParams(max_tokens=60, temperature=1.0, seed=9, grammar=GrammarSpec(json_grammar(SCHEMA),
+                                                                                          think_end))
+    out = drive(constrained_engine(tiny_model.model, grammars, False),
+                {0: [("add", "t", random_prompt(8, seed=7), params, forced)]})
+    ids, _, reason, _, error = out["t"]
+    assert error is None and reason.value == "stop" and ids[:len(forced)] == forced
+    jsonschema.validate(json.loads(tok.decode(ids[len(forced):])), SCHEMA)
+
+
+def test_a_grammar_that_does_not_compile_is_refused(tiny_model, grammars):
+    e = constrained_engine(tiny_model.model, grammars, False)
+    with pytest.raises(RequestError, match="grammar"):
+        e.add_request("bad", [1, 2, 3], SamplingParams(grammar=GrammarSpec("start: nonexistent_rule\n")))
+    assert not e.requests
+    e.grammars = None
+    with pytest.raises(RequestError, match="no grammar compiler"):
+        e.add_request("none", [1, 2, 3], SamplingParams(grammar=GrammarSpec(json_grammar({"type": "object"}))))
+
+
+def test_compiled_grammars_are_cached(grammars):
+    spec = GrammarSpec(json_grammar({"type": "object", "properties": {"cache_probe": {"type": "boolean"}}}))
+    before = grammars.num_compiled
+    first, second = grammars.matcher(spec), grammars.matcher(spec)
+    assert grammars.num_compiled == before + 1 and first is not second
+    assert first.mask() == second.mask()
