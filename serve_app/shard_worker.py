@@ -11,7 +11,7 @@ from __future__ import annotations
 import asyncio
 import os
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 import ray
@@ -35,15 +35,16 @@ CONCURRENCY_GROUPS = {"step": 1}  # a ShardWorker actor's: steps and block reads
 
 
 class ShardWorker:
-    """One model shard: weights (engine.load.load_model, no MTP), its PagedKVCache for `layout`, a ModelRunner.
-    Decorate at the use site with `ray.remote(**shard_actor_options(settings))`."""
+    """One model shard: weights (engine.load.load_model; the DSpark stages with speculative decoding), its
+    PagedKVCache for `layout`, a ModelRunner. Decorate at the use site with `ray.remote(**shard_actor_options(settings))`."""
 
     def __init__(self, checkpoint: str, device: str, layout: CacheLayout, rank: int = 0, num_shards: int = 1,
                  runner: RunnerKind = "auto", decode: DecodeOptions | None = None):
         if num_shards != 1:
             raise NotImplementedError("the model has no tensor or expert parallelism yet: one shard per replica")
         self.rank, self.device = rank, torch.device(device)
-        loaded = load_model(checkpoint, self.device, with_mtp=False, progress=False)
+        # the DSpark stages only when the pools hold their context (speculative decoding on)
+        loaded = load_model(checkpoint, self.device, with_mtp=layout.num_dspark_layers > 0, progress=False)
         self.kv = PagedKVCache(loaded.cfg, layout, self.device)
         self.runner = ModelRunner(loaded.model, self.kv, kernels_for(runner), decode)
         self.graphs = capture_decode_graphs(self.runner, progress=True)  # the capture's time and memory, logged
@@ -65,7 +66,7 @@ class ShardWorker:
         nothing device-bound crosses the process boundary. Steps run one at a time in the order sent (the
         "step" concurrency group): a plan may read the previous step's draws on the device (from_rows)."""
         out = self.runner.execute(plan)
-        return StepOutput(out.sample, {i: (first, rows.cpu()) for i, (first, rows) in out.rows.items()})
+        return replace(out, rows={i: (first, rows.cpu()) for i, (first, rows) in out.rows.items()})
 
     @ray.method(concurrency_group="step")
     def read_blocks(self, block_ids: list[int]) -> np.ndarray:
