@@ -78,7 +78,8 @@ def tensor_slice(spec: TensorSpec, cfg: ModelConfig, shard: ShardSpec) -> Tensor
 
 def bytes_per_rank(cfg: ModelConfig, num_shards: int, include_mtp: bool = True) -> dict[str, int]:
     """Checkpoint bytes rank 0 holds (every rank holds as many), by layout component, for text-only serving
-    (no vision tower). Engram tables are included: they stay in host memory, today one copy per rank."""
+    (no vision tower). Engram tables are included: they stay in host memory, one copy per node shared by its
+    ranks (engine/shared_tables.py)."""
     check_shardable(cfg, num_shards, include_mtp)
     shard = ShardSpec(0, num_shards)
     out = dict.fromkeys(COMPONENTS, 0)
