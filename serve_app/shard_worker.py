@@ -52,7 +52,9 @@ class ShardWorker:
     def __init__(self, checkpoint: str, device: str, layout: CacheLayout, rank: int = 0, num_shards: int = 1,
                  runner: RunnerKind = "auto", decode: DecodeOptions | None = None,
                  step_timeout_s: float = STEP_TIMEOUT.total_seconds()):
-        self.shard, self.device = ShardSpec(rank, num_shards), torch.device(device)
+        self.shard = ShardSpec(rank, num_shards)
+        # Ray shows each shard actor its own GPU only (num_gpus=1), as cuda:0
+        self.device = torch.device("cuda", 0) if device == "cuda" else torch.device(device)
         kernels = kernels_for(runner)
         if not self.shard.is_single and (kernels or (kernels is None and self.device.type == "cuda")):
             raise ShardingError(f"--num-shards {num_shards}: the kernel runner is not split over shards yet; "
@@ -92,7 +94,7 @@ class ShardWorker:
         """Ranks > 0: run rank 0's commands until it stops the group; raises when the group breaks."""
         assert self.groups is not None and self.shard.rank > 0, "follow runs on a joined rank > 0"
         if self.device.type == "cuda":
-            torch.cuda.set_device(self.device)  # the current device is per thread
+            torch.cuda.set_device(self.device)  # the current device is per thread (it is cuda:0 already; say so)
         try:
             follow(self.groups, self.runner, self.kv)
         except BaseException as e:
