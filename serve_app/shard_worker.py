@@ -38,8 +38,8 @@ from engine.core.step_rows import StepOutput
 from engine.parallel import GroupAddress, ProcessGroups, Rendezvous, ShardingError, ShardSpec
 from serve_app.settings import ServeSettings
 
-# a ShardWorker actor's: steps and block reads/writes one at a time in order ("step"); the follow loop of ranks
-# > 0 ("follow"); `ready` (health pings) and `close` in the default group, answering while the others run
+# a ShardWorker actor's: steps, block reads/writes and `close` one at a time in the order sent ("step"); the follow
+# loop of ranks > 0 ("follow"); `ready` (health pings) in the default group, answering while the others run
 CONCURRENCY_GROUPS = {"step": 1, "follow": 1}
 CLOSE_TIMEOUT_S = 5.0  # shutdown: how long the actors get to stop the group and give up the shared tables
 
