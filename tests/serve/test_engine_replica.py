@@ -98,7 +98,7 @@ def test_settings_parse_strictly():
     assert ServeSettings.from_cli(["--checkpoint", "/ckpt", "--max-prompt-chars", "1000"], environ={}).max_prompt_chars == 1000
     forced = ServeSettings.from_cli(["--checkpoint", "/ckpt", "--runner", "Golden"], environ={})
     assert forced.to_engine_config().runner == "golden"
-    bad = {("--runner", "fast"): "--runner: expected auto, kernels, golden", ("--num-shards", "2"): "only 1 model-parallel shard", ("--port", "80a"): "--port: expected an integer",
+    bad = {("--runner", "fast"): "--runner: expected auto, kernels, golden", ("--num-shards", "2"): "--num-shards 2: /ckpt: no config.json", ("--port", "80a"): "--port: expected an integer",
            ("--bounded-replay", "maybe"): "true or false", ("--device", "tpu"): "cpu, cuda or auto",
            ("--max-n", "0"): "--max-n must be an integer >= 1", ("--max-prompt-chars", "4M"): "--max-prompt-chars: expected an integer",
            ("--cache-memory", "12 potatoes"): "byte count"}
