@@ -194,7 +194,7 @@ class OwnershipIndex:
 
     def renew(self) -> None:
         """Extends the lease of the peer record and of every run still published (call every lease_s / 3 or
-        so; costs one pipelined write per run)."""
+        so; one pipeline: a record per run and a set entry per block)."""
         with self._redis():
             pipe = self.redis.pipeline(transaction=False)
             if self._peer is not None:
