@@ -5,7 +5,7 @@ block format (890 B/token, 56,960 B per 64-token block).
 
 An owner process holds 128K tokens of blocks in its HostKVStore (registered with NIXL) and publishes them
 in a throwaway redis-server; this process then, per prefix length, times what a receiving replica does:
-the ownership lookup (one pipelined Redis read per block), the NIXL read over loopback with every block's
+the ownership lookup (serve_app/ownership.py: one script call over the prompt's block keys), the NIXL read over loopback with every block's
 CRC-32 verified, and the import into a real-config PagedKVCache on the CPU (kv_blocks.write_blocks).
 Recompute time is the prefill of the tokens a pull saves (length - 128: the window is replayed anyway) at
 (a) the tiny engine's prefill rate measured here on the CPU and (b) a model of the real model on H200s:

@@ -7,6 +7,7 @@ from pathlib import Path
 
 import torch
 
+from engine.checkpoint.layout import component_of
 from engine.checkpoint.loader import CheckpointError, load_checkpoint, rank_prefix
 from engine.checkpoint.sharding import check_shardable
 from engine.config import ModelConfig, load_config
@@ -14,6 +15,7 @@ from engine.engram_tables import EngramTables, build_compressed_token_map
 from engine.model.engram import EngramEmbedding
 from engine.model.transformer import Transformer
 from engine.parallel import SINGLE, ShardSpec
+from engine.shared_tables import SharedTables, TableSpec
 from engine.tokenizer import Tokenizer, load_tokenizer
 
 
@@ -22,6 +24,7 @@ class LoadedModel:
     cfg: ModelConfig
     tokenizer: Tokenizer
     model: Transformer
+    engram_host: SharedTables | None = None  # the node's shared Engram tables when mapped (also model.engram_host)
 
 
 def build_engram_tables(cfg: ModelConfig, tokenizer: Tokenizer) -> EngramTables | None:
@@ -41,10 +44,13 @@ def build_engram_tables(cfg: ModelConfig, tokenizer: Tokenizer) -> EngramTables 
 
 
 def load_model(ckpt_dir: str | Path, device: str | torch.device = "cpu", *, with_mtp: bool = True,
-               progress: bool = True, shard: ShardSpec = SINGLE) -> LoadedModel:
+               progress: bool = True, shard: ShardSpec = SINGLE, shared_engram: bool = False) -> LoadedModel:
     """Engram tables stay in host memory (the real ones are ~98 GB each); everything else goes to `device`.
     With a shard of a split model: that rank's part only (engine/checkpoint/sharding.py); a config the
-    shards cannot split raises ShardingError naming the dimension, before anything is read."""
+    shards cannot split raises ShardingError naming the dimension, before anything is read.
+    shared_engram: the Engram tables are mapped read-only from the node's one shared copy (engine/shared_tables.py,
+    made by the first process that asks; page-locked when `device` is CUDA) instead of read into this process;
+    the mapping is `model.engram_host` and lives as long as the model."""
     ckpt_dir = Path(ckpt_dir)
     cfg = load_config(ckpt_dir)
     check_shardable(cfg, shard.world_size, include_mtp=with_mtp)
@@ -54,10 +60,17 @@ def load_model(ckpt_dir: str | Path, device: str | torch.device = "cpu", *, with
     tables = build_engram_tables(cfg, tokenizer)
     with torch.device("meta"):
         model = Transformer(cfg, tables, with_mtp=with_mtp, shard=shard)
-    weights = load_checkpoint(ckpt_dir, cfg, include_mtp=with_mtp, progress=progress, shard=shard)
+    shared = {n: TableSpec(t.dtype, tuple(t.shape)) for n, t in model.state_dict(keep_vars=True).items()
+              if shared_engram and component_of(n) == "Engram tables"}
+    weights = load_checkpoint(ckpt_dir, cfg, include_mtp=with_mtp, progress=progress, shard=shard, exclude=shared)
+    device = torch.device(device)
+    model.engram_host = SharedTables.open(ckpt_dir, shared) if shared else None
+    if model.engram_host is not None:
+        weights.update(model.engram_host.tensors)
+        if device.type == "cuda":
+            model.engram_host.pin()
     check_parts(model, weights, shard)
     model.load_state_dict(weights, strict=True, assign=True)
-    device = torch.device(device)
     for module in model.modules():
         if isinstance(module, EngramEmbedding):
             continue
@@ -65,7 +78,7 @@ def load_model(ckpt_dir: str | Path, device: str | torch.device = "cpu", *, with
             setattr(module, name, buf.to(device))
     if tables is not None:
         model.engram_tables = tables.to(device)
-    return LoadedModel(cfg, tokenizer, model.eval())
+    return LoadedModel(cfg, tokenizer, model.eval(), model.engram_host)
 
 
 def check_parts(model: Transformer, weights: dict[str, torch.Tensor], shard: ShardSpec) -> None:

@@ -20,42 +20,9 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from engine.config import ConfigError
+from engine.shard_spec import SINGLE, ShardingError, ShardSpec  # noqa: F401 (the model imports them from here)
 
 IDLE_TIMEOUT = timedelta(days=7)  # how long ranks > 0 may wait for rank 0's next plan
-
-
-class ShardingError(ConfigError):
-    """A model that cannot be split over the requested number of shards; the message names the dimension."""
-
-
-@dataclass(frozen=True, slots=True)
-class ShardSpec:
-    """This process's place among the model's shards: rank in 0..world_size-1."""
-
-    rank: int = 0
-    world_size: int = 1
-
-    def __post_init__(self) -> None:
-        assert self.world_size >= 1 and 0 <= self.rank < self.world_size, self
-
-    @property
-    def is_single(self) -> bool:
-        return self.world_size == 1
-
-    def split(self, n: int, dim: str) -> int:
-        """The local size of a dimension of n split evenly over the ranks (n_local_heads = split(n_heads))."""
-        if n % self.world_size:
-            raise ShardingError(f"{dim}={n} is not divisible by {self.world_size} shards")
-        return n // self.world_size
-
-    def local_range(self, n: int, dim: str) -> range:
-        """This rank's contiguous part of 0..n-1 (its experts, its vocabulary rows)."""
-        k = self.split(n, dim)
-        return range(self.rank * k, (self.rank + 1) * k)
-
-
-SINGLE = ShardSpec()
 
 
 @dataclass(frozen=True, slots=True)

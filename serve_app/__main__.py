@@ -6,6 +6,7 @@ checkpoint generated under checkpoints/tiny (seed 0) with the real tokenizer, on
 
 from __future__ import annotations
 
+import math
 import os
 import signal
 import sys
@@ -58,8 +59,9 @@ def main(argv: list[str] | None = None) -> int:
 
     if os.environ.get("RAY_ADDRESS"):
         ray.init(address=os.environ["RAY_ADDRESS"])
-    else:  # a local Ray: enough logical CPUs for the replica, its shard actor and the ingress on small machines
-        ray.init(num_cpus=max(LOCAL_MIN_CPUS, os.cpu_count() or 1))
+    else:  # a local Ray: enough logical CPUs for the replicas, their shard actors and the ingress on small machines
+        needed = math.ceil(settings.num_replicas * (settings.replica_num_cpus + settings.num_shards) + 0.5)
+        ray.init(num_cpus=max(LOCAL_MIN_CPUS, needed, os.cpu_count() or 1))
     serve.start(http_options={"host": settings.host, "port": settings.port})
     serve.run(build_app(settings), name=APP_NAME, route_prefix="/")
     print(f"serving {settings.model_name} from {settings.checkpoint} on http://{settings.host}:{settings.port} "

@@ -1,5 +1,6 @@
 """The engine deployment: one replica = one LLMEngine (scheduler, cache manager, sampler in this process)
-driving a model shard actor, wrapped in an AsyncEngine that streams each request's outputs.
+driving its model shard actors (one, or `num_shards` in one group: serve_app/shard_worker.py), wrapped in an
+AsyncEngine that streams each request's outputs.
 
 The ingress calls `handle.options(stream=True).generate.remote(GenerateRequest)` and gets one
 `GenerateChunk` per engine output. When the ingress cancels the call (client disconnect), Ray cancels
@@ -172,7 +173,8 @@ class EngineReplica:
                             num_swa_blocks_in_use=cache.swa_pool.num_in_use)
 
     async def check_health(self) -> None:
-        """Serve's health hook: raises if a step failed or the shard actor is dead or unresponsive."""
+        """Serve's health hook: raises if a step failed, a shard actor is dead or unresponsive, or the shards'
+        group is out of lockstep (Serve then replaces the replica, shard actors and all)."""
         if self.failure is not None:
             raise RuntimeError(f"this replica cannot serve: {self.failure!r}") from self.failure
         await self.executor.check(SHARD_PING_TIMEOUT_S)
@@ -194,7 +196,8 @@ class EngineReplica:
         assert in_use == held, f"blocks in use (global, swa) {in_use}, snapshots hold {held}"
 
     async def shard_info(self) -> list[dict[str, object]]:
-        """Each shard actor's rank, device, process id and KV pool bytes."""
+        """Each shard actor's rank, device, process id, KV pool bytes and memory (weights, KV pools, Engram host
+        tables and the file backing them), rank 0 first."""
         return await self.executor.info()
 
     async def metrics_snapshot(self) -> dict[str, float]:

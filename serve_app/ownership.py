@@ -1,17 +1,31 @@
 """Who holds which global KV blocks in its host store, in Redis (the only module that imports redis).
 
+One record per published *run* of blocks (the blocks one publish() stored, consecutive in one chain) instead of
+one per block, so that a lookup parses a handful of records, read in one server-side script, however long the
+prompt (issue 27).
+
 Keys (namespace `ns`, default "dsv41:kv"):
-- `{ns}:blk:{chain hash hex}`: a hash of replica id -> JSON {n, addr, len, sum, fp, exp}: that replica's
-  host store holds the block that ends the n-block prefix named by the chain hash, at host address
-  `addr` (len bytes, CRC-32 `sum`), under engine fingerprint `fp`, until `exp` (unix time).
+- `{ns}:run:{chain hash hex}`: a hash of replica id -> JSON {n, first, addrs, lens, sums, fp, exp}: that
+  replica's host store holds blocks first .. n-1 of the chain whose n-block prefix the chain hash names (the
+  key is the run's last block), block first + i at host address addrs[i] (lens[i] bytes, CRC-32 sums[i]),
+  under engine fingerprint `fp`, until `exp` (unix time).
+- `{ns}:blk:{chain hash hex}:{j}`: the set of run keys (their chain hashes, hex) whose runs were published
+  holding that block as block j of their chain. A chain hash names its whole prefix, so a run holding block j of
+  a prompt's chain holds the prompt's blocks first .. j too: a prompt that shares only the head of a run still
+  finds it.
 - `{ns}:peer:{replica id}`: JSON {agent, md, region, fp, exp}: where to read from: the replica's NIXL
   agent name and metadata (md, base64: what kv_transfer.TransferAgent.connect takes).
-- `{ns}:owned:{replica id}`: the set of chain hashes the replica published (to withdraw them all).
+- `{ns}:owned:{replica id}`: the set of run keys the replica published (to withdraw them all).
 
-Every key carries a Redis TTL of `lease_s`, refreshed by publish / renew, so a replica that dies
-without withdrawing its records is forgotten within one lease; readers also skip records whose `exp`
-passed. A replica withdraws a block before its store overwrites the slot, and everything at shutdown.
-Any Redis failure is an OwnershipUnavailable: the caller recomputes instead of pulling.
+A reader sends its prompt's block keys to one script (LOOKUP), which returns each run found once with the last
+prompt block it holds; the reader then chains each replica's runs from block 0. Invariant the owner keeps: each
+of its run records names blocks its store holds; withdrawing a block cuts every run holding it to the blocks
+before it (a new, shorter run record; the blocks after it can no longer extend a prefix from block 0 through this
+replica). Set members left pointing at a record that no longer covers a block are harmless: the record's n or
+its missing field says so. Every key carries a Redis TTL of `lease_s`, refreshed by publish / renew, so a replica
+that dies without withdrawing its records is forgotten within one lease; readers also skip records whose `exp`
+passed. A replica withdraws a block before its store overwrites the slot, and everything at shutdown. The script
+reads keys it derives (the run keys): one Redis server, not a cluster. Any Redis failure is an OwnershipUnavailable: the caller recomputes.
 """
 
 from __future__ import annotations
@@ -31,6 +45,27 @@ from redis.retry import Retry
 from serve_app.kv_store import BlockRef
 
 DEFAULT_NAMESPACE = "dsv41:kv"
+# KEYS: the prompt's block keys in order; ARGV[1]: the run keys' prefix -> [run hash, i, HGETALL of its key, ...]
+# for every run named in KEYS whose key exists, once, with i the 1-based index of the last KEYS entry naming it
+LOOKUP = """
+local last, order = {}, {}
+for i, key in ipairs(KEYS) do
+  for _, run in ipairs(redis.call('SMEMBERS', key)) do
+    if last[run] == nil then order[#order + 1] = run end
+    last[run] = i
+  end
+end
+local out = {}
+for _, run in ipairs(order) do
+  local fields = redis.call('HGETALL', ARGV[1] .. run)
+  if #fields > 0 then
+    out[#out + 1] = run
+    out[#out + 1] = last[run]
+    out[#out + 1] = fields
+  end
+end
+return out
+"""
 
 
 class OwnershipUnavailable(RuntimeError):
@@ -62,6 +97,23 @@ class OwnedBlock:
         return BlockRef(self.block_hash, self.address, self.nbytes, self.checksum)
 
 
+@dataclass(slots=True)
+class PublishedRun:
+    """The owner's copy of one run record: blocks first .. first + len(refs) - 1 of a chain."""
+
+    first: int
+    refs: list[BlockRef]
+
+    @property
+    def end_hash(self) -> bytes:
+        return self.refs[-1].block_hash
+
+    def doc(self, fingerprint: bytes, expires_at: float) -> str:
+        return json.dumps({"n": self.first + len(self.refs), "first": self.first,
+                           "addrs": [r.address for r in self.refs], "lens": [r.nbytes for r in self.refs],
+                           "sums": [r.checksum.hex() for r in self.refs], "fp": fingerprint.hex(), "exp": expires_at})
+
+
 class OwnedPrefix(NamedTuple):
     """The longest leading run of a prompt's blocks that one live peer holds (0, None, [] if none)."""
 
@@ -82,8 +134,9 @@ class OwnershipIndex:
                                           retry=Retry(NoBackoff(), 1))
         self.redis, self.replica_id, self.region = client, replica_id, region
         self.fingerprint, self.lease_s, self.ns = fingerprint, lease_s, namespace
-        self._published: dict[bytes, tuple[int, BlockRef]] = {}  # what renew() refreshes
+        self._runs: dict[bytes, PublishedRun] = {}  # run key's chain hash -> the run (what renew() refreshes)
         self._peer: dict[str, str] | None = None
+        self._lookup = self.redis.register_script(LOOKUP)
 
     # ---- the owner's side ---------------------------------------------------------------------------
     def announce(self, agent_name: str, agent_metadata: bytes) -> None:
@@ -95,81 +148,94 @@ class OwnershipIndex:
 
     def publish(self, refs: list[BlockRef], first_block: int = 0) -> None:
         """Records that this replica's store holds refs, the blocks first_block, first_block + 1, ...
-        of one chain (so refs[i] ends the prefix of first_block + i + 1 blocks)."""
-        for i, ref in enumerate(refs):
-            self._published[ref.block_hash] = (first_block + i + 1, ref)
+        of one chain (so refs[i] ends the prefix of first_block + i + 1 blocks): one run record."""
+        if not refs:
+            return
+        run = PublishedRun(first_block, list(refs))
+        self._runs[run.end_hash] = run
         with self._redis():
             pipe = self.redis.pipeline(transaction=False)
-            self._write_blocks(pipe, [(ref.block_hash, first_block + i + 1, ref) for i, ref in enumerate(refs)])
+            self._write_runs(pipe, [run])
             pipe.execute()
 
     def withdraw(self, hashes: list[bytes]) -> None:
-        """Removes this replica's records of these blocks (before its store reuses their slots)."""
-        for h in hashes:
-            self._published.pop(h, None)
-        if not hashes:
+        """This replica's store drops these blocks (before it overwrites their slots): every run holding one
+        is cut to the blocks before the first dropped (or removed, if that is its first)."""
+        dropped = set(hashes)
+        cut = {key: run for key, run in self._runs.items() if any(r.block_hash in dropped for r in run.refs)}
+        if not cut:
             return
+        kept = []
+        for key, run in cut.items():
+            del self._runs[key]
+            keep = next(i for i, r in enumerate(run.refs) if r.block_hash in dropped)
+            if keep:
+                kept.append(PublishedRun(run.first, run.refs[:keep]))
+        for run in kept:
+            self._runs[run.end_hash] = run
         with self._redis():
             pipe = self.redis.pipeline(transaction=False)
-            for h in hashes:
-                pipe.hdel(self._blk(h), self.replica_id)
-            pipe.srem(self._owned(), *[h.hex() for h in hashes])
+            for key in cut:
+                pipe.hdel(self._run_key(key), self.replica_id)
+            pipe.srem(self._owned(), *[key.hex() for key in cut])
+            self._write_runs(pipe, kept)
             pipe.execute()
 
     def withdraw_all(self) -> None:
         """Shutdown: every record this replica published (as Redis knows them) and its peer record."""
-        self._published.clear()
+        self._runs.clear()
         with self._redis():
             owned = self.redis.smembers(self._owned())
             pipe = self.redis.pipeline(transaction=False)
             for h in owned:
-                pipe.hdel(f"{self.ns}:blk:{h.decode()}", self.replica_id)
+                pipe.hdel(f"{self.ns}:run:{h.decode()}", self.replica_id)
             pipe.delete(self._owned(), self._peer_key(self.replica_id))
             pipe.execute()
 
     def renew(self) -> None:
-        """Extends the lease of the peer record and of every block still published (call every
-        lease_s / 3 or so; costs one pipelined write per block)."""
+        """Extends the lease of the peer record and of every run still published (call every lease_s / 3 or
+        so; one pipeline: a record per run and a set entry per block)."""
         with self._redis():
             pipe = self.redis.pipeline(transaction=False)
             if self._peer is not None:
                 self._set_peer(pipe)
-            self._write_blocks(pipe, [(h, n, ref) for h, (n, ref) in self._published.items()])
+            self._write_runs(pipe, list(self._runs.values()))
             pipe.execute()
 
     # ---- the reader's side --------------------------------------------------------------------------
     def longest_owned_prefix(self, hashes: list[bytes], include_self: bool = False) -> OwnedPrefix:
         """The live peer (not this replica unless include_self) holding the most leading blocks of
-        hashes under this fingerprint; ties go to a peer in this region, then by replica id."""
+        hashes under this fingerprint; ties go to a peer in this region, then by replica id. Two round trips
+        (the lookup script, the peers' records), three when it clears expired fields."""
         if not hashes:
             return OwnedPrefix(0, None, [])
         now = time.time()
         with self._redis():
-            pipe = self.redis.pipeline(transaction=False)
-            for h in hashes:
-                pipe.hgetall(self._blk(h))
-            fields = pipe.execute()
-        runs: dict[str, list[OwnedBlock]] = {}  # replica -> its leading run so far
-        alive: set[str] | None = None
+            found = self._lookup(keys=[self._blk_key(h, j) for j, h in enumerate(hashes)], args=[f"{self.ns}:run:"])
+        spans: dict[str, list[tuple[int, int, dict]]] = {}  # replica -> (first, end, record): prompt blocks held
         stale: list[tuple[str, bytes]] = []  # expired fields in keys that another owner keeps alive
-        for i, (h, owners) in enumerate(zip(hashes, fields)):
-            here = set()
-            for rid_raw, raw in owners.items():
-                rid = rid_raw.decode()
-                rec = json.loads(raw)
+        for run, last, fields in zip(found[0::3], found[1::3], found[2::3]):
+            for rid_raw, raw in zip(fields[0::2], fields[1::2]):
+                rid, rec = rid_raw.decode(), json.loads(raw)
                 if rec["exp"] <= now:
-                    stale.append((self._blk(h), rid_raw))
+                    stale.append((f"{self.ns}:run:{run.decode()}", rid_raw))
                     continue
-                if (rid == self.replica_id and not include_self) or (alive is not None and rid not in alive):
+                if (rid == self.replica_id and not include_self) or rec["fp"] != self.fingerprint.hex():
                     continue
-                if rec["fp"] != self.fingerprint.hex() or rec["n"] != i + 1:
-                    continue
-                runs.setdefault(rid, []).append(OwnedBlock(h, rec["n"], rec["addr"], rec["len"],
-                                                           bytes.fromhex(rec["sum"]), rec["exp"]))
-                here.add(rid)
-            alive = here
-            if not alive:
-                break
+                end = min(rec["n"], last)  # this record holds prompt blocks first .. end - 1
+                if rec["first"] < end:
+                    spans.setdefault(rid, []).append((rec["first"], end, rec))
+        runs: dict[str, list[OwnedBlock]] = {}  # replica -> the blocks it holds from block 0, in order
+        for rid, held_spans in spans.items():
+            held = runs[rid] = []
+            for first, end, rec in sorted(held_spans, key=lambda span: span[0]):
+                if first > len(held):
+                    break  # a gap: nothing later starts at block 0 through this replica
+                for j in range(len(held), end):
+                    k = j - first
+                    held.append(OwnedBlock(hashes[j], j + 1, rec["addrs"][k], rec["lens"][k],
+                                           bytes.fromhex(rec["sums"][k]), rec["exp"]))
+        runs = {rid: held for rid, held in runs.items() if held}
         with self._redis():
             if stale:
                 pipe = self.redis.pipeline(transaction=False)
@@ -202,8 +268,11 @@ class OwnershipIndex:
         except redis.exceptions.RedisError as e:
             raise OwnershipUnavailable(f"ownership index (Redis) unavailable: {e}") from e
 
-    def _blk(self, block_hash: bytes) -> str:
-        return f"{self.ns}:blk:{block_hash.hex()}"
+    def _run_key(self, block_hash: bytes) -> str:
+        return f"{self.ns}:run:{block_hash.hex()}"
+
+    def _blk_key(self, block_hash: bytes, position: int) -> str:
+        return f"{self.ns}:blk:{block_hash.hex()}:{position}"
 
     def _owned(self) -> str:
         return f"{self.ns}:owned:{self.replica_id}"
@@ -218,17 +287,20 @@ class OwnershipIndex:
         doc = dict(self._peer, exp=time.time() + self.lease_s)
         pipe.set(self._peer_key(self.replica_id), json.dumps(doc), px=self._ttl_ms())
 
-    def _write_blocks(self, pipe, blocks: list[tuple[bytes, int, BlockRef]]) -> None:
-        if not blocks:
+    def _write_runs(self, pipe, runs: list[PublishedRun]) -> None:
+        """Each run's record and its blocks' set entries (all with a fresh lease)."""
+        if not runs:
             return
-        exp = time.time() + self.lease_s
-        for h, n, ref in blocks:
-            doc = {"n": n, "addr": ref.address, "len": ref.nbytes, "sum": ref.checksum.hex(),
-                   "fp": self.fingerprint.hex(), "exp": exp}
-            pipe.hset(self._blk(h), self.replica_id, json.dumps(doc))
-            pipe.pexpire(self._blk(h), self._ttl_ms())
-        pipe.sadd(self._owned(), *[h.hex() for h, _, _ in blocks])
-        pipe.pexpire(self._owned(), self._ttl_ms())
+        exp, ttl = time.time() + self.lease_s, self._ttl_ms()
+        for run in runs:
+            key = run.end_hash.hex()
+            pipe.hset(self._run_key(run.end_hash), self.replica_id, run.doc(self.fingerprint, exp))
+            pipe.pexpire(self._run_key(run.end_hash), ttl)
+            for j, ref in enumerate(run.refs, start=run.first):
+                pipe.sadd(self._blk_key(ref.block_hash, j), key)
+                pipe.pexpire(self._blk_key(ref.block_hash, j), ttl)
+        pipe.sadd(self._owned(), *[run.end_hash.hex() for run in runs])
+        pipe.pexpire(self._owned(), ttl)
 
 
 def _peer_record(replica_id: str, raw: bytes) -> PeerRecord:

@@ -14,7 +14,9 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, fields
 from typing import Literal
 
+from engine.config import ConfigError, load_config
 from engine.core.engine_config import RUNNER_KINDS, EngineConfig, RunnerKind
+from engine.shard_spec import check_shardable
 
 DEFAULT_MODEL_NAME = "deepseek-v4.1-flash"
 _DEFAULT_ENGINE = EngineConfig()
@@ -42,7 +44,7 @@ class ServeSettings:
     checkpoint: str  # folder with config.json, tokenizer files and safetensors shards, readable on every node
     model_name: str = DEFAULT_MODEL_NAME  # the served name (the API's "model")
     num_replicas: int = 1
-    num_shards: int = 1  # model-parallel ranks per replica (1 until the model has tensor/expert parallelism)
+    num_shards: int = 1  # model-parallel ranks per replica: a ShardWorker actor each (golden runner only for N > 1)
     device: Device = "cpu"
     # engine (see EngineConfig)
     cache_memory_bytes: int = _DEFAULT_ENGINE.cache_memory_bytes
@@ -87,14 +89,15 @@ class ServeSettings:
         for name in ("num_replicas", "num_shards", "max_num_seqs", "max_num_batched_tokens", "cache_memory_bytes",
                      "max_n", "max_messages", "max_body_bytes", "max_prompt_chars", "max_ongoing_requests"):
             need(_is_int(getattr(self, name)) and getattr(self, name) >= 1, name, "an integer >= 1")
-        if self.num_shards != 1:
-            raise SettingsError(f"--num-shards {self.num_shards}: only 1 model-parallel shard per replica is "
-                                "supported today (the model has no tensor or expert parallelism yet); use "
-                                "--num-replicas to serve from more devices")
         need(self.device in ("cpu", "cuda"), "device", "'cpu' or 'cuda'")
         need(self.runner in RUNNER_KINDS, "runner", " or ".join(RUNNER_KINDS))
         need(_is_int(self.speculative_tokens) and self.speculative_tokens >= 0, "speculative_tokens",
              "an integer >= 0 (0 = off; at most the checkpoint's DSpark block, checked when it loads)")
+        if self.num_shards > 1:
+            self._check_shards()
+        if self.num_shards > 1 and _is_int(self.speculative_tokens) and self.speculative_tokens > 0:
+            raise SettingsError(f"--speculative-tokens {self.speculative_tokens} with --num-shards {self.num_shards}: "
+                                "speculative decoding is not split over shards yet; use one or the other")
         for name in ("bounded_replay", "enable_prefix_caching", "kv_sharing"):
             need(isinstance(getattr(self, name), bool), name, "true or false")
         need(self.max_chunk_tokens is None or (_is_int(self.max_chunk_tokens) and self.max_chunk_tokens >= 1),
@@ -114,6 +117,18 @@ class ServeSettings:
              "true when KV sharing is on (shared blocks enter the prefix cache)")
         need(_is_int(self.host_kv_bytes) and self.host_kv_bytes >= 1, "host_kv_bytes", "an integer >= 1")
         need(bool(self.region), "region", "a non-empty name")
+
+    def _check_shards(self) -> None:
+        """A replica split over num_shards: the golden runner only (for now), and a model the shards can split
+        (the checkpoint's config.json is read here; with one shard nothing is)."""
+        if self.runner == "kernels" or (self.runner == "auto" and self.device == "cuda"):
+            picked = "--runner kernels" if self.runner == "kernels" else "--runner auto (the kernel runner on cuda)"
+            raise SettingsError(f"--num-shards {self.num_shards} with {picked}: the kernel runner is not split "
+                                "over shards yet; use --runner golden")
+        try:
+            check_shardable(load_config(self.checkpoint), self.num_shards)
+        except (OSError, ConfigError) as e:  # ShardingError is a ConfigError: it names the dimension
+            raise SettingsError(f"--num-shards {self.num_shards}: {e}") from None
 
     def to_engine_config(self) -> EngineConfig:
         return EngineConfig(max_num_seqs=self.max_num_seqs, max_num_batched_tokens=self.max_num_batched_tokens,
@@ -166,7 +181,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--checkpoint", help="checkpoint folder, readable on every node" + env["checkpoint"])
     p.add_argument("--model-name", help=f"served model name (default {DEFAULT_MODEL_NAME})")
     p.add_argument("--num-replicas", help="engine replicas (default 1)")
-    p.add_argument("--num-shards", help="model-parallel ranks per replica; only 1 is supported today")
+    p.add_argument("--num-shards", help="model-parallel ranks per replica (default 1), one device each: tensor-parallel "
+                   "attention, expert-parallel MoE; must divide the heads, output groups and experts (golden runner "
+                   "only for now)")
     p.add_argument("--device", help="cpu, cuda or auto (default auto)" + env["device"])
     p.add_argument("--cache-memory", dest="cache_memory_bytes",
                    help="KV cache budget per replica, bytes or e.g. 40GiB" + env["cache_memory_bytes"])

@@ -82,6 +82,9 @@ def ray_session():
     ray.init(num_cpus=4, include_dashboard=False, namespace="dsv41-tests", configure_logging=False)
     yield ray
     ray.shutdown()
+    from engine.shared_tables import SHM_DIR, sweep
+
+    sweep(SHM_DIR, keep="")  # Engram tables a force-killed replica's shards left unheld (none held: Ray is down)
     if saved is None:
         os.environ.pop("RAY_AUTH_MODE", None)
     else:

@@ -18,7 +18,8 @@ import json
 import math
 import sys
 from collections import Counter
-from collections.abc import Iterable
+from collections.abc import Collection, Iterable
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -62,12 +63,22 @@ class CheckpointError(ValueError):
     """A checkpoint that does not match its config or is damaged; the message names the tensor or file."""
 
 
+@dataclass(frozen=True, slots=True)
+class TensorBytes:
+    """Where a stored tensor's bytes are: `nbytes` bytes from byte `offset` of the file at `path`."""
+
+    path: Path
+    offset: int
+    nbytes: int
+
+
 class _Shard:
     """One safetensors file's header, checked against the file's size."""
 
     def __init__(self, path: Path):
         self.path = path
         self.tensors: dict[str, dict] = {}
+        self.data_start = 0  # the data section's first byte in the file
         self._read()
 
     def _fail(self, what: str) -> CheckpointError:
@@ -82,6 +93,7 @@ class _Shard:
             if header_len > MAX_HEADER_BYTES or 8 + header_len > size:
                 raise self._fail(f"header length {header_len} does not fit in a file of {size} bytes")
             raw = f.read(header_len)
+        self.data_start = 8 + header_len
         try:
             header = json.loads(raw)
         except (UnicodeDecodeError, json.JSONDecodeError) as e:
@@ -107,7 +119,7 @@ class _Shard:
                 raise self._fail(f"tensor {name} ends at byte {end} of the data section, but the file has only "
                                  f"{data_len} data bytes ({size} bytes in all)")
             data_end = max(data_end, end)
-            self.tensors[name] = {"dtype": label, "shape": shape}
+            self.tensors[name] = {"dtype": label, "shape": shape, "begin": begin, "end": end}
         if data_end != data_len:
             raise self._fail(f"the header's tensors end at data byte {data_end} but the file has {data_len} "
                              "data bytes")
@@ -252,10 +264,11 @@ def _validate(cfg: ModelConfig, expected: dict[str, TensorSpec], weight_map: dic
 
 
 def load_checkpoint(ckpt_dir: str | Path, cfg: ModelConfig, *, device: str | torch.device = "cpu",
-                    include_mtp: bool = True, progress: bool = True,
-                    shard: ShardSpec = SINGLE) -> dict[str, torch.Tensor]:
+                    include_mtp: bool = True, progress: bool = True, shard: ShardSpec = SINGLE,
+                    exclude: Collection[str] = ()) -> dict[str, torch.Tensor]:
     """Read and validate every tensor of a V4.1 checkpoint; returns name -> tensor as stored (for a rank
     of a split model: its part of each tensor, none of other ranks' experts; sharding.tensor_slice).
+    Tensors named in `exclude` are validated but not read (the caller maps them: engine/shared_tables.py).
 
     FP8 weights are float8_e4m3fn, scales float8_e8m0fnu, packed FP4 experts uint8 [out, in/2],
     everything else in its checkpoint dtype (`attn.wo_a` stays FP8 + scale). Vision, aligner,
@@ -271,7 +284,8 @@ def load_checkpoint(ckpt_dir: str | Path, cfg: ModelConfig, *, device: str | tor
         return is_text_only_skippable(name) or (not include_mtp and name.startswith("mtp."))
 
     located = _validate(cfg, expected, weight_map, shards, skip, shard)
-    parts = {n: part for n in located if (part := tensor_slice(expected[n], cfg, shard)) is not None}
+    parts = {n: part for n in located
+             if n not in exclude and (part := tensor_slice(expected[n], cfg, shard)) is not None}
     by_shard: dict[str, list[str]] = {}
     for name in parts:
         by_shard.setdefault(located[name], []).append(name)
@@ -288,13 +302,34 @@ def load_checkpoint(ckpt_dir: str | Path, cfg: ModelConfig, *, device: str | tor
     return out
 
 
+def locate_tensors(ckpt_dir: str | Path, names: Iterable[str]) -> dict[str, TensorBytes]:
+    """Where each named tensor's stored bytes are (headers only; call after load_checkpoint has validated
+    the checkpoint). Raises CheckpointError for a name no shard holds."""
+    names, (_, paths) = list(names), _shard_paths(Path(ckpt_dir))
+    found: dict[str, TensorBytes] = {}
+    for path in paths:
+        shard = _Shard(path)
+        for name, info in shard.tensors.items():
+            found[name] = TensorBytes(path, shard.data_start + info["begin"], info["end"] - info["begin"])
+    missing = [n for n in names if n not in found]
+    if missing:
+        raise CheckpointError(f"tensor {missing[0]} is in no shard of {ckpt_dir}")
+    return {n: found[n] for n in names}
+
+
 def _read_part(f, spec: TensorSpec, part: TensorSlice) -> torch.Tensor:
-    """The whole tensor, or its slice along part.dim (only what the slice covers is read from the file)."""
+    """The whole tensor, or its slice along part.dim (only what the slice covers is read from the file), compact:
+    get_slice may return a view into more than the slice (a column slice: a strided view of whole rows), whose
+    storage the rank would keep (the whole tensor's bytes) and which the kernels, needing contiguous weights,
+    refuse; such a slice is copied into a tensor of its own."""
     if part.dim is None:
         return _as_storage_dtype(f.get_tensor(spec.name), spec)
     assert not spec.is_packed_fp4, f"{spec.name}: packed FP4 tensors (routed experts) are never sliced"
     index = tuple([slice(None)] * part.dim + [slice(part.start, part.stop)])
-    return _as_storage_dtype(f.get_slice(spec.name)[index], spec)
+    t = f.get_slice(spec.name)[index]
+    if t.untyped_storage().nbytes() != t.numel() * t.element_size():
+        t = torch.empty(t.shape, dtype=t.dtype, device=t.device).copy_(t)
+    return _as_storage_dtype(t, spec)
 
 
 def _as_storage_dtype(t: torch.Tensor, spec: TensorSpec) -> torch.Tensor:

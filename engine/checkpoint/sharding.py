@@ -21,9 +21,7 @@ from dataclasses import dataclass
 
 from engine.checkpoint.layout import COMPONENTS, TensorSpec, component_of, expected_tensors
 from engine.config import ModelConfig
-from engine.parallel import ShardingError, ShardSpec
-
-BLOCK = 32
+from engine.shard_spec import ShardSpec, check_shardable  # noqa: F401 (check_shardable: callers import it here)
 
 # (name pattern, dim split, what splits it); a pattern's group "part" is weight or scale
 _SPLITS: tuple[tuple[re.Pattern, int, str], ...] = tuple((re.compile(p), d, w) for p, d, w in (
@@ -56,29 +54,6 @@ class TensorSlice:
 WHOLE = TensorSlice(None)
 
 
-def split_dims(cfg: ModelConfig, include_mtp: bool) -> dict[str, int]:
-    """Every dimension the layout splits evenly, by config name, with its size."""
-    dims = {"n_heads": cfg.n_heads, "o_groups": cfg.o_groups, "n_routed_experts": cfg.n_routed_experts,
-            "moe_inter_dim": cfg.moe_inter_dim, "vocab_size": cfg.vocab_size}
-    if include_mtp and cfg.n_mtp_layers:
-        dims["dspark_n_routed_experts"] = cfg.dspark_n_routed_experts
-    return dims
-
-
-def check_shardable(cfg: ModelConfig, num_shards: int, include_mtp: bool = False) -> None:
-    """Raises ShardingError naming the first dimension num_shards cannot split (evenly, and for the FP8
-    blocks of moe_inter_dim in multiples of 32 per rank)."""
-    if num_shards < 1:
-        raise ShardingError(f"the number of shards must be >= 1, got {num_shards}")
-    for dim, n in split_dims(cfg, include_mtp).items():
-        if n % num_shards:
-            raise ShardingError(f"{dim}={n} is not divisible by {num_shards} shards")
-    per_rank = cfg.moe_inter_dim // num_shards
-    if per_rank % BLOCK:
-        raise ShardingError(f"moe_inter_dim={cfg.moe_inter_dim} over {num_shards} shards gives {per_rank} features "
-                            f"a rank, not a multiple of the {BLOCK}-wide FP8 blocks")
-
-
 def _experts_of(cfg: ModelConfig, kind: str, layer: int) -> tuple[int, str]:
     layer_id = layer if kind == "layers" else cfg.n_layers + layer
     return cfg.moe_experts(layer_id)[0], "n_routed_experts" if kind == "layers" else "dspark_n_routed_experts"
@@ -103,7 +78,8 @@ def tensor_slice(spec: TensorSpec, cfg: ModelConfig, shard: ShardSpec) -> Tensor
 
 def bytes_per_rank(cfg: ModelConfig, num_shards: int, include_mtp: bool = True) -> dict[str, int]:
     """Checkpoint bytes rank 0 holds (every rank holds as many), by layout component, for text-only serving
-    (no vision tower). Engram tables are included: they stay in host memory, today one copy per rank."""
+    (no vision tower). Engram tables are included: they stay in host memory, one copy per node shared by its
+    ranks (engine/shared_tables.py)."""
     check_shardable(cfg, num_shards, include_mtp)
     shard = ShardSpec(0, num_shards)
     out = dict.fromkeys(COMPONENTS, 0)

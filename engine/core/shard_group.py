@@ -1,14 +1,10 @@
 """N model shards in N local processes (`engine.run --num-shards N`): this process is rank 0 and the
-engine's executor; ranks 1..N-1 are spawned processes that follow rank 0's step plans.
+engine's executor; ranks 1..N-1 are spawned processes that follow rank 0's commands (the step protocol, the
+same as for the server's Ray shard actors, is engine/core/shard_lead.py).
 
-Each step rank 0 broadcasts one command (the picklable `StepPlan`, or a block write) over the shard group's
-control group, and every rank runs `ModelRunner.execute` on the same plan over its own shard; the forward's
-collectives (engine/parallel.py) keep them in lockstep, and rank 0's `StepOutput` is the step's. The KV
-pools are replicated (the single KV head, the compressors and the indexers are whole on every rank), so
-rank 0 alone answers block reads.
-
-Start-up: rank 0 opens the rendezvous, spawns the other ranks, loads its shard while they load theirs, waits
-for each one's report over its pipe (a load error comes back as the exception it was, naming the rank), then
+Start-up: rank 0 opens the rendezvous, spawns the other ranks, loads its shard while they load theirs (the first
+to get there copies the Engram tables into the node's shared memory, the others map that copy), waits for each
+one's report over its pipe (its memory line, or a load error as the exception it was, naming the rank), then
 every rank joins the process group. Failure: anything that raises inside a step (a rank's error, a rank that
 died, a collective past the step timeout) fails the whole group: rank 0 stops the other ranks and every later
 step raises at once with the first error; nothing waits forever. Ranks > 0 exit when rank 0 goes away.
@@ -27,13 +23,10 @@ from multiprocessing.connection import Connection
 import numpy as np
 import torch
 
-from engine.core import kv_blocks
 from engine.core.cache_manager import CacheLayout
-from engine.core.kv_cache import PagedKVCache
 from engine.core.plan import StepPlan
-from engine.core.runner import ModelRunner
+from engine.core.shard_lead import RankMemory, RankShard, ShardLeader, follow, load_shard
 from engine.core.step_rows import StepOutput
-from engine.load import LoadedModel, load_model
 from engine.parallel import GroupAddress, ProcessGroups, Rendezvous, ShardSpec
 
 STEP_TIMEOUT = timedelta(minutes=5)  # a collective inside a step waits at most this long for the other ranks
@@ -56,22 +49,6 @@ class ShardLaunch:
     num_threads: int | None  # torch intra-op threads of the rank (None: torch's default)
 
 
-@dataclass(frozen=True, slots=True)
-class Execute:
-    plan: StepPlan
-
-
-@dataclass(frozen=True, slots=True)
-class WriteBlocks:
-    block_ids: list[int]
-    data: np.ndarray
-
-
-@dataclass(frozen=True, slots=True)
-class Stop:
-    pass
-
-
 def rank_device(device: str, rank: int) -> torch.device:
     return torch.device(f"cuda:{rank}") if device == "cuda" else torch.device(device)
 
@@ -85,16 +62,6 @@ def _picklable(error: BaseException) -> BaseException:
         return RuntimeError(f"{type(error).__name__}: {error}")
 
 
-def load_shard(checkpoint: str, device: torch.device, layout: CacheLayout,
-               shard: ShardSpec) -> tuple[LoadedModel, PagedKVCache, ModelRunner]:
-    """One rank's shard of the model (no DSpark stages), its paged pools and its golden runner."""
-    if device.type == "cuda":
-        torch.cuda.set_device(device)
-    loaded = load_model(checkpoint, device, with_mtp=False, progress=False, shard=shard)
-    kv = PagedKVCache(loaded.cfg, layout, device)
-    return loaded, kv, ModelRunner(loaded.model, kv, kernels=False)
-
-
 def follower_main(rank: int, launch: ShardLaunch, conn: Connection) -> None:
     """Process entry of rank >= 1: load, report, wait for rank 0's go, join the group, follow its commands."""
     if launch.num_threads is not None:
@@ -102,18 +69,18 @@ def follower_main(rank: int, launch: ShardLaunch, conn: Connection) -> None:
     shard = ShardSpec(rank, launch.num_shards)
     device = rank_device(launch.device, rank)
     try:
-        _, kv, runner = load_shard(launch.checkpoint, device, launch.layout, shard)
+        mine = load_shard(launch.checkpoint, device, launch.layout, shard)
     except BaseException as e:  # noqa: BLE001 -- reported to rank 0, which raises it
         conn.send(("failed", _picklable(e)))
         return
-    conn.send(("loaded", None))
+    conn.send(("loaded", mine.memory))
     try:
         conn.recv()  # rank 0's go: every rank has loaded
     except EOFError:
         return  # rank 0 gave up (another rank failed) or went away
     groups = ProcessGroups.join(shard, launch.address, device, launch.step_timeout)
     try:
-        follow(groups, runner, kv)
+        follow(groups, mine.runner, mine.kv)
     except BaseException as e:  # noqa: BLE001 -- rank 0's next collective fails; tell it why
         try:
             conn.send(("failed", _picklable(e)))
@@ -123,28 +90,16 @@ def follower_main(rank: int, launch: ShardLaunch, conn: Connection) -> None:
     groups.close()
 
 
-def follow(groups: ProcessGroups, runner: ModelRunner, kv: PagedKVCache) -> None:
-    """Run rank 0's commands until Stop (or until rank 0's death breaks the broadcast)."""
-    while True:
-        cmd = groups.broadcast_object()
-        if isinstance(cmd, Stop):
-            return
-        if isinstance(cmd, Execute):
-            runner.execute(cmd.plan)
-        elif isinstance(cmd, WriteBlocks):
-            kv_blocks.write_blocks(kv, cmd.block_ids, cmd.data)
-        else:
-            raise TypeError(f"unknown shard command {cmd!r}")
-
-
 class ShardGroupExecutor:
-    """The engine's Executor over the shard group; this process is rank 0 (see the module docstring)."""
+    """The engine's Executor over the shard group; this process is rank 0 (see the module docstring).
+    `memory`: every rank's RankMemory, in rank order."""
 
-    def __init__(self, runner: ModelRunner, kv: PagedKVCache, groups: ProcessGroups,
-                 procs: list[mp.Process], conns: list[Connection]):
-        self.runner, self.kv, self.groups = runner, kv, groups
+    def __init__(self, rank0: RankShard, groups: ProcessGroups, procs: list[mp.Process], conns: list[Connection],
+                 memory: list[RankMemory]):
+        self.runner, self.kv, self.groups, self.memory = rank0.runner, rank0.kv, groups, memory
+        self.engram_host = rank0.loaded.engram_host
         self.procs, self.conns = procs, conns  # ranks 1.. in order
-        self.failure: BaseException | None = None
+        self.leader = ShardLeader(self.runner, self.kv, groups, self._explain)
         self.closed = False
 
     @classmethod
@@ -166,8 +121,8 @@ class ShardGroupExecutor:
                 theirs.close()
                 procs.append(proc)
                 conns.append(ours)
-            _, kv, runner = load_shard(checkpoint, rank_device(device, 0), layout, ShardSpec(0, num_shards))
-            _wait_loaded(procs, conns)
+            rank0 = load_shard(checkpoint, rank_device(device, 0), layout, ShardSpec(0, num_shards))
+            memory = [rank0.memory] + _wait_loaded(procs, conns)
             for conn in conns:
                 conn.send("go")
             groups = ProcessGroups.join(ShardSpec(0, num_shards), rendezvous.address, rank_device(device, 0),
@@ -175,50 +130,36 @@ class ShardGroupExecutor:
         except BaseException:
             _stop_processes(procs, conns)
             raise
-        return cls(runner, kv, groups, procs, conns)
+        return cls(rank0, groups, procs, conns, memory)
+
+    @property
+    def failure(self) -> BaseException | None:
+        return self.leader.failure
 
     def execute(self, plan: StepPlan) -> StepOutput:
-        self._check()
-        try:
-            self.groups.broadcast_object(Execute(plan))
-            return self.runner.execute(plan)
-        except Exception as e:
-            raise self._fail(e) from e
+        return self.leader.execute(plan)
 
     def read_blocks(self, block_ids: list[int]) -> np.ndarray:
-        self._check()
-        return kv_blocks.read_blocks(self.kv, block_ids)
+        return self.leader.read_blocks(block_ids)
 
     def write_blocks(self, block_ids: list[int], data: np.ndarray) -> None:
-        self._check()
-        try:
-            self.groups.broadcast_object(WriteBlocks(list(block_ids), data))
-            kv_blocks.write_blocks(self.kv, block_ids, data)
-        except Exception as e:
-            raise self._fail(e) from e
+        self.leader.write_blocks(block_ids, data)
 
     def close(self) -> None:
-        """Stop the other ranks (politely when the group is healthy) and leave the process group."""
+        """Stop the other ranks (politely when the group is healthy), leave the process group, and give up this
+        process's use of the shared Engram tables (the last rank to go unlinks them)."""
         if self.closed:
             return
         self.closed = True
-        if self.failure is None:
-            try:
-                self.groups.broadcast_object(Stop())
-            except Exception:  # noqa: BLE001 -- a rank already gone: it is stopped below all the same
-                pass
+        self.leader.stop()
         _stop_processes(self.procs, self.conns, STOP_TIMEOUT_S if self.failure is None else 0.0)
         self.groups.close()
+        if self.engram_host is not None:
+            self.engram_host.release()
 
-    def _check(self) -> None:
-        if self.failure is not None:
-            raise RuntimeError(f"the shard group failed earlier: {self.failure}") from self.failure
-        if self.closed:
-            raise RuntimeError("the shard group is closed")
-
-    def _fail(self, error: Exception) -> RuntimeError:
-        """The group is out of lockstep: note why (a rank's own report, else the ranks that exited: a dying
-        rank's sockets close before its exit code is known, hence the short wait), stop the ranks."""
+    def _explain(self, error: Exception) -> str:
+        """Why the group is out of lockstep (a rank's own report, else the ranks that exited: a dying rank's
+        sockets close before its exit code is known, hence the short wait); stops the other ranks."""
         deadline = time.monotonic() + REPORT_WAIT_S
         reports = []
         for rank, conn in enumerate(self.conns, start=1):
@@ -233,15 +174,15 @@ class ShardGroupExecutor:
             proc.join(max(0.0, deadline - time.monotonic()))
         exited = [f"rank {r} exited with code {p.exitcode}" for r, p in enumerate(self.procs, 1)
                   if not p.is_alive() and p.exitcode not in (0, None)]
-        detail = "; ".join(reports or exited) or f"no rank reported; rank 0 saw {type(error).__name__}: {error}"
-        self.failure = RuntimeError(f"a model shard failed mid-step ({detail})")
         _stop_processes(self.procs, self.conns, 0.0)
-        return self.failure
+        return "; ".join(reports or exited) or f"no rank reported; rank 0 saw {type(error).__name__}: {error}"
 
 
-def _wait_loaded(procs: list[mp.Process], conns: list[Connection]) -> None:
-    """Every rank > 0 reported a loaded shard; raises the first one's load error, or names a rank that died."""
+def _wait_loaded(procs: list[mp.Process], conns: list[Connection]) -> list[RankMemory]:
+    """Every rank > 0 reported a loaded shard (its memory, returned in rank order); raises the first one's load
+    error, or names a rank that died."""
     waiting = dict(enumerate(conns, start=1))
+    memory: dict[int, RankMemory] = {}
     deadline = time.monotonic() + LOAD_TIMEOUT_S
     while waiting:
         for rank, conn in list(waiting.items()):
@@ -253,11 +194,13 @@ def _wait_loaded(procs: list[mp.Process], conns: list[Connection]) -> None:
                                                          f"(exit code {procs[rank - 1].exitcode})")
                 if kind == "failed":
                     raise error
+                memory[rank] = error
                 del waiting[rank]
             elif not procs[rank - 1].is_alive():
                 raise RuntimeError(f"rank {rank} exited during load (exit code {procs[rank - 1].exitcode})")
         if time.monotonic() > deadline:
             raise TimeoutError(f"ranks {sorted(waiting)} did not load their shards within {LOAD_TIMEOUT_S:.0f} s")
+    return [memory[rank] for rank in sorted(memory)]
 
 
 def _stop_processes(procs: list[mp.Process], conns: list[Connection], grace_s: float = 0.0) -> None:

@@ -230,8 +230,8 @@ def format_shard_report(cfg: ModelConfig, num_shards: int) -> str:
     device = {c: b for c, b in part.items() if c != "Engram tables"}
     lines.append(f"{'device weights':<24}{sum(v for c, v in whole.items() if c != 'Engram tables') / 1e9:>11.2f} GB"
                  f"{sum(device.values()) / 1e9:>11.2f} GB")
-    lines.append(f"Engram tables stay in host memory: {part.get('Engram tables', 0) / 1e9:.2f} GB, today one copy per "
-                 f"rank ({num_shards * part.get('Engram tables', 0) / 1e9:.2f} GB on a node of {num_shards})")
+    lines.append(f"Engram tables stay in host memory: {part.get('Engram tables', 0) / 1e9:.2f} GB, one copy per node "
+                 f"that its {num_shards} ranks map (engine/shared_tables.py)")
     swa = cfg.n_total_layers * cfg.window_size * cfg.swa_entry_bytes
     for label, ctx in KV_CONTEXTS.items():
         kv = ctx * cfg.global_kv_bytes_per_token + swa

