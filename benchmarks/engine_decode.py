@@ -76,14 +76,15 @@ def layer_sum(engine: LLMEngine, plan) -> tuple[list[float], float, float]:
     """(each layer's graph us, the head's, the step's model graph us) for a decode plan, on its own metadata."""
     from benchmarks.gpu_timing import graph_time_us
     from engine.core.kernel_ops import OPS, engram_rows
+    from engine.kernels.decode_meta import decode_inputs
 
     step = engine.executor.runner.decode
     kr, cfg = step.runner, step.cfg
     with torch.inference_mode():
         v = step.stage(replace(plan, from_rows=None))
         st = step.device_step(v)
-        ids = v.fields["ids"]
-        hashes = step.engram_hashes(v, ids)
+        f = v.fields
+        ids, hashes = decode_inputs(f["ids"], f["from_row"], step.last_ids, f["pos"], v.prev, step.engram)
         h = torch.nn.functional.embedding(ids, kr.model.embed.weight).unsqueeze(1).repeat(1, cfg.hc_mult, 1)
         pre = torch.zeros(ids.numel(), cfg.hc_mult, dtype=torch.float32, device=ids.device)
         pre[:, 0] = 1.0

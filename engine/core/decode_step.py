@@ -5,10 +5,10 @@ path. The host's work is to fill a pinned staging buffer (one of two, in turn) w
 blocks, global block table, floors, pending slot, Engram look-back, sampling parameters) and copy it to the
 device with one non-blocking copy; everything else happens on the device, inside the graph:
 
-  1. metadata: window write slots and the window each query reads, from a ring of its window's blocks; every
-     global entry's flat slot from the block table (the indexer's rows [B, C / ratio], C the context bucket);
-     the completed compressor groups and pending writes (ratio 1 and 2); Engram hash ids from the ids and
-     their look-back (engram_tables.hash_ngrams);
+  1. inputs and metadata, two launches (engine/kernels/decode_meta.py): the input ids and the Engram hash ids
+     from the ids and their look-back; window write slots and the window each query reads, from a ring of its
+     window's blocks; every global entry's flat slot from the block table (the indexer's rows [B, C / ratio], C
+     the context bucket); the completed compressor groups and pending writes (ratio 1 and 2);
   2. the layers, through KernelRunner.layer_forward (the indexer and top-k batched over all rows: one
      RequestRows for the whole batch, each row reading its own entries), the final norm and the head;
   3. the draw (sampler.sample_device), in a second small graph per (batch, sampling variant, logprobs).
@@ -37,8 +37,8 @@ from engine.core.plan import ENGRAM_LOOKBACK, StepPlan
 from engine.core.sampler import SampleTensors, draw_output, sample_device, sample_row_values, sample_variant
 from engine.core.sampling_params import SamplingParams
 from engine.core.step_rows import StepOutput
-from engine.engram_tables import hash_ngrams
 from engine.kernels.compressor import Ratio2Plan
+from engine.kernels.decode_meta import decode_inputs, decode_meta
 
 VARIANTS = ("greedy", "plain", "filtered")
 # the staging record: one int64 row of length max_batch per field (floats as float64 bit patterns)
@@ -59,6 +59,7 @@ class Views:
     prev: Tensor  # int64 [B, ENGRAM_LOOKBACK] raw ids before the position, -1 = none (oldest first)
     ring: Tensor  # int64 [B, R] window block ids of blocks lo .. lo + R - 1 (lo: the window's first), -1 = none
     gtable: Tensor  # int64 [B, C / global_block_size] global block ids, -1 past the request's
+    rows: Tensor  # int64 [B]: 0 .. B - 1 (every row writes its own global entry)
 
 
 class DecodeStep:
@@ -158,18 +159,17 @@ class DecodeStep:
             prev0, ring0 = len(FIELDS), len(FIELDS) + ENGRAM_LOOKBACK
             gtable = self.dev[self.num_cols * self.max_B:][:B * (C // self.G)].view(B, C // self.G)
             v = self._views[(B, C)] = Views(B, C, fields, rec[prev0:ring0, :B].t(), rec[ring0:ring0 + self.R, :B].t(),
-                                            gtable)
+                                            gtable, torch.arange(B, device=self.device))
         return v
 
     # ---- device: the step (graph body) ------------------------------------------------------------------------
     def forward(self, v: Views) -> None:
         """The model over the staged rows -> self.logits[:B] (device work only: capturable)."""
-        r = self.runner
-        f = v.fields
-        # a token the previous step drew and the host has not read yet: its row of that step's draw
-        ids = torch.where(f["from_row"] >= 0, self.last_ids[f["from_row"].clamp_min(0)].clamp_min(0), f["ids"])
-        step = self.device_step(v)
-        h, pre_mix = r.run_layers(ids, step, self.engram_hashes(v, ids))
+        r, f = self.runner, v.fields
+        # the input ids (a token the previous step drew and the host has not read yet: its row of that step's draw)
+        # and the Engram hash ids, one launch
+        ids, hashes = decode_inputs(f["ids"], f["from_row"], self.last_ids, f["pos"], v.prev, self.engram)
+        h, pre_mix = r.run_layers(ids, self.device_step(v), hashes)
         self.logits[:v.B].copy_(r.head(h, pre_mix))
 
     def draw(self, v: Views, variant: str, num_logprobs: int):
@@ -181,67 +181,28 @@ class DecodeStep:
         self.last_ids[:v.B].copy_(d.token_ids)
         return d
 
-    def engram_hashes(self, v: Views, ids: Tensor) -> Tensor | None:
-        if self.engram is None:
-            return None
-        tables, K = self.engram, self.engram.max_ngram_size - 1
-        prev = v.prev[:, ENGRAM_LOOKBACK - K:]
-        history = torch.where(prev >= 0, tables.token_map[prev.clamp_min(0)], tables.pad_id)  # [B, K]
-        return hash_ngrams(tables, ids[:, None].contiguous(), history.contiguous(), v.fields["pos"])[:, 0]
-
     def device_step(self, v: Views) -> Step:
+        """The step's metadata for every (decoder, ratio) the layers ask for, from one decode_meta launch."""
+        f = v.fields
+        m = decode_meta(f["pos"], f["swa_floor"], f["dec_floor"], f["global_from"], f["pending"], v.ring, v.gtable,
+                        self.W, self.S, self.G, tuple(self.ratios))
         rows: list = []  # the step's one segment list: every row is its own request, every row is kept
         step = Step([], rows, rows, None, None, [Shared()])
-        for decoder in (False, True):
-            for ratio in self.ratios:
-                step.meta[(id(rows), id(rows), decoder, ratio)] = self._meta(v, decoder, ratio)
-        return step
-
-    def _meta(self, v: Views, decoder: bool, ratio: int) -> AttnMeta:
-        f, dev, W, S, R = v.fields, self.device, self.W, self.S, self.R
         pos = f["pos"]
-        floor = (f["dec_floor"] if decoder else f["swa_floor"]).clamp_min(0)
-        lo = (pos - W + 1).clamp_min(0) // S
-
-        def window_slots(p: Tensor, valid: Tensor) -> Tensor:  # positions [B, n] -> flat window slots, -1 = none
-            blk = p.div(S, rounding_mode="floor") - lo[:, None]
-            ok = valid & (blk >= 0) & (blk < R)
-            block = v.ring.gather(1, blk.clamp(0, R - 1))
-            return torch.where(ok & (block >= 0), block * S + p.remainder(S), -1)
-
-        write = window_slots(pos[:, None], torch.ones_like(pos[:, None], dtype=torch.bool))[:, 0]
-        wpos = pos[:, None] - W + 1 + torch.arange(W, device=dev)
-        swa_idx = window_slots(wpos, wpos >= floor[:, None]).to(torch.int32)
-        if ratio == 0:
-            return AttnMeta(pos, write, None, pos, swa_idx, [], None, [])
-        per_block = self.G // ratio
-        T = v.C // ratio
-
-        def entry_slot(e: Tensor, none: int) -> Tensor:  # entry ids [B, n] -> flat slots (`none` where no block)
-            block = v.gtable.gather(1, e // per_block)
-            return torch.where(block >= 0, block * per_block + e % per_block, none)
-
-        entries = entry_slot(torch.arange(T, device=dev).expand(v.B, T), 0).to(torch.int32)  # 0: never read
-        visible = ((pos + 1) // ratio).to(torch.int32)
-        index_rows = RequestRows(0, slice(0, v.B), T, entries, visible, min(self.cfg.index_topk, T))
-        all_rows = torch.arange(v.B, device=dev)
-        writes = f["global_from"] <= pos
-        if ratio == 1:
-            slots = torch.where(writes, entry_slot(pos[:, None], -1)[:, 0], -1)
-            global_write = GlobalWrite(all_rows, slots, pos, None)
-        else:
-            assert ratio == 2, f"the decode step handles compress ratios 0, 1 and 2, not {ratio}"
-            group = pos // 2
-            done = writes & (pos % 2 == 1)  # the second token of its group: the group completes now
-            wait = writes & (pos % 2 == 0)  # the first: it waits in the pending slot
-            pending = f["pending"]
-            none = torch.full_like(pos, -1)
-            items = torch.stack([torch.where(done, -(pending + 1), none), torch.where(done, all_rows, none),
-                                 torch.where(done, all_rows, none), 2 * group, torch.where(wait, all_rows, none),
-                                 torch.where(wait, pending, none)], dim=1).contiguous()
-            slots = torch.where(done, entry_slot(group[:, None], -1)[:, 0], -1)
-            global_write = GlobalWrite(all_rows, slots, 2 * group, Ratio2Plan(items, [], 2 * group, v.B))
-        return AttnMeta(pos, write, None, pos, swa_idx, [index_rows], global_write, [])
+        for decoder in (False, True):
+            swa_idx = m.swa[int(decoder)]
+            for ratio in self.ratios:
+                if ratio == 0:
+                    meta = AttnMeta(pos, m.write, None, pos, swa_idx, [], None, [])
+                else:
+                    T = v.C // ratio
+                    index_rows = RequestRows(0, slice(0, v.B), T, m.entries[ratio], m.visible[ratio],
+                                             min(self.cfg.index_topk, T))
+                    plan = None if ratio == 1 else Ratio2Plan(m.items, [], m.gpos[2], v.B)
+                    write = GlobalWrite(v.rows, m.slots[ratio], m.gpos[ratio], plan)
+                    meta = AttnMeta(pos, m.write, None, pos, swa_idx, [index_rows], write, [])
+                step.meta[(id(rows), id(rows), decoder, ratio)] = meta
+        return step
 
     # ---- graphs -----------------------------------------------------------------------------------------------
     def buckets(self) -> list[tuple[int, int]]:

@@ -16,8 +16,7 @@ Per row b of a decode step (one request at position pos[b], its window blocks in
                   ratio 2 also: gpos[b] = 2 (pos / 2) and the pooling item [b, 6] of compressor.Ratio2Plan.
 
 They replace ~35 (Engram) and ~60 per (ratio, floor) pair (metadata) small torch launches with 2: on the tiny
-model that was ~400 of ~800 kernels of a decode graph (H100 profile, 2026-12-05). Not yet called by the decode step
-on main: its wiring (branch decode-meta) waits for these kernels' GPU tests to run on a GPU. decode_meta_torch / decode_inputs_torch are the torch
+model that was ~400 of ~800 kernels of a decode graph. decode_meta_torch / decode_inputs_torch are the torch
 references (the graph body's old code). Memory traffic: the entries, 4 * B * C (1 + 1/2) bytes written, are all
 that grows with the context; the rest is O(B * (W + R)).
 """
