@@ -289,12 +289,18 @@ def load_checkpoint(ckpt_dir: str | Path, cfg: ModelConfig, *, device: str | tor
 
 
 def _read_part(f, spec: TensorSpec, part: TensorSlice) -> torch.Tensor:
-    """The whole tensor, or its slice along part.dim (only what the slice covers is read from the file)."""
+    """The whole tensor, or its slice along part.dim (only what the slice covers is read from the file), compact:
+    get_slice may return a view into more than the slice (a column slice: a strided view of whole rows), whose
+    storage the rank would keep (the whole tensor's bytes) and which the kernels, needing contiguous weights,
+    refuse; such a slice is copied into a tensor of its own."""
     if part.dim is None:
         return _as_storage_dtype(f.get_tensor(spec.name), spec)
     assert not spec.is_packed_fp4, f"{spec.name}: packed FP4 tensors (routed experts) are never sliced"
     index = tuple([slice(None)] * part.dim + [slice(part.start, part.stop)])
-    return _as_storage_dtype(f.get_slice(spec.name)[index], spec)
+    t = f.get_slice(spec.name)[index]
+    if t.untyped_storage().nbytes() != t.numel() * t.element_size():
+        t = torch.empty(t.shape, dtype=t.dtype, device=t.device).copy_(t)
+    return _as_storage_dtype(t, spec)
 
 
 def _as_storage_dtype(t: torch.Tensor, spec: TensorSpec) -> torch.Tensor:

@@ -100,6 +100,9 @@ def test_rank_tensors_are_slices_of_the_whole(tiny_cfg, whole, ranks):
         # every tensor a rank holds is its whole tensor or a contiguous 1/N of it at the rank's offset
         for name, t in part.items():
             full = whole[name]
+            # compact: a column slice that kept its whole rows' storage would hold the whole tensor on every rank
+            assert t.is_contiguous() and t.untyped_storage().nbytes() == t.numel() * t.element_size(), \
+                f"rank {r}: {name} {tuple(t.shape)} strides {t.stride()} over {t.untyped_storage().nbytes()} B"
             if t.shape == full.shape:
                 assert torch.equal(t.view(torch.uint8), full.view(torch.uint8)), f"rank {r}: {name}"
                 continue
