@@ -9,7 +9,9 @@ rank 0 alone answers block reads.
 
 Start-up: rank 0 opens the rendezvous, spawns the other ranks, loads its shard while they load theirs, waits
 for each one's report over its pipe (a load error comes back as the exception it was, naming the rank), then
-every rank joins the process group. Failure: anything that raises inside a step (a rank's error, a rank that
+every rank joins the process group. The runner is the golden one or the kernel path (with its decode step); on
+CUDA every rank then captures its decode graphs, in the same bucket order, so that the collectives inside them
+(NCCL, captured) pair up across the ranks. Failure: anything that raises inside a step (a rank's error, a rank that
 died, a collective past the step timeout) fails the whole group: rank 0 stops the other ranks and every later
 step raises at once with the first error; nothing waits forever. Ranks > 0 exit when rank 0 goes away.
 """
@@ -29,6 +31,8 @@ import torch
 
 from engine.core import kv_blocks
 from engine.core.cache_manager import CacheLayout
+from engine.core.engine import capture_decode_graphs
+from engine.core.engine_config import DecodeOptions
 from engine.core.kv_cache import PagedKVCache
 from engine.core.plan import StepPlan
 from engine.core.runner import ModelRunner
@@ -54,6 +58,8 @@ class ShardLaunch:
     address: GroupAddress
     step_timeout: timedelta
     num_threads: int | None  # torch intra-op threads of the rank (None: torch's default)
+    kernels: bool = False  # the kernel path (engine/core/kernel_layers.py) instead of the golden modules
+    decode: DecodeOptions | None = None  # the kernel path's decode step (None: off)
 
 
 @dataclass(frozen=True, slots=True)
@@ -85,14 +91,16 @@ def _picklable(error: BaseException) -> BaseException:
         return RuntimeError(f"{type(error).__name__}: {error}")
 
 
-def load_shard(checkpoint: str, device: torch.device, layout: CacheLayout,
-               shard: ShardSpec) -> tuple[LoadedModel, PagedKVCache, ModelRunner]:
-    """One rank's shard of the model (no DSpark stages), its paged pools and its golden runner."""
+def load_shard(checkpoint: str, device: torch.device, layout: CacheLayout, shard: ShardSpec, kernels: bool = False,
+               decode: DecodeOptions | None = None) -> tuple[LoadedModel, PagedKVCache, ModelRunner]:
+    """One rank's shard of the model (no DSpark stages), its paged pools and its runner (golden, or the kernel
+    path with its decode step when decode is given). Decode graphs are captured later, once the group is joined
+    (`capture_decode_graphs`: their collectives need every rank)."""
     if device.type == "cuda":
         torch.cuda.set_device(device)
     loaded = load_model(checkpoint, device, with_mtp=False, progress=False, shard=shard)
     kv = PagedKVCache(loaded.cfg, layout, device)
-    return loaded, kv, ModelRunner(loaded.model, kv, kernels=False)
+    return loaded, kv, ModelRunner(loaded.model, kv, kernels, decode if kernels else None)
 
 
 def follower_main(rank: int, launch: ShardLaunch, conn: Connection) -> None:
@@ -102,7 +110,7 @@ def follower_main(rank: int, launch: ShardLaunch, conn: Connection) -> None:
     shard = ShardSpec(rank, launch.num_shards)
     device = rank_device(launch.device, rank)
     try:
-        _, kv, runner = load_shard(launch.checkpoint, device, launch.layout, shard)
+        _, kv, runner = load_shard(launch.checkpoint, device, launch.layout, shard, launch.kernels, launch.decode)
     except BaseException as e:  # noqa: BLE001 -- reported to rank 0, which raises it
         conn.send(("failed", _picklable(e)))
         return
@@ -113,6 +121,7 @@ def follower_main(rank: int, launch: ShardLaunch, conn: Connection) -> None:
         return  # rank 0 gave up (another rank failed) or went away
     groups = ProcessGroups.join(shard, launch.address, device, launch.step_timeout)
     try:
+        capture_decode_graphs(runner)  # in step with rank 0's capture (CUDA only)
         follow(groups, runner, kv)
     except BaseException as e:  # noqa: BLE001 -- rank 0's next collective fails; tell it why
         try:
@@ -149,12 +158,15 @@ class ShardGroupExecutor:
 
     @classmethod
     def start(cls, checkpoint: str, device: str, layout: CacheLayout, num_shards: int, *,
-              step_timeout: timedelta = STEP_TIMEOUT, num_threads: int | None = None) -> "ShardGroupExecutor":
-        """Spawn ranks 1..num_shards-1, load rank 0 here, wait until every rank has loaded, join the group.
-        A rank's load error is raised here (CheckpointError / ShardingError as it was raised there)."""
+              step_timeout: timedelta = STEP_TIMEOUT, num_threads: int | None = None, kernels: bool = False,
+              decode: DecodeOptions | None = None) -> "ShardGroupExecutor":
+        """Spawn ranks 1..num_shards-1, load rank 0 here, wait until every rank has loaded, join the group (and,
+        on CUDA with the kernel path's decode step, capture every rank's decode graphs). A rank's load error is
+        raised here (CheckpointError / ShardingError as it was raised there)."""
         assert num_shards > 1, "one shard runs in-process (LocalExecutor)"
         rendezvous = Rendezvous(num_shards, step_timeout)
-        launch = ShardLaunch(checkpoint, device, layout, num_shards, rendezvous.address, step_timeout, num_threads)
+        launch = ShardLaunch(checkpoint, device, layout, num_shards, rendezvous.address, step_timeout, num_threads,
+                             kernels, decode)
         ctx = mp.get_context("spawn")
         procs, conns = [], []
         try:
@@ -166,12 +178,14 @@ class ShardGroupExecutor:
                 theirs.close()
                 procs.append(proc)
                 conns.append(ours)
-            _, kv, runner = load_shard(checkpoint, rank_device(device, 0), layout, ShardSpec(0, num_shards))
+            _, kv, runner = load_shard(checkpoint, rank_device(device, 0), layout, ShardSpec(0, num_shards), kernels,
+                                       decode)
             _wait_loaded(procs, conns)
             for conn in conns:
                 conn.send("go")
             groups = ProcessGroups.join(ShardSpec(0, num_shards), rendezvous.address, rank_device(device, 0),
                                         step_timeout, rendezvous)
+            capture_decode_graphs(runner)
         except BaseException:
             _stop_processes(procs, conns)
             raise
