@@ -71,7 +71,8 @@ def bytes_report(cfg: ModelConfig, num_shards: int, model: torch.nn.Module) -> s
     lines = [f"bytes per rank at N = {num_shards} (the layout, no DSpark stages):"]
     lines += [f"  {c:<24}{b / 1e9:9.3f} GB" for c, b in layout.items()]
     weights = sum(b for c, b in layout.items() if c != "Engram tables")
-    lines.append(f"  {'device weights':<24}{weights / 1e9:9.3f} GB; built on the device: {device_bytes(model) / 1e9:.3f} GB")
+    lines.append(f"  {'device weights':<24}{weights / 1e9:9.3f} GB; built on the device: "
+                 f"{device_bytes(model) / 1e9:.3f} GB")
     return "\n".join(lines)
 
 
@@ -129,8 +130,8 @@ def main(argv: list[str] | None = None) -> None:
     print(bytes_report(cfg, args.num_shards, model), flush=True)
 
     config = EngineConfig(max_num_seqs=max(tokens), max_num_batched_tokens=max(512, max(tokens)),
-                          enable_prefix_caching=False, cache_memory_bytes=args.cache_mib << 20, max_model_len=max_tokens,
-                          runner="kernels", decode_step=True, cuda_graphs=cuda)
+                          enable_prefix_caching=False, cache_memory_bytes=args.cache_mib << 20,
+                          max_model_len=max_tokens, runner="kernels", decode_step=True, cuda_graphs=cuda)
     t0 = time.perf_counter()
     engine = LLMEngine.local(model, config, progress=True, eos_token_id=-1)
     mem = f", {torch.cuda.memory_reserved() / 2**30:.1f} GiB reserved" if cuda else ""

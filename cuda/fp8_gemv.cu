@@ -186,8 +186,8 @@ __device__ __forceinline__ void reduce_store(const float (&acc)[RT][4], float* r
 
 // A CTA's share of the GEMV and the thread's place in it, for both forms. Group blockIdx.z: its weight rows
 // [g·N, g·N + N) (scale rows from g·N/32: N % 32 == 0 when G > 1), x[m, g, :] at m·G·K + g·K, y[m, g, :] at
-// m·G·N + g·N (G = 1: the plain GEMV, offsets 0; y's elements are bf16, or fp32 with out_f32). Split blockIdx.x: K columns [k0, k0 + kc), kb_valid blocks of
-// them inside K. Warp (wn, wk): RT·16 rows from wrow, blocks [kb_lo, kb_hi) of the split. Shared memory: x_s
+// m·G·N + g·N (G = 1: the plain GEMV, offsets 0; y's elements are bf16, or fp32 with out_f32). Split blockIdx.x:
+// K columns [k0, k0 + kc), kb_valid blocks of them inside K. Warp (wn, wk): RT·16 rows from wrow, blocks [kb_lo, kb_hi) of the split. Shared memory: x_s
 // [8][stride] f16, sa_s [kbc][8] x's block scales, red [warps_k][8][rows_cta] the epilogue's partials.
 template <int RT>
 struct Share {

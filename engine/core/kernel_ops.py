@@ -150,7 +150,7 @@ def index_scores_any(q: Tensor, w: Tensor, key_pool: Tensor, slots: Tensor, visi
 
 @dataclass(frozen=True, slots=True)
 class OpTable:
-    fp8_linear: Callable  # (x bf16 [..., K], weight fp8 [N, K], scale e8m0, out_dtype=bf16) -> [..., N] (fp32: unrounded)
+    fp8_linear: Callable  # (x bf16 [..., K], weight fp8 [N, K], scale e8m0, out_dtype=bf16) -> [..., N]
     rms_norm: Callable  # (x [N, D], w bf16 [D], eps) -> bf16
     hc_pre_norm: Callable  # (x [N, hc, D], pre fp32 [N, hc], w, eps) -> rms_norm(hc_pre(x, pre)) bf16 [N, D]
     hc_mixes: Callable  # (x [N, hc, D], fn, scale, base, hc, iters, hc_eps, norm_eps, beside=False) -> (pre, post,

@@ -23,15 +23,15 @@ fp8_gemv_grouped(x, weight, scale, G, quant_x=False): the bf16-exact mode (see f
 
     y[m, g, r] = bf16( Σ_d x[m, g, d] · w[g·R + r, d] ),   w = qw · sw (the exact FP8 weight)
 
-with no activation quantisation.
-
-Both entry points take out_dtype=torch.float32: y is then the fp32 sum before its bf16 rounding (the same
-launch, products, sums and order; bf16(y_fp32) is bit for bit the bf16 form's y): the partial of a
-row-parallel product, summed over the model's shards and rounded once (engine/core/kernel_ops.py). The kernel stages each 32-block of x in f16 as x / sa, sa =
+with no activation quantisation. The kernel stages each 32-block of x in f16 as x / sa, sa =
 2^max(floor(log2 amax) - 15, -126) (all-zero block: sa = 1): every element with |x| >= amax·2^-32 is exact
 (see `bf16_exact_stage` and the header of cuda/fp8_gemv.cu for the derivation); a smaller one is rounded
 to the f16 quantum, an absolute error <= 2^-40·amax of its block. The f16 x E4M3 products are exact, so the
 only other error is the fp32 accumulation (the same as fp8_gemv's).
+
+Both entry points take out_dtype=torch.float32: y is then the fp32 sum before its bf16 rounding (the same
+launch, products, sums and order; bf16(y_fp32) is bit for bit the bf16 form's y): the partial of a
+row-parallel product, summed over the model's shards and rounded once (engine/core/kernel_ops.py).
 
 Memory traffic (the floor): N·K weight bytes + N·K/1024 scale bytes + 2·M·K (x) + 2·M·N (y); each CTA
 also re-reads its K range of x from L2 (2·M·K·N / rows per CTA bytes of L2 traffic).

@@ -50,8 +50,8 @@ def generate(engine: LLMEngine, rid: str, params: SamplingParams, keep_logits: b
 @pytest.fixture(scope="module")
 def one_shard(tiny_checkpoint):
     """One shard's greedy tokens and every position's logits (the eager kernel path: logits kept)."""
-    tokens, _, rows = generate(LLMEngine.from_checkpoint(tiny_checkpoint, CONFIG), "ref", SamplingParams(max_tokens=NUM_NEW),
-                               keep_logits=True)
+    engine = LLMEngine.from_checkpoint(tiny_checkpoint, CONFIG)
+    tokens, _, rows = generate(engine, "ref", SamplingParams(max_tokens=NUM_NEW), keep_logits=True)
     assert sorted(rows) == list(range(len(PROMPT) + NUM_NEW - 1))
     return tokens, rows
 
