@@ -11,7 +11,7 @@ time on the decode step's metadata (its Engram mix included, the Engram row gath
 it) plus the head's, against the step's model graph (target: step <= 1.1x the sum).
 
 Per mode and batch: `batch` requests with prompts of --prompt-len random tokens are prefilled, then every
-step is a decode step of the whole batch; --steps steps are timed back to back after 5 warm-up steps. Modes:
+step is a decode step of the whole batch; --steps steps are timed back to back after --warmup (5) steps. Modes:
 graph = the decode step on device buffers replayed as CUDA graphs, with async scheduling (the default engine on
 CUDA); graph-sync = the same without async scheduling (each step's tokens read before the next is scheduled);
 device = the same step run eagerly; legacy = the kernel path's eager step with the host sampler (the
@@ -111,7 +111,7 @@ def measure(engine: LLMEngine, batch: int, args: argparse.Namespace, params: Sam
         engine.add_request(f"b{batch}-{i}", torch.randint(0, 120000, (args.prompt_len,), generator=g).tolist(), params)
     while any(r.num_computed < len(r.prompt_ids) for r in engine.scheduler.running) or engine.scheduler.waiting:
         engine.step()
-    for _ in range(5):
+    for _ in range(args.warmup):
         engine.step()
     sync = torch.cuda.synchronize if torch.device(args.device).type == "cuda" else (lambda: None)
     sync()
@@ -120,7 +120,8 @@ def measure(engine: LLMEngine, batch: int, args: argparse.Namespace, params: Sam
         engine.step()
     sync()
     step_s = (time.perf_counter() - t0) / args.steps
-    if not hasattr(engine.executor, "runner"):  # a shard actor: its kernels run in another process
+    if not hasattr(engine.executor, "runner") or torch.device(args.device).type != "cuda":
+        # a shard actor (its kernels run in another process), or the CPU: no GPU trace
         for rid in list(engine.requests):
             engine.abort(rid)
         return step_s * 1000, float("nan")
@@ -173,6 +174,7 @@ def main() -> None:
     p.add_argument("--batches", default="1,16,64")
     p.add_argument("--prompt-len", type=int, default=100)
     p.add_argument("--steps", type=int, default=50)
+    p.add_argument("--warmup", type=int, default=5, help="decode steps run before the timed ones")
     p.add_argument("--modes", default="graph,device,legacy")
     p.add_argument("--sampling", choices=("greedy", "top_p"), default="greedy")
     p.add_argument("--device", default="cuda")

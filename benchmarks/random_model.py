@@ -4,7 +4,9 @@ checkpoint on this machine's disk could hold (ten real-width layers are ~75 GB).
 
     randomize(module, generator)   # every buffer of module and its children, in place
     real_width_config(n_layers=10) # DeepSeek-V4.1-Flash's widths, every layer role of the tiny preset's order
+    released_config()              # the released 40 layers in their own role order (Engram tables shrunk)
     random_model(cfg, device)      # a Transformer (no DSpark stages) with random weights and Engram tables
+    random_model(cfg, device, shard=ShardSpec(0, 8, solo=True))  # rank 0's slices of it only (~39 GB of 40 layers)
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ from pathlib import Path
 import torch
 
 from engine.config import ModelConfig
+from engine.parallel import SINGLE, ShardSpec
 from engine.engram_tables import engram_primes
 from engine.load import build_engram_tables
 from engine.model.engram import EngramEmbedding
@@ -80,14 +83,25 @@ def real_width_config(n_layers: int = 10, max_model_len: int | None = None) -> M
                    max_position_embeddings=max_model_len or cfg.max_position_embeddings)
 
 
-def random_model(cfg: ModelConfig, device: str | torch.device, seed: int = 0) -> Transformer:
+def released_config(max_model_len: int | None = None) -> ModelConfig:
+    """DeepSeek-V4.1-Flash as released (40 layers, their roles, widths, experts), with Engram hashing into
+    ENGRAM_VOCAB-sized tables (the released tables are ~98 GB each in host memory; a lookup costs the same)."""
+    cfg = full_config()
+    primes = engram_primes(cfg.engram_layer_ids, cfg.engram_max_ngram_size, cfg.engram_n_heads, ENGRAM_VOCAB)
+    return replace(cfg, engram_num_embeddings=tuple(sum(p) for p in primes), engram_vocab_size=ENGRAM_VOCAB,
+                   max_position_embeddings=max_model_len or cfg.max_position_embeddings)
+
+
+def random_model(cfg: ModelConfig, device: str | torch.device, seed: int = 0, shard: ShardSpec = SINGLE) -> Transformer:
     """A Transformer for cfg (no DSpark stages) with random weights on device (Engram tables on the host) and the
-    real Engram hashing tables (from the V4.1 tokenizer's compressed token map, as engine.load builds them)."""
+    real Engram hashing tables (from the V4.1 tokenizer's compressed token map, as engine.load builds them). With a
+    shard: only that rank's slices exist (the model classes' split), random like the rest; a solo shard
+    (engine/parallel.py) runs alone, for measurement."""
     with tempfile.TemporaryDirectory() as tmp:
         write_tokenizer_files(Path(tmp))
         tables = build_engram_tables(cfg, load_tokenizer(Path(tmp)))
     with torch.device("meta"):
-        model = Transformer(cfg, tables, with_mtp=False)
+        model = Transformer(cfg, tables, with_mtp=False, shard=shard)
     randomize(model, torch.Generator(device=device).manual_seed(seed))
     if tables is not None:
         model.engram_tables = tables.to(device)

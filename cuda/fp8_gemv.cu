@@ -3,7 +3,9 @@
 //   y[m, g, n] = bf16( Σ_kb (Σ_{k in kb} qa[m, g, k] · qw[g·N + n, k]) · (sa[m, g, kb] · sw[(g·N + n)/32, kb]) )
 //
 // for G groups (x [M, G, K] bf16, w FP8 E4M3 [G·N, K], sw E8M0 [ceil(G·N/32), K/32], y [M, G, N] bf16; G = 1 is
-// the plain GEMV, G > 1 needs N % 32 == 0 so that no scale block straddles two groups). (qa, sa) per 32 along K:
+// the plain GEMV, G > 1 needs N % 32 == 0 so that no scale block straddles two groups). With out_f32 y is fp32,
+// the sum before its bf16 rounding (the partial of a row-parallel product, summed over the shards and rounded
+// once by the caller). (qa, sa) per 32 along K:
 // - act_quant mode (QUANT): DeepSeek's fp8_gemm semantics: E4M3 codes and UE8M0 power-of-two scales, computed
 //   here bit for bit engine.quant.act_quant;
 // - bf16-exact mode: no activation quantisation, y = bf16(Σ x·w) with x the bf16 activations and w = qw·sw the
@@ -130,13 +132,22 @@ __device__ __forceinline__ void stage_x(const __nv_bfloat16* x, __half* x_s, flo
   }
 }
 
+// y[i] = s: bf16 (rounded to nearest even) or, with out_f32, the fp32 value itself.
+__device__ __forceinline__ void store_out(void* y, size_t i, float s, bool out_f32) {
+  if (out_f32) {
+    static_cast<float*>(y)[i] = s;
+  } else {
+    static_cast<__nv_bfloat16*>(y)[i] = __float2bfloat16_rn(s);
+  }
+}
+
 // The epilogue of both forms: each warp's C fragments (row g, tokens 2t, 2t + 1; row g + 8, the same) through
 // shared memory, summed in warp-column order, then (splits > 1) the cluster's CTAs summed in rank order through
-// DSMEM; bf16 out.
+// DSMEM; bf16 out, or the fp32 sums (out_f32).
 template <int RT>
-__device__ __forceinline__ void reduce_store(const float (&acc)[RT][4], float* red, __nv_bfloat16* __restrict__ y,
+__device__ __forceinline__ void reduce_store(const float (&acc)[RT][4], float* red, void* __restrict__ y,
                                              int M, int N, int row0, int rows_cta, size_t y_row, int wn, int wk,
-                                             int warps_k, int splits, int tid) {
+                                             int warps_k, int splits, int tid, bool out_f32) {
   const int lane = tid & 31, g = lane >> 2, t = lane & 3;
   float* red_w = red + wk * kMaxM * rows_cta;
 #pragma unroll
@@ -154,7 +165,7 @@ __device__ __forceinline__ void reduce_store(const float (&acc)[RT][4], float* r
     for (int j = 1; j < warps_k; ++j) s = __fadd_rn(s, red[j * kMaxM * rows_cta + e]);
     if (splits == 1) {
       const int m = e / rows_cta, r = row0 + e % rows_cta;
-      if (r < N) y[size_t(m) * y_row + r] = __float2bfloat16_rn(s);
+      if (r < N) store_out(y, size_t(m) * y_row + r, s, out_f32);
     } else {
       red[e] = s;
     }
@@ -167,7 +178,7 @@ __device__ __forceinline__ void reduce_store(const float (&acc)[RT][4], float* r
       float s = cluster.map_shared_rank(red, 0)[e];
       for (int j = 1; j < splits; ++j) s = __fadd_rn(s, cluster.map_shared_rank(red, j)[e]);
       const int m = e / rows_cta, r = row0 + e % rows_cta;
-      if (r < N) y[size_t(m) * y_row + r] = __float2bfloat16_rn(s);
+      if (r < N) store_out(y, size_t(m) * y_row + r, s, out_f32);
     }
     cluster.sync();  // no CTA leaves while another still reads its shared memory
   }
@@ -175,15 +186,15 @@ __device__ __forceinline__ void reduce_store(const float (&acc)[RT][4], float* r
 
 // A CTA's share of the GEMV and the thread's place in it, for both forms. Group blockIdx.z: its weight rows
 // [g·N, g·N + N) (scale rows from g·N/32: N % 32 == 0 when G > 1), x[m, g, :] at m·G·K + g·K, y[m, g, :] at
-// m·G·N + g·N (G = 1: the plain GEMV, offsets 0). Split blockIdx.x: K columns [k0, k0 + kc), kb_valid blocks of
-// them inside K. Warp (wn, wk): RT·16 rows from wrow, blocks [kb_lo, kb_hi) of the split. Shared memory: x_s
+// m·G·N + g·N (G = 1: the plain GEMV, offsets 0; y's elements are bf16, or fp32 with out_f32). Split blockIdx.x:
+// K columns [k0, k0 + kc), kb_valid blocks of them inside K. Warp (wn, wk): RT·16 rows from wrow, blocks [kb_lo, kb_hi) of the split. Shared memory: x_s
 // [8][stride] f16, sa_s [kbc][8] x's block scales, red [warps_k][8][rows_cta] the epilogue's partials.
 template <int RT>
 struct Share {
   const __nv_bfloat16* x;
   const uint8_t* w;
   const uint8_t* ws_row;  // the warp's scale row, from the split's first block
-  __nv_bfloat16* y;
+  void* y;  // the group's first output: bf16, or fp32 with out_f32
   size_t x_row, y_row;
   int stride, kbc, rows_cta, k0, kb_valid, row0, tid, lane, warp, g, t, wn, wk, kb_lo, kb_hi, wrow;
   __half* x_s;
@@ -191,8 +202,8 @@ struct Share {
   float* red;
 
   __device__ __forceinline__ Share(unsigned char* smem, const __nv_bfloat16* x_, const uint8_t* w_,
-                                   const uint8_t* ws, __nv_bfloat16* y_, int N, int K, int groups, int kc,
-                                   int warps_n, int warps_k) {
+                                   const uint8_t* ws, void* y_, int N, int K, int groups, int kc,
+                                   int warps_n, int warps_k, bool out_f32) {
     stride = x_stride(kc);
     kbc = kc / 32;
     rows_cta = warps_n * RT * 16;
@@ -203,7 +214,7 @@ struct Share {
     x_row = size_t(groups) * K;
     y_row = size_t(groups) * N;
     x = x_ + size_t(grp) * K;
-    y = y_ + size_t(grp) * N;
+    y = static_cast<char*>(y_) + size_t(grp) * N * (out_f32 ? sizeof(float) : sizeof(__nv_bfloat16));
     w = w_ + size_t(grp) * N * K;
     ws += size_t(grp) * (N / 32) * (K / 32);
     k0 = blockIdx.x * kc;
@@ -247,10 +258,10 @@ __device__ __forceinline__ void block_mma(float (&acc)[4], uint2 w0, uint2 w1, u
 template <int RT, int U, bool QUANT>
 __global__ void __launch_bounds__(32 * kMaxWarps) fp8_gemv_kernel(
     const __nv_bfloat16* x, const uint8_t* __restrict__ w, const uint8_t* __restrict__ ws,
-    __nv_bfloat16* __restrict__ y, int M, int N, int K, int groups, int kc, int warps_n, int warps_k,
-    int splits) {
+    void* __restrict__ y, int M, int N, int K, int groups, int kc, int warps_n, int warps_k, int splits,
+    int out_f32) {
   extern __shared__ __align__(16) unsigned char smem[];
-  const Share<RT> sh(smem, x, w, ws, y, N, K, groups, kc, warps_n, warps_k);
+  const Share<RT> sh(smem, x, w, ws, y, N, K, groups, kc, warps_n, warps_k, out_f32 != 0);
   const uint8_t* wp[RT][2];
 #pragma unroll
   for (int rt = 0; rt < RT; ++rt)
@@ -298,7 +309,8 @@ __global__ void __launch_bounds__(32 * kMaxWarps) fp8_gemv_kernel(
   }
 
   asm volatile("griddepcontrol.launch_dependents;" ::: "memory");  // the next kernel may start its prologue
-  reduce_store<RT>(acc, sh.red, sh.y, M, N, sh.row0, sh.rows_cta, sh.y_row, sh.wn, sh.wk, warps_k, splits, sh.tid);
+  reduce_store<RT>(acc, sh.red, sh.y, M, N, sh.row0, sh.rows_cta, sh.y_row, sh.wn, sh.wk, warps_k, splits, sh.tid,
+                   out_f32 != 0);
 }
 
 using dsv41::cp_async_commit;
@@ -328,12 +340,12 @@ __device__ __forceinline__ void cp_async16_zfill(void* dst, const void* src, int
 template <int RT, int STAGES, bool QUANT>
 __global__ void __launch_bounds__(32 * kMaxWarps) fp8_gemv_ring_kernel(
     const __nv_bfloat16* x, const uint8_t* __restrict__ w, const uint8_t* __restrict__ ws,
-    __nv_bfloat16* __restrict__ y, int M, int N, int K, int groups, int kc, int warps_n, int warps_k,
-    int splits) {
+    void* __restrict__ y, int M, int N, int K, int groups, int kc, int warps_n, int warps_k, int splits,
+    int out_f32) {
   constexpr int kRows = RT * 16;
   constexpr int kStageBytes = kRows * kRingRowBytes;
   extern __shared__ __align__(16) unsigned char smem[];
-  const Share<RT> sh(smem, x, w, ws, y, N, K, groups, kc, warps_n, warps_k);
+  const Share<RT> sh(smem, x, w, ws, y, N, K, groups, kc, warps_n, warps_k, out_f32 != 0);
   unsigned char* ring = smem + ring_offset(kc, warps_n, warps_k, RT) + size_t(sh.warp) * STAGES * kStageBytes;
   const int nch = (sh.kb_hi - sh.kb_lo + kRingBlocks - 1) / kRingBlocks;
 
@@ -391,38 +403,42 @@ __global__ void __launch_bounds__(32 * kMaxWarps) fp8_gemv_ring_kernel(
   cp_async_wait<0>();
 
   asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
-  reduce_store<RT>(acc, sh.red, sh.y, M, N, sh.row0, sh.rows_cta, sh.y_row, sh.wn, sh.wk, warps_k, splits, sh.tid);
+  reduce_store<RT>(acc, sh.red, sh.y, M, N, sh.row0, sh.rows_cta, sh.y_row, sh.wn, sh.wk, warps_k, splits, sh.tid,
+                   out_f32 != 0);
 }
 
 template <int RT, int U, bool QUANT>
 cudaError_t launch(const void* x, const void* w, const void* ws, void* y, int M, int N, int K, int groups,
-                   int kc, int warps_n, int warps_k, int splits, bool pdl, size_t smem, cudaStream_t stream) {
+                   int kc, int warps_n, int warps_k, int splits, int out_f32, bool pdl, size_t smem,
+                   cudaStream_t stream) {
   static uint64_t smem_set = 0;  // this instance's shared-memory opt-in, per device
   const int rows_cta = warps_n * RT * 16;
   return dsv41::launch_ex(fp8_gemv_kernel<RT, U, QUANT>, &smem_set, kMaxSmem,
                           dim3(splits, (N + rows_cta - 1) / rows_cta, groups), dim3(32 * warps_n * warps_k, 1, 1),
                           smem, stream, splits > 1 ? splits : 0, pdl, static_cast<const __nv_bfloat16*>(x),
-                          static_cast<const uint8_t*>(w), static_cast<const uint8_t*>(ws),
-                          static_cast<__nv_bfloat16*>(y), M, N, K, groups, kc, warps_n, warps_k, splits);
+                          static_cast<const uint8_t*>(w), static_cast<const uint8_t*>(ws), y, M, N, K, groups, kc,
+                          warps_n, warps_k, splits, out_f32);
 }
 
 template <int RT, int STAGES, bool QUANT>
 cudaError_t launch_ring(const void* x, const void* w, const void* ws, void* y, int M, int N, int K, int groups,
-                        int kc, int warps_n, int warps_k, int splits, bool pdl, size_t smem, cudaStream_t stream) {
+                        int kc, int warps_n, int warps_k, int splits, int out_f32, bool pdl, size_t smem,
+                        cudaStream_t stream) {
   static uint64_t smem_set = 0;
   const int rows_cta = warps_n * RT * 16;
   return dsv41::launch_ex(fp8_gemv_ring_kernel<RT, STAGES, QUANT>, &smem_set, kMaxSmem,
                           dim3(splits, (N + rows_cta - 1) / rows_cta, groups), dim3(32 * warps_n * warps_k, 1, 1),
                           smem, stream, splits > 1 ? splits : 0, pdl, static_cast<const __nv_bfloat16*>(x),
-                          static_cast<const uint8_t*>(w), static_cast<const uint8_t*>(ws),
-                          static_cast<__nv_bfloat16*>(y), M, N, K, groups, kc, warps_n, warps_k, splits);
+                          static_cast<const uint8_t*>(w), static_cast<const uint8_t*>(ws), y, M, N, K, groups, kc,
+                          warps_n, warps_k, splits, out_f32);
 }
 
 // The K columns of each split (kc) of a launch inside both entry points' contract (smem: its shared memory,
 // 0 for invalid launch parameters), else 0.
-int split_columns(int M, int N, int K, int groups, int quant_x, int splits, size_t smem) {
+int split_columns(int M, int N, int K, int groups, int quant_x, int out_f32, int splits, size_t smem) {
   if (M < 1 || M > kMaxM || N < 1 || smem == 0 || smem > kMaxSmem) return 0;
   if (groups < 1 || groups > 65535 || (groups > 1 && N % 32 != 0) || (quant_x != 0 && quant_x != 1)) return 0;
+  if (out_f32 != 0 && out_f32 != 1) return 0;
   const int kb = K / 32, kbc = (kb + splits - 1) / splits;
   return (kb + kbc - 1) / kbc == splits ? kbc * 32 : 0;
 }
@@ -443,23 +459,24 @@ size_t dsv41_fp8_gemv_smem(int K, int row_tiles, int warps_n, int warps_k, int s
 
 // y [M, G, N] bf16 = stage(x [M, G, K] bf16) @ dequant(w [G·N, K] e4m3, ws [ceil(G·N/32), K/32] e8m0)^T per
 // group (see the header): quant_x != 0: act_quant(x) (E4M3, UE8M0 per 32); quant_x == 0: bf16-exact.
+// out_f32 = 1: y is fp32, the same sums before their bf16 rounding (0 or 1).
 // groups = G >= 1 (the grid's z dimension, <= 65535); G > 1 needs N % 32 == 0.
 // splits must not exceed ceil(K/32 / ceil(K/32 / splits)) (every CTA of a cluster owns K columns).
 // Returns a cudaError_t (cudaErrorInvalidValue for parameters outside the contract, before any CUDA call).
 // pdl: launch with programmatic stream serialization (weight loads overlap the previous kernel's tail).
 int dsv41_fp8_gemv_grouped(const void* x, const void* w, const void* ws, void* y, int M, int N, int K, int groups,
-                           int quant_x, int row_tiles, int unroll, int warps_n, int warps_k, int splits, int pdl,
-                           void* stream) {
+                           int quant_x, int out_f32, int row_tiles, int unroll, int warps_n, int warps_k, int splits,
+                           int pdl, void* stream) {
   const size_t smem = dsv41_fp8_gemv_smem(K, row_tiles, warps_n, warps_k, splits);
-  const int kc = split_columns(M, N, K, groups, quant_x, splits, smem);
+  const int kc = split_columns(M, N, K, groups, quant_x, out_f32, splits, smem);
   if (kc == 0) return int(cudaErrorInvalidValue);
   const cudaStream_t s = static_cast<cudaStream_t>(stream);
 #define DSV41_GEMV_CASE(RT, U)                                                                                \
   if (row_tiles == RT && unroll == U)                                                                         \
     return int(quant_x ? launch<RT, U, true>(x, w, ws, y, M, N, K, groups, kc, warps_n, warps_k, splits,      \
-                                             pdl != 0, smem, s)                                               \
+                                             out_f32, pdl != 0, smem, s)                                      \
                        : launch<RT, U, false>(x, w, ws, y, M, N, K, groups, kc, warps_n, warps_k, splits,     \
-                                              pdl != 0, smem, s));
+                                              out_f32, pdl != 0, smem, s));
   DSV41_GEMV_CASE(1, 2) DSV41_GEMV_CASE(1, 4) DSV41_GEMV_CASE(1, 8)
   DSV41_GEMV_CASE(2, 2) DSV41_GEMV_CASE(2, 4) DSV41_GEMV_CASE(2, 8)
 #undef DSV41_GEMV_CASE
@@ -470,7 +487,7 @@ int dsv41_fp8_gemv_grouped(const void* x, const void* w, const void* ws, void* y
 // entry with G = 1 in act_quant mode (the same kernel instance and launch as before groups existed).
 int dsv41_fp8_gemv(const void* x, const void* w, const void* ws, void* y, int M, int N, int K, int row_tiles,
                    int unroll, int warps_n, int warps_k, int splits, int pdl, void* stream) {
-  return dsv41_fp8_gemv_grouped(x, w, ws, y, M, N, K, 1, 1, row_tiles, unroll, warps_n, warps_k, splits, pdl,
+  return dsv41_fp8_gemv_grouped(x, w, ws, y, M, N, K, 1, 1, 0, row_tiles, unroll, warps_n, warps_k, splits, pdl,
                                 stream);
 }
 
@@ -485,18 +502,18 @@ size_t dsv41_fp8_gemv_ring_smem(int K, int row_tiles, int warps_n, int warps_k, 
 // dsv41_fp8_gemv_grouped's contract and results (bitwise), weights staged through the shared-memory ring
 // (fp8_gemv_ring_kernel) with `stages` stages of 4 blocks (2..4).
 int dsv41_fp8_gemv_ring(const void* x, const void* w, const void* ws, void* y, int M, int N, int K, int groups,
-                        int quant_x, int row_tiles, int stages, int warps_n, int warps_k, int splits, int pdl,
-                        void* stream) {
+                        int quant_x, int out_f32, int row_tiles, int stages, int warps_n, int warps_k, int splits,
+                        int pdl, void* stream) {
   const size_t smem = dsv41_fp8_gemv_ring_smem(K, row_tiles, warps_n, warps_k, splits, stages);
-  const int kc = split_columns(M, N, K, groups, quant_x, splits, smem);
+  const int kc = split_columns(M, N, K, groups, quant_x, out_f32, splits, smem);
   if (kc == 0) return int(cudaErrorInvalidValue);
   const cudaStream_t s = static_cast<cudaStream_t>(stream);
 #define DSV41_RING_CASE(RT, S)                                                                                 \
   if (row_tiles == RT && stages == S)                                                                          \
     return int(quant_x ? launch_ring<RT, S, true>(x, w, ws, y, M, N, K, groups, kc, warps_n, warps_k, splits,  \
-                                                  pdl != 0, smem, s)                                           \
+                                                  out_f32, pdl != 0, smem, s)                                  \
                        : launch_ring<RT, S, false>(x, w, ws, y, M, N, K, groups, kc, warps_n, warps_k, splits, \
-                                                   pdl != 0, smem, s));
+                                                   out_f32, pdl != 0, smem, s));
   DSV41_RING_CASE(1, 2) DSV41_RING_CASE(1, 3) DSV41_RING_CASE(1, 4)
   DSV41_RING_CASE(2, 2) DSV41_RING_CASE(2, 3) DSV41_RING_CASE(2, 4)
 #undef DSV41_RING_CASE

@@ -2,7 +2,10 @@
 and the few collectives the model and the shard group use. No other module imports torch.distributed.
 
 Every collective takes the caller's ShardSpec and is the identity at world size 1, so a single-shard run
-never touches torch.distributed (and needs no process group). Two groups are made at start-up:
+never touches torch.distributed (and needs no process group). A `solo` ShardSpec is a measurement mode, never
+served: rank r of N built and run alone in one process (benchmarks/rank_decode.py), its collectives stand-ins
+that need no peers (all_reduce_sum returns its input, all_gather tiles it): the shapes, slices and local work
+of rank r, not its numbers. Two groups are made at start-up:
 - the default group (gloo on CPU, NCCL on CUDA) carries the forward's all-reduces and all-gathers, with
   the step timeout: a rank that dies or stalls mid-step fails the others' collective instead of hanging them;
 - a control group (gloo, CPU) carries the per-step plan broadcast from rank 0. Its timeout is each process's
@@ -57,6 +60,7 @@ class ProcessGroups:
         """Blocks until every rank has joined (at most step_timeout); rank 0 passes its Rendezvous. On CUDA the
         device must be set first."""
         assert not shard.is_single, "a single shard needs no process group"
+        assert not shard.solo, "a solo shard (measurement) has no peers to join"
         assert (rendezvous is not None) == (shard.rank == 0), "rank 0, and only rank 0, hosts the rendezvous"
         store = rendezvous.store if rendezvous is not None else dist.TCPStore(
             address.host, address.port, shard.world_size, is_master=False, timeout=step_timeout)
@@ -86,8 +90,8 @@ class ProcessGroups:
 def all_reduce_sum(x: torch.Tensor, shard: ShardSpec) -> torch.Tensor:
     """The elementwise sum of every rank's x (same shape and dtype everywhere), identical on every rank.
     The golden model reduces float64 partial products here, before their one rounding."""
-    if shard.is_single:
-        return x
+    if shard.is_single or shard.solo:
+        return x  # solo: the collective's time is not measured (benchmarks/rank_decode.py adds it)
     x = x.contiguous()
     dist.all_reduce(x, op=dist.ReduceOp.SUM)
     return x
@@ -97,6 +101,8 @@ def all_gather(x: torch.Tensor, shard: ShardSpec, dim: int = -1) -> torch.Tensor
     """Every rank's x (same shape everywhere) concatenated in rank order along dim, on every rank."""
     if shard.is_single:
         return x
+    if shard.solo:
+        return torch.cat([x] * shard.world_size, dim=dim)  # the gathered shape and bytes, rank r's values
     parts = [torch.empty_like(x) for _ in range(shard.world_size)]
     dist.all_gather(parts, x.contiguous())
     return torch.cat(parts, dim=dim)

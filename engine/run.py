@@ -232,7 +232,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "0 = off, at most the checkpoint's DSpark block (golden runner only for now)")
     p.add_argument("--num-shards", type=int, default=1,
                    help="split the model over N local processes (tensor-parallel attention, expert-parallel MoE; "
-                        "gloo on CPU); N must divide the heads, output groups and experts (golden runner only)")
+                        "gloo on CPU; either runner); N must divide the heads, output groups and experts")
     p.add_argument("--print-prompt", action="store_true", help='print {"prompt", "prompt_token_ids"} as JSON and exit')
     p.add_argument("--parse-completion", metavar="FILE.txt",
                    help="print the parse of a completion (reasoning_content, content, tool_calls) as JSON and exit")

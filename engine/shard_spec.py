@@ -18,10 +18,12 @@ class ShardingError(ConfigError):
 
 @dataclass(frozen=True, slots=True)
 class ShardSpec:
-    """This process's place among the model's shards: rank in 0..world_size-1."""
+    """This process's place among the model's shards: rank in 0..world_size-1. solo: a measurement mode
+    (engine/parallel.py: no peers, the collectives are stand-ins, its outputs are not the model's)."""
 
     rank: int = 0
     world_size: int = 1
+    solo: bool = False
 
     def __post_init__(self) -> None:
         assert self.world_size >= 1 and 0 <= self.rank < self.world_size, self

@@ -119,12 +119,8 @@ class ServeSettings:
         need(bool(self.region), "region", "a non-empty name")
 
     def _check_shards(self) -> None:
-        """A replica split over num_shards: the golden runner only (for now), and a model the shards can split
-        (the checkpoint's config.json is read here; with one shard nothing is)."""
-        if self.runner == "kernels" or (self.runner == "auto" and self.device == "cuda"):
-            picked = "--runner kernels" if self.runner == "kernels" else "--runner auto (the kernel runner on cuda)"
-            raise SettingsError(f"--num-shards {self.num_shards} with {picked}: the kernel runner is not split "
-                                "over shards yet; use --runner golden")
+        """A replica split over num_shards: a model the shards can split (the checkpoint's config.json is read
+        here; with one shard nothing is)."""
         try:
             check_shardable(load_config(self.checkpoint), self.num_shards)
         except (OSError, ConfigError) as e:  # ShardingError is a ConfigError: it names the dimension

@@ -35,7 +35,7 @@ from engine.core.plan import StepPlan
 from engine.core.shard_group import STEP_TIMEOUT
 from engine.core.shard_lead import ShardGroupFailed, ShardLeader, follow, load_shard
 from engine.core.step_rows import StepOutput
-from engine.parallel import GroupAddress, ProcessGroups, Rendezvous, ShardingError, ShardSpec
+from engine.parallel import GroupAddress, ProcessGroups, Rendezvous, ShardSpec
 from serve_app.settings import ServeSettings
 
 # a ShardWorker actor's: steps, block reads/writes and `close` one at a time in the order sent ("step"); the follow
@@ -57,16 +57,14 @@ class ShardWorker:
         # Ray shows each shard actor its own GPU only (num_gpus=1), as cuda:0
         self.device = torch.device("cuda", 0) if device == "cuda" else torch.device(device)
         kernels = kernels_for(runner)
-        if not self.shard.is_single and (kernels or (kernels is None and self.device.type == "cuda")):
-            raise ShardingError(f"--num-shards {num_shards}: the kernel runner is not split over shards yet; "
-                                "use --runner golden")
         self.step_timeout = timedelta(seconds=step_timeout_s)
         self.rendezvous = Rendezvous(num_shards, self.step_timeout) if rank == 0 and num_shards > 1 else None
         # the DSpark stages only when the pools hold their context (speculative decoding on)
         mine = load_shard(checkpoint, self.device, layout, self.shard, kernels, decode,
                           with_mtp=layout.num_dspark_layers > 0)  # prints its memory line
         self.loaded, self.kv, self.runner, self.memory = mine.loaded, mine.kv, mine.runner, mine.memory
-        self.graphs = capture_decode_graphs(self.runner, progress=True)  # the capture's time and memory, logged
+        # the capture's time and memory, logged; a group's ranks capture after the join (collectives inside)
+        self.graphs = capture_decode_graphs(self.runner, progress=True) if self.shard.is_single else None
         self.groups: ProcessGroups | None = None
         self.leader: ShardLeader | None = None  # rank 0 of a group
         self.follow_error: BaseException | None = None  # ranks > 0: why the follow loop ended
@@ -89,6 +87,8 @@ class ShardWorker:
     def join(self, address: GroupAddress) -> None:
         """Join the group's process groups (every rank calls it at once; returns when all have joined)."""
         self.groups = ProcessGroups.join(self.shard, address, self.device, self.step_timeout, self.rendezvous)
+        # every rank captures the same buckets in the same order: the NCCL collectives inside pair up (CUDA only)
+        self.graphs = capture_decode_graphs(self.runner, progress=True)
         if self.shard.rank == 0:
             self.leader = ShardLeader(self.runner, self.kv, self.groups)
 

@@ -211,30 +211,30 @@ class LLMEngine:
     @classmethod
     def sharded(cls, ckpt_dir: str | Path, config: EngineConfig, device: str, num_shards: int,
                 step_timeout: timedelta | None = None) -> "LLMEngine":
-        """The model split over num_shards local processes (the golden runner only, for now); step_timeout
-        bounds a collective's wait for the other ranks (None: shard_group.STEP_TIMEOUT). A config the shards
-        cannot split, or the kernel runner, raises ShardingError before any process starts."""
+        """The model split over num_shards local processes, each running the golden modules or the kernel path
+        (config.runner; auto: the kernels on CUDA) with its decode step; step_timeout bounds a collective's wait
+        for the other ranks (None: shard_group.STEP_TIMEOUT). A config the shards cannot split raises
+        ShardingError before any process starts."""
         from engine.checkpoint.sharding import check_shardable
         from engine.config import load_config
         from engine.core.shard_group import STEP_TIMEOUT, ShardGroupExecutor, default_threads
-        from engine.parallel import ShardingError
         from engine.tokenizer import load_tokenizer
 
         kernels = kernels_for(config.runner)
         if config.is_speculative:
             raise EngineConfigError(f"--num-shards {num_shards}: speculative decoding is not split over shards yet; "
                                     "use --speculative-tokens 0 or one shard")
-        if kernels or (kernels is None and device == "cuda"):
-            raise ShardingError(f"--num-shards {num_shards}: the kernel runner is not split over shards yet; "
-                                "use --runner golden")
+        kernels = device == "cuda" if kernels is None else kernels
         cfg = load_config(ckpt_dir)
         check_shardable(cfg, num_shards)
         tokenizer = load_tokenizer(ckpt_dir)
         path = str(Path(ckpt_dir).resolve())
+        decode = decode_options(config, cfg)
         engine = cls(cfg, config,
                      lambda layout: ShardGroupExecutor.start(path, device, layout, num_shards,
                                                              step_timeout=step_timeout or STEP_TIMEOUT,
-                                                             num_threads=default_threads(num_shards)),
+                                                             num_threads=default_threads(num_shards),
+                                                             kernels=kernels, decode=decode),
                      eos_token_id=tokenizer.eos_id, weights_identity=path)
         engine.tokenizer = tokenizer
         return engine

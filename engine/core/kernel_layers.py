@@ -13,6 +13,10 @@ queries, the grouped wo_a product above 8 tokens (bf16 einsum on a dequantised c
 decode uses fp8_gemv_grouped on the FP8 weight), bf16 linears (cuBLAS bf16 on CUDA; where the reference
 computes in fp32, the head and the compressors, bf16_gemv / cuBLAS bf16 -> fp32) and the Engram gate.
 
+Model parallelism: a rank's layer runs as if alone, on the module's local sizes (n_local_heads query heads: its
+rows of wq_b and attn_sink; n_local_groups output groups: its rows of wo_a; its routed experts), and the three
+parallel ops of kernel_ops (row_parallel wo_b, the MoE's partials, head_logits) hold the collectives.
+
 Step structure (graph-safe by construction): `prepare(plan)` does all host work of a step (slot
 arithmetic, Engram hashes, index tensors moved to the device once); `layer_forward` then runs a
 decoder layer on device tensors only: no .item(), .tolist(), nonzero or boolean-mask indexing, so a
@@ -30,7 +34,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from engine.core.kernel_ops import OPS, engram_table, linear, mm_fp32, rms_norm_torch
+from engine.core.kernel_ops import OPS, engram_table, head_logits, linear, mm_fp32, rms_norm_torch, row_parallel
 from engine.core.kv_cache import PagedKVCache
 from engine.core.plan import ChunkPlan, StepPlan
 from engine.core.step_rows import (Segment, StepLogits, decoder_rows, engram_hashes, head_rows, no_logits, segments,
@@ -209,7 +213,7 @@ class KernelRunner:
     def head(self, h: Tensor, pre_mix: Tensor) -> Tensor:
         """The final collapse + norm and the head: h [N, hc, D] -> fp32 logits [N, V]."""
         model = self.model
-        return mm_fp32(OPS.hc_pre_norm(h, pre_mix, model.norm.weight, model.norm.eps), model.head.weight)
+        return head_logits(OPS.hc_pre_norm(h, pre_mix, model.norm.weight, model.norm.eps), model.head)
 
     def _engram_prefetch(self) -> EngramPrefetch:
         if self._prefetch is None:
@@ -309,7 +313,7 @@ class KernelRunner:
         if qa is None:
             qa = linear(attn.wq_a, xq)
         qr = OPS.rms_norm(qa, attn.q_norm.weight, attn.q_norm.eps)  # [M, q_lora]
-        q = OPS.rope(linear(attn.wq_b, qr).unflatten(-1, (attn.n_heads, attn.head_dim)), meta.qpos, table)
+        q = OPS.rope(linear(attn.wq_b, qr).unflatten(-1, (attn.n_local_heads, attn.head_dim)), meta.qpos, table)
         main_pool, main_idx = self._no_main, meta.swa_idx.new_empty(meta.qpos.numel(), 0)
         if role.ratio > 0:
             main_pool = kv.main_kv[role.kv_source]
@@ -399,22 +403,24 @@ class KernelRunner:
         return rms_norm_torch(pooled.to(x.dtype), comp.norm.weight, comp.norm.eps)
 
     def _output(self, attn: Attention, o: Tensor, qpos: Tensor, table: RopeTable) -> Tensor:
-        """Undo the K=V rotation, the grouped wo_a (decode on CUDA: the FP8 weight read directly by
-        fp8_gemv_grouped, bf16-exact products summed in fp32; else bf16 weights, fp32 accumulation), then wo_b."""
-        o = OPS.rope(o, qpos, table, inverse=True).view(o.size(0), attn.groups, -1)
+        """Undo the K=V rotation, the grouped wo_a over the rank's groups (decode on CUDA: the FP8 weight read
+        directly by fp8_gemv_grouped, bf16-exact products summed in fp32; else bf16 weights, fp32 accumulation),
+        then wo_b (row-parallel over the groups' features)."""
+        groups = attn.n_local_groups
+        o = OPS.rope(o, qpos, table, inverse=True).view(o.size(0), groups, -1)
         wo_a = attn.wo_a
-        if wo_a.fmt == "fp8" and o.is_contiguous() and grouped_gemv_applies(o, wo_a.weight, attn.groups):
-            o = fp8_gemv_grouped(o, wo_a.weight, wo_a.scale, attn.groups, quant_x=False)
+        if wo_a.fmt == "fp8" and o.is_contiguous() and grouped_gemv_applies(o, wo_a.weight, groups):
+            o = fp8_gemv_grouped(o, wo_a.weight, wo_a.scale, groups, quant_x=False)
         else:
             w = self._wo_a.get(id(wo_a))
             if w is None or w[0] is not wo_a.weight:
-                w = (wo_a.weight, wo_a.dequantized(torch.bfloat16).view(attn.groups, attn.o_lora, -1))
+                w = (wo_a.weight, wo_a.dequantized(torch.bfloat16).view(groups, attn.o_lora, -1))
                 self._wo_a[id(wo_a)] = w
             if o.is_cuda:
                 o = torch.einsum("mgd,grd->mgr", o, w[1])  # bf16 operands, fp32 accumulation (the reference)
             else:
                 o = torch.einsum("mgd,grd->mgr", o.float(), w[1].float()).to(o.dtype)
-        return linear(attn.wo_b, o.flatten(1))
+        return row_parallel(attn.wo_b, o.flatten(1))
 
     # ---- metadata -------------------------------------------------------------------------------------------
     def _meta(self, step: Step, phase: Phase, ratio: int) -> AttnMeta:

@@ -2,6 +2,14 @@
 `engine.kernels` kernel, with the torch glue a module's weights need (stacked experts, pinned Engram tables,
 fp32 weight copies on the CPU), plain-torch fp32 math where no kernel applies (FP4 dense linears), and the golden
 module for MoE routers other than V4.1's. `op_backends()` says which is which.
+
+Model parallelism on the kernel path lives here too (the modules carry their ShardSpec; the collectives are
+engine/parallel.py's; at one shard each is the single-device op, unchanged): `row_parallel` (wo_b: the rank's fp32
+partial from the kernel's unrounded sum, all-reduced, rounded once to bf16), `moe_kernels` (expert-parallel routed
+experts + the tensor-parallel shared expert: their fp32 partials in one all-reduce, then one rounding) and
+`head_logits` (vocab-parallel head, logits all-gathered). The golden rounds the float64 sum of the ranks' float64
+partials; here the ranks' fp32 partials are summed in fp32, so N shards compute what one computes up to fp32
+summation order (of the K range, and of the routed experts' outputs) before the one rounding.
 """
 
 from __future__ import annotations
@@ -24,14 +32,15 @@ from engine.kernels.indexer import index_scores_batched
 from engine.kernels.indexer_cuda import MAX_M as SCAN_MAX_M
 from engine.kernels.indexer_cuda import index_scores_cuda, scan_applies
 from engine.kernels.mhc import hc_mixes, hc_post, hc_pre_norm
-from engine.kernels.moe import ExpertWeights, moe_forward, stack_experts
+from engine.kernels.moe import ExpertWeights, moe_finish, moe_forward, stack_experts
 from engine.kernels.norm import rms_norm
 from engine.kernels.rope import apply_rope
 from engine.kernels.sparse_prefill import sparse_attn
 from engine.kernels.topk import candidate_blocks, entry_slots, index_topk
 from engine.model.engram import Engram, EngramEmbedding
-from engine.model.layers import Linear
+from engine.model.layers import Linear, ParallelHead, RowParallelLinear
 from engine.model.moe import MoE
+from engine.parallel import all_gather, all_reduce_sum
 from engine.quant import act_quant_qdq, dequant_fp4_weight
 
 INDEXER_MAX_M = 16  # index_scores keeps all M*H query rows in registers: queries go in groups of 16
@@ -77,14 +86,18 @@ _EXPERTS: dict[int, tuple[MoE, ExpertWeights]] = {}  # id(MoE) -> its stacked ex
 def moe_kernels(x: Tensor, moe: MoE) -> Tensor:
     """moe_forward on the module's experts, stacked once (stack_experts turns the modules' buffers into
     views of the stacks). A router or expert format the kernels do not take (not V4.1's sqrt-softplus with
-    FP4 experts) runs the golden module: float64, eager only (it picks experts on the host)."""
+    FP4 experts) runs the golden module: float64, eager only (it picks experts on the host). A rank of a split
+    model: its share (its experts' outputs, its shared-expert features) as fp32 partials [2, T, D], summed over the
+    ranks in one all-reduce, then rounded once (moe_finish)."""
     g = moe.gate
-    if g.score_func != "sqrtsoftplus" or g.temp != 1.0 or moe.experts[0].w1.fmt != "fp4":
+    if g.score_func != "sqrtsoftplus" or g.temp != 1.0 or moe.experts[moe.local_experts[0]].w1.fmt != "fp4":
         return moe(x)
     hit = _EXPERTS.get(id(moe))
     if hit is None or hit[0] is not moe:
         hit = _EXPERTS[id(moe)] = (moe, stack_experts(moe))
-    return moe_forward(x.contiguous(), moe, hit[1])
+    if moe.shard.is_single:
+        return moe_forward(x.contiguous(), moe, hit[1])
+    return moe_finish(all_reduce_sum(moe_forward(x.contiguous(), moe, hit[1], partial=True), moe.shard))
 
 
 _ENGRAM: dict[int, tuple[EngramEmbedding, HostEngramTable]] = {}  # id(table module) -> where the gather reads it
@@ -137,7 +150,7 @@ def index_scores_any(q: Tensor, w: Tensor, key_pool: Tensor, slots: Tensor, visi
 
 @dataclass(frozen=True, slots=True)
 class OpTable:
-    fp8_linear: Callable  # (x bf16 [..., K], weight fp8 [N, K], scale e8m0) -> bf16 [..., N]
+    fp8_linear: Callable  # (x bf16 [..., K], weight fp8 [N, K], scale e8m0, out_dtype=bf16) -> [..., N]
     rms_norm: Callable  # (x [N, D], w bf16 [D], eps) -> bf16
     hc_pre_norm: Callable  # (x [N, hc, D], pre fp32 [N, hc], w, eps) -> rms_norm(hc_pre(x, pre)) bf16 [N, D]
     hc_mixes: Callable  # (x [N, hc, D], fn, scale, base, hc, iters, hc_eps, norm_eps, beside=False) -> (pre, post,
@@ -203,3 +216,23 @@ def linear(lin: Linear, x: Tensor) -> Tensor:
         return F.linear(x, lin.weight)
     y = mm_fp32(x, lin.weight)
     return y if lin.compute == "fp32" else y.to(lin.weight.dtype)
+
+
+def row_parallel(lin: RowParallelLinear, x: Tensor) -> Tensor:
+    """A row-parallel linear (wo_b) on the kernel path: x [M, K_local] (this rank's input features) -> bf16 [M, N],
+    the ranks' fp32 partials (the FP8 kernel's sum left unrounded; bf16 weights: fp32 math) summed by one all-reduce,
+    then rounded once, as the golden's round_product rounds its float64 sum. One shard: `linear`, unchanged."""
+    if lin.shard.is_single:
+        return linear(lin, x)
+    assert lin.fmt in ("fp8", "bf16") and lin.compute == "native", f"row-parallel {lin.fmt} / {lin.compute}"
+    if lin.fmt == "fp8":
+        part = OPS.fp8_linear(x.contiguous(), lin.weight, lin.scale, out_dtype=torch.float32)
+    else:
+        part = mm_fp32(x, lin.weight)
+    return all_reduce_sum(part, lin.shard).to(torch.bfloat16)
+
+
+def head_logits(x: Tensor, head: ParallelHead) -> Tensor:
+    """The vocab-parallel head: x bf16 [N, D] -> fp32 logits [N, V], this rank's vocabulary rows in fp32 (mm_fp32)
+    and every rank's gathered (one all-gather: each rank then holds every logit, so every rank draws alike)."""
+    return all_gather(mm_fp32(x, head.weight), head.shard, dim=-1)

@@ -5,7 +5,9 @@ same as for the server's Ray shard actors, is engine/core/shard_lead.py).
 Start-up: rank 0 opens the rendezvous, spawns the other ranks, loads its shard while they load theirs (the first
 to get there copies the Engram tables into the node's shared memory, the others map that copy), waits for each
 one's report over its pipe (its memory line, or a load error as the exception it was, naming the rank), then
-every rank joins the process group. Failure: anything that raises inside a step (a rank's error, a rank that
+every rank joins the process group. The runner is the golden one or the kernel path (with its decode step); on
+CUDA every rank then captures its decode graphs, in the same bucket order, so that the collectives inside them
+(NCCL, captured) pair up across the ranks. Failure: anything that raises inside a step (a rank's error, a rank that
 died, a collective past the step timeout) fails the whole group: rank 0 stops the other ranks and every later
 step raises at once with the first error; nothing waits forever. Ranks > 0 exit when rank 0 goes away.
 """
@@ -24,6 +26,8 @@ import numpy as np
 import torch
 
 from engine.core.cache_manager import CacheLayout
+from engine.core.engine import capture_decode_graphs
+from engine.core.engine_config import DecodeOptions
 from engine.core.plan import StepPlan
 from engine.core.shard_lead import RankMemory, RankShard, ShardLeader, follow, load_shard
 from engine.core.step_rows import StepOutput
@@ -47,6 +51,8 @@ class ShardLaunch:
     address: GroupAddress
     step_timeout: timedelta
     num_threads: int | None  # torch intra-op threads of the rank (None: torch's default)
+    kernels: bool = False  # the kernel path (engine/core/kernel_layers.py) instead of the golden modules
+    decode: DecodeOptions | None = None  # the kernel path's decode step (None: off)
 
 
 def rank_device(device: str, rank: int) -> torch.device:
@@ -69,7 +75,7 @@ def follower_main(rank: int, launch: ShardLaunch, conn: Connection) -> None:
     shard = ShardSpec(rank, launch.num_shards)
     device = rank_device(launch.device, rank)
     try:
-        mine = load_shard(launch.checkpoint, device, launch.layout, shard)
+        mine = load_shard(launch.checkpoint, device, launch.layout, shard, launch.kernels, launch.decode)
     except BaseException as e:  # noqa: BLE001 -- reported to rank 0, which raises it
         conn.send(("failed", _picklable(e)))
         return
@@ -80,6 +86,7 @@ def follower_main(rank: int, launch: ShardLaunch, conn: Connection) -> None:
         return  # rank 0 gave up (another rank failed) or went away
     groups = ProcessGroups.join(shard, launch.address, device, launch.step_timeout)
     try:
+        capture_decode_graphs(mine.runner)  # in step with rank 0's capture (CUDA only)
         follow(groups, mine.runner, mine.kv)
     except BaseException as e:  # noqa: BLE001 -- rank 0's next collective fails; tell it why
         try:
@@ -104,12 +111,15 @@ class ShardGroupExecutor:
 
     @classmethod
     def start(cls, checkpoint: str, device: str, layout: CacheLayout, num_shards: int, *,
-              step_timeout: timedelta = STEP_TIMEOUT, num_threads: int | None = None) -> "ShardGroupExecutor":
-        """Spawn ranks 1..num_shards-1, load rank 0 here, wait until every rank has loaded, join the group.
-        A rank's load error is raised here (CheckpointError / ShardingError as it was raised there)."""
+              step_timeout: timedelta = STEP_TIMEOUT, num_threads: int | None = None, kernels: bool = False,
+              decode: DecodeOptions | None = None) -> "ShardGroupExecutor":
+        """Spawn ranks 1..num_shards-1, load rank 0 here, wait until every rank has loaded, join the group (and,
+        on CUDA with the kernel path's decode step, capture every rank's decode graphs). A rank's load error is
+        raised here (CheckpointError / ShardingError as it was raised there)."""
         assert num_shards > 1, "one shard runs in-process (LocalExecutor)"
         rendezvous = Rendezvous(num_shards, step_timeout)
-        launch = ShardLaunch(checkpoint, device, layout, num_shards, rendezvous.address, step_timeout, num_threads)
+        launch = ShardLaunch(checkpoint, device, layout, num_shards, rendezvous.address, step_timeout, num_threads,
+                             kernels, decode)
         ctx = mp.get_context("spawn")
         procs, conns = [], []
         try:
@@ -121,12 +131,14 @@ class ShardGroupExecutor:
                 theirs.close()
                 procs.append(proc)
                 conns.append(ours)
-            rank0 = load_shard(checkpoint, rank_device(device, 0), layout, ShardSpec(0, num_shards))
+            rank0 = load_shard(checkpoint, rank_device(device, 0), layout, ShardSpec(0, num_shards), kernels,
+                               decode)
             memory = [rank0.memory] + _wait_loaded(procs, conns)
             for conn in conns:
                 conn.send("go")
             groups = ProcessGroups.join(ShardSpec(0, num_shards), rendezvous.address, rank_device(device, 0),
                                         step_timeout, rendezvous)
+            capture_decode_graphs(rank0.runner)
         except BaseException:
             _stop_processes(procs, conns)
             raise

@@ -29,6 +29,10 @@ with no activation quantisation. The kernel stages each 32-block of x in f16 as 
 to the f16 quantum, an absolute error <= 2^-40·amax of its block. The f16 x E4M3 products are exact, so the
 only other error is the fp32 accumulation (the same as fp8_gemv's).
 
+Both entry points take out_dtype=torch.float32: y is then the fp32 sum before its bf16 rounding (the same
+launch, products, sums and order; bf16(y_fp32) is bit for bit the bf16 form's y): the partial of a
+row-parallel product, summed over the model's shards and rounded once (engine/core/kernel_ops.py).
+
 Memory traffic (the floor): N·K weight bytes + N·K/1024 scale bytes + 2·M·K (x) + 2·M·N (y); each CTA
 also re-reads its K range of x from L2 (2·M·K·N / rows per CTA bytes of L2 traffic).
 
@@ -126,11 +130,11 @@ def _lib() -> ctypes.CDLL:
     lib.dsv41_fp8_gemv.restype = ctypes.c_int
     lib.dsv41_fp8_gemv.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int] * 9 + [ctypes.c_void_p]
     lib.dsv41_fp8_gemv_grouped.restype = ctypes.c_int
-    lib.dsv41_fp8_gemv_grouped.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int] * 11 + [ctypes.c_void_p]
+    lib.dsv41_fp8_gemv_grouped.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int] * 12 + [ctypes.c_void_p]
     lib.dsv41_fp8_gemv_smem.restype = ctypes.c_size_t
     lib.dsv41_fp8_gemv_smem.argtypes = [ctypes.c_int] * 5
     lib.dsv41_fp8_gemv_ring.restype = ctypes.c_int
-    lib.dsv41_fp8_gemv_ring.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int] * 11 + [ctypes.c_void_p]
+    lib.dsv41_fp8_gemv_ring.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int] * 12 + [ctypes.c_void_p]
     lib.dsv41_fp8_gemv_ring_smem.restype = ctypes.c_size_t
     lib.dsv41_fp8_gemv_ring_smem.argtypes = [ctypes.c_int] * 6
     lib.dsv41_cuda_error_string.restype = ctypes.c_char_p
@@ -157,7 +161,8 @@ def grouped_gemv_applies(x: Tensor, weight: Tensor, groups: int) -> bool:
 
 def _launch(x: Tensor, weight: Tensor, scale: Tensor, y: Tensor, m: int, n: int, k: int, groups: int,
             quant_x: bool, params: GemvParams | None) -> None:
-    """Launch the kernel on contract-checked tensors (n = rows per group); raises RuntimeError on failure."""
+    """Launch the kernel on contract-checked tensors (n = rows per group; y bf16, or fp32 for the unrounded
+    sums); raises RuntimeError on failure."""
     p = (params or pick_params(m, n, k, num_sms(x.device.index or 0), groups)).normalised(k)
     assert p.row_tiles in (1, 2) and (p.unroll in (2, 4, 8) if p.ring == 0 else 2 <= p.ring <= 4), (
         f"no kernel instance for {p}")
@@ -167,28 +172,35 @@ def _launch(x: Tensor, weight: Tensor, scale: Tensor, y: Tensor, m: int, n: int,
     with torch.cuda.device(x.device):
         launch = lib.dsv41_fp8_gemv_ring if p.ring else lib.dsv41_fp8_gemv_grouped
         err = launch(x.data_ptr(), weight.data_ptr(), scale.data_ptr(), y.data_ptr(), m, n, k, groups, int(quant_x),
-                     p.row_tiles, p.ring or p.unroll, p.warps_n, p.warps_k, p.splits, int(p.pdl),
-                     torch.cuda.current_stream(x.device).cuda_stream)
+                     int(y.dtype == torch.float32), p.row_tiles, p.ring or p.unroll, p.warps_n, p.warps_k, p.splits,
+                     int(p.pdl), torch.cuda.current_stream(x.device).cuda_stream)
     if err:
-        raise RuntimeError(f"fp8_gemv launch {p} for M={m} N={n} K={k} G={groups} quant_x={quant_x} failed: "
+        raise RuntimeError(f"fp8_gemv launch {p} for M={m} N={n} K={k} G={groups} quant_x={quant_x} {y.dtype} failed: "
                            f"{lib.dsv41_cuda_error_string(err).decode()}")
 
 
-def fp8_gemv(x: Tensor, weight: Tensor, scale: Tensor, params: GemvParams | None = None) -> Tensor:
-    """y = act_quant(x) @ weight^T with per-block scales: bf16 [..., K] x FP8 [N, K] -> bf16 [..., N].
+def check_out_dtype(out_dtype: torch.dtype) -> None:
+    assert out_dtype in (torch.bfloat16, torch.float32), f"out_dtype must be bf16 or fp32, got {out_dtype}"
+
+
+def fp8_gemv(x: Tensor, weight: Tensor, scale: Tensor, params: GemvParams | None = None,
+             out_dtype: torch.dtype = torch.bfloat16) -> Tensor:
+    """y = act_quant(x) @ weight^T with per-block scales: bf16 [..., K] x FP8 [N, K] -> bf16 [..., N] (fp32
+    with out_dtype=torch.float32: the sums before their rounding).
 
     At most MAX_M rows of x (the leading dims flattened); weight float8_e4m3fn [N, K] (K % 32 == 0),
     scale float8_e8m0fnu [ceil(N/32), K/32]; all contiguous, 16-byte aligned and on one CUDA device.
     Matches fp8_linear_ref within the tolerance of tests/kernels/test_fp8_linear.py (GPU_EPS).
     """
     check_fp8_linear_args(x, weight, scale)
+    check_out_dtype(out_dtype)
     n, k = weight.shape
     m = x.numel() // k
     assert m <= MAX_M, f"fp8_gemv takes at most {MAX_M} rows, got {m} (use fp8_linear)"
     assert x.is_cuda, f"fp8_gemv needs a CUDA device, got {x.device}"
     assert x.data_ptr() % 16 == 0 and weight.data_ptr() % 16 == 0, "x and weight must be 16-byte aligned"
     assert n < 2**31 and k < 2**31, f"N = {n}, K = {k} exceed int32"
-    y = torch.empty(*x.shape[:-1], n, dtype=torch.bfloat16, device=x.device)
+    y = torch.empty(*x.shape[:-1], n, dtype=out_dtype, device=x.device)
     if m == 0:
         return y
     _launch(x, weight, scale, y, m, n, k, 1, True, params)
@@ -196,8 +208,9 @@ def fp8_gemv(x: Tensor, weight: Tensor, scale: Tensor, params: GemvParams | None
 
 
 def fp8_gemv_grouped(x: Tensor, weight: Tensor, scale: Tensor, groups: int, quant_x: bool,
-                     params: GemvParams | None = None) -> Tensor:
-    """Grouped GEMV: y[..., g, r] = Σ_d stage(x)[..., g, d] · w[g·R + r, d] -> bf16 [..., G, R].
+                     params: GemvParams | None = None, out_dtype: torch.dtype = torch.bfloat16) -> Tensor:
+    """Grouped GEMV: y[..., g, r] = Σ_d stage(x)[..., g, d] · w[g·R + r, d] -> bf16 [..., G, R] (fp32 with
+    out_dtype=torch.float32: the sums before their rounding).
 
     x bf16 [..., G, K] (for G = 1 also [..., K]: y is then [..., R]); weight float8_e4m3fn [G·R, K]
     (K % 32 == 0; R % 32 == 0 when G > 1) with scale float8_e8m0fnu [ceil(G·R/32), K/32] (the checkpoint's
@@ -207,6 +220,7 @@ def fp8_gemv_grouped(x: Tensor, weight: Tensor, scale: Tensor, groups: int, quan
     the fp32 accumulation + the tiny-element rounding of the module docstring).
     """
     check_fp8_linear_args(x, weight, scale)
+    check_out_dtype(out_dtype)
     rows, k = weight.shape
     assert isinstance(groups, int) and 1 <= groups <= MAX_GROUPS, f"groups must be 1..{MAX_GROUPS}, got {groups}"
     assert rows % groups == 0, f"weight rows {rows} are not {groups} equal groups"
@@ -219,7 +233,7 @@ def fp8_gemv_grouped(x: Tensor, weight: Tensor, scale: Tensor, groups: int, quan
     assert x.is_cuda, f"fp8_gemv_grouped needs a CUDA device, got {x.device}"
     assert x.data_ptr() % 16 == 0 and weight.data_ptr() % 16 == 0, "x and weight must be 16-byte aligned"
     assert rows < 2**31 and k < 2**31, f"N = {rows}, K = {k} exceed int32"
-    y = torch.empty(*x.shape[:-1], n, dtype=torch.bfloat16, device=x.device)
+    y = torch.empty(*x.shape[:-1], n, dtype=out_dtype, device=x.device)
     if m == 0:
         return y
     _launch(x, weight, scale, y, m, n, k, groups, bool(quant_x), params)

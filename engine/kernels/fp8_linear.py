@@ -14,7 +14,11 @@
   per 32-block it measured errors up to ~5e-4 · Σ|a||w| at M = 1 (hundreds of bf16 ULPs on small
   outputs) and was no faster; the bf16 path is ~fp32-accurate and the weight still streams as FP8.
 
-Memory traffic (the floor): N·K weight bytes + N·K/1024 scale bytes + 2·M·K (x) + 2·M·N (y), plus
+fp32 output (out_dtype=torch.float32): y is the fp32 sum itself, before the bf16 rounding, bit for bit the
+bf16 form's pre-rounding value (same launch shape, same order): a row-parallel product's partial, summed over
+the model's shards and rounded once (engine/core/kernel_ops.py `row_parallel`).
+
+Memory traffic (the floor): N·K weight bytes + N·K/1024 scale bytes + 2·M·K (x) + 2·M·N (y; 4·M·N in fp32), plus
 8·splits·M·N bytes of fp32 partials when K is split. At decode M the weight is everything, so the
 kernel is a weight stream: swap-AB tiles put BLOCK_N weight rows on the MMA's M side and the tokens
 (padded to BLOCK_M >= 16) on its N side, and a small matrix is split along K so that a few waves of
@@ -68,7 +72,7 @@ def _fp8_linear_kernel(
     x_ptr, w_ptr, ws_ptr, y_ptr, part_ptr, ticket_ptr,
     M, N, K, k_per_split, num_splits,
     BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
-    QUANT_X: tl.constexpr, DOT_F32: tl.constexpr,
+    QUANT_X: tl.constexpr, DOT_F32: tl.constexpr, OUT_F32: tl.constexpr,
 ):
     # program id -> (n tile, split, m tile), m fastest: the splits of one tile run side by side
     pid = tl.program_id(0)
@@ -108,7 +112,7 @@ def _fp8_linear_kernel(
     mask = (offs_n < N)[:, None] & (offs_m < M)[None, :]
     out = offs_m[None, :] * N + offs_n[:, None]  # [BN, BM] into row-major [M, N]
     if num_splits == 1:
-        tl.store(y_ptr + out, bf16_bits(acc), mask=mask)
+        tl.store(y_ptr + out, acc if OUT_F32 else bf16_bits(acc), mask=mask)
     else:
         tl.store(part_ptr + pid_k * M * N + out, acc, mask=mask)
         tl.debug_barrier()  # every thread's partial is issued before the ticket releases it
@@ -118,7 +122,7 @@ def _fp8_linear_kernel(
             total = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
             for s in range(num_splits):
                 total += tl.load(part_ptr + s * M * N + out, mask=mask, other=0.0, cache_modifier=".cg")
-            tl.store(y_ptr + out, bf16_bits(total), mask=mask)
+            tl.store(y_ptr + out, total if OUT_F32 else bf16_bits(total), mask=mask)
             tl.atomic_xchg(ticket_ptr + pid_n * num_m_tiles + pid_m, 0)
 
 
@@ -208,21 +212,25 @@ def fp8_act_qdq(x: Tensor) -> Tensor:
     return _act_quant_launch(x.view(-1, x.size(-1)), qdq=True)[0].view(x.shape)
 
 
-def fp8_linear(x: Tensor, weight: Tensor, scale: Tensor, config: Fp8LinearConfig | None = None) -> Tensor:
-    """y = act_quant(x) @ weight^T with per-block scales: bf16 [..., K] x FP8 [N, K] -> bf16 [..., N].
+def fp8_linear(x: Tensor, weight: Tensor, scale: Tensor, config: Fp8LinearConfig | None = None,
+               out_dtype: torch.dtype = torch.bfloat16) -> Tensor:
+    """y = act_quant(x) @ weight^T with per-block scales: bf16 [..., K] x FP8 [N, K] -> bf16 [..., N], or with
+    out_dtype=torch.float32 the fp32 sum before that rounding (fp32 [..., N]).
 
     weight float8_e4m3fn [N, K] (K % 32 == 0), scale float8_e8m0fnu [ceil(N/32), K/32]; all contiguous
     and on one device. Matches fp8_linear_ref to fp32 summation order (the tolerance is stated in
     tests/kernels/test_fp8_linear.py). Launches on different streams use different split-K tickets.
     """
     check_fp8_linear_args(x, weight, scale)
+    assert out_dtype in (torch.bfloat16, torch.float32), f"out_dtype must be bf16 or fp32, got {out_dtype}"
     n, k = weight.shape
     x2 = x.view(-1, k)
     m = x2.size(0)
     if config is None and gemv_applies(x, weight):
-        return fp8_gemv(x, weight, scale)  # decode shapes: the CUDA GEMV (cuda/fp8_gemv.cu)
+        return fp8_gemv(x, weight, scale, out_dtype=out_dtype)  # decode shapes: the CUDA GEMV (cuda/fp8_gemv.cu)
     assert max(n, m) * max(k, n) < 2**31, f"int32 offsets: M={m} N={n} K={k} too large"
-    y = torch.empty(m, n, dtype=torch.bfloat16, device=x.device)
+    out_f32 = out_dtype == torch.float32
+    y = torch.empty(m, n, dtype=out_dtype, device=x.device)
     if m == 0:
         return y.view(*x.shape[:-1], n)
     cfg = config or pick_config(m, n, k, launch_sms(x.device))
@@ -238,16 +246,17 @@ def fp8_linear(x: Tensor, weight: Tensor, scale: Tensor, config: Fp8LinearConfig
     else:
         part = tickets.view(torch.float32)  # not read or written without a split
     _fp8_linear_kernel[(tiles * num_splits,)](
-        xq, weight, scale.view(torch.uint8), y.view(torch.int16), part, tickets,
+        xq, weight, scale.view(torch.uint8), y if out_f32 else y.view(torch.int16), part, tickets,
         m, n, k, k_per_split, num_splits,
         BLOCK_N=cfg.block_n, BLOCK_M=cfg.block_m, BLOCK_K=block_k, QUANT_X=cfg.fuse_quant,
-        DOT_F32=not x.is_cuda, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        DOT_F32=not x.is_cuda, OUT_F32=out_f32, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     return y.view(*x.shape[:-1], n)
 
 
-def fp8_linear_ref(x: Tensor, weight: Tensor, scale: Tensor) -> Tensor:
-    """The test oracle, in the reference kernel's order: bf16 [..., K] x FP8 [N, K] -> bf16 [..., N].
+def fp8_linear_ref(x: Tensor, weight: Tensor, scale: Tensor, out_dtype: torch.dtype = torch.bfloat16) -> Tensor:
+    """The test oracle, in the reference kernel's order: bf16 [..., K] x FP8 [N, K] -> bf16 [..., N] (out_dtype
+    fp32: the accumulator before its rounding).
 
     Per K block kb: the exact 32-term product sum rounded once to fp32 (what an fp32-accumulating block
     product approximates), times sa·sw (exact), added to an fp32 accumulator in K order; then bf16.
@@ -263,7 +272,7 @@ def fp8_linear_ref(x: Tensor, weight: Tensor, scale: Tensor) -> Tensor:
     acc = torch.zeros(a.size(0), n, dtype=torch.float32, device=x.device)
     for kb in range(k // BLOCK):
         acc += (a[:, kb] @ w[:, kb].T).float() * (sa[:, kb, None] * sw[None, :, kb])
-    return acc.to(torch.bfloat16).view(*x.shape[:-1], n)
+    return acc.to(out_dtype).view(*x.shape[:-1], n)
 
 
 _STACKED: dict[tuple[int, int], tuple[Linear, Linear, Linear]] = {}  # (id(a), id(b)) -> (a, b, stacked)

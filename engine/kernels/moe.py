@@ -33,6 +33,14 @@ Launches of moe_forward:
 K splits (decode, to fill the GPU) write fp32 partials; the last program of a tile (atomic ticket, as in
 fp8_linear) sums them in split order: deterministic, one launch.
 
+Expert- and tensor-parallel (a rank of N, `moe_forward(..., partial=True)`): the router is replicated and routes
+over every expert; pairs of other ranks' experts get id -1 (dropped by the plan, the GEMMs and the combine), and
+the rank's experts are renumbered from 0 (`stack_experts` stacks only them). The shared expert holds the rank's
+intermediate features (its W2 a row-parallel partial, left in fp32). Step 9 then writes the rank's two fp32
+partials unrounded, P = [Σ_{local j} bf16(o_tj), shared partial] [2, T, D]; the caller sums P over the ranks (one
+all-reduce) and `moe_finish` rounds once: y_t = bf16(R_t + bf16(S_t)), the whole layer's formula with the routed
+sum and the shared sum taken in another fp32 order (N = 1: moe_finish(P) is moe_forward's y bit for bit).
+
 Memory traffic (the floor, each selected expert read once): per used expert 3·I·D/2 weight bytes + 3·I·D/32
 scale bytes (18.8 MB at the real shapes), plus 2·T·D (x) + T·k·(2·I·2 + 4·D) activations and 2·T·D (y).
 At decode (T·k <= 48) the weights are everything: the kernels are weight streams.
@@ -481,9 +489,10 @@ class ExpertWeights:
 
 
 def stack_experts(moe: MoE) -> ExpertWeights:
-    """Stack the routed experts' FP4 weights and the shared expert's FP8 W1/W3; every expert module's buffers
-    are replaced by views into the stacks (the weights exist once; the golden modules still work)."""
-    experts = list(moe.experts)
+    """Stack the routed experts' FP4 weights (this rank's: moe.local_experts, renumbered from 0) and the shared
+    expert's FP8 W1/W3; every expert module's buffers are replaced by views into the stacks (the weights exist
+    once; the golden modules still work)."""
+    experts = [moe.experts[e] for e in moe.local_experts]
     first = experts[0]
     assert first.w1.fmt == "fp4", f"routed experts must be FP4, got {first.w1.fmt}"
     assert moe.shared_experts.w1.fmt == "fp8", f"the shared expert must be FP8, got {moe.shared_experts.w1.fmt}"
@@ -550,20 +559,22 @@ def _swiglu_kernel(gu_ptr, h_ptr, N, limit, BLOCK: tl.constexpr):
     tl.store(h_ptr + t * N + offs, bf16_bits(_swiglu(g, u, limit)), mask=ok)
 
 
-def shared_expert(x: Tensor, experts: ExpertWeights, limit: float) -> Tensor:
-    """The shared expert on the FP8 kernels: bf16 [T, D] -> bf16 [T, D] (the golden Expert without weight)."""
+def shared_expert(x: Tensor, experts: ExpertWeights, limit: float, out_dtype: torch.dtype = torch.bfloat16) -> Tensor:
+    """The shared expert on the FP8 kernels: bf16 [T, D] -> bf16 [T, D] (the golden Expert without weight); with
+    out_dtype fp32 W2's sum before its rounding (a rank's partial when the expert is split over its features)."""
     t = x.size(0)
-    inter = experts.inter
+    inter = experts.shared_w2.size(1)
     gu = fp8_linear(x, experts.shared_w13, experts.shared_s13)  # [T, 2I]: bf16 w1(x) | bf16 w3(x)
     h = torch.empty(t, inter, dtype=torch.bfloat16, device=x.device)
     if t:
         _swiglu_kernel[(t, cdiv(inter, 1024))](gu, h.view(torch.int16), inter, float(limit), BLOCK=1024, num_warps=4)
-    return fp8_linear(h, experts.shared_w2, experts.shared_s2)
+    return fp8_linear(h, experts.shared_w2, experts.shared_s2, out_dtype=out_dtype)
 
 
 @triton.jit
-def _combine_kernel(o_ptr, ids_ptr, shared_ptr, y_ptr, D, topk, BLOCK: tl.constexpr):
-    """y[t] = bf16(Σ_j bf16(o[t*k + j]) + shared[t]) over the slots with id >= 0, in slot order (fp32)."""
+def _combine_kernel(o_ptr, ids_ptr, shared_ptr, y_ptr, T, D, topk, BLOCK: tl.constexpr, PARTIAL: tl.constexpr):
+    """y[t] = bf16(Σ_j bf16(o[t*k + j]) + shared[t]) over the slots with id >= 0, in slot order (fp32). PARTIAL
+    (a rank's share): y fp32 [2, T, D] = (the slot sum unrounded, the fp32 shared partial copied)."""
     t = tl.program_id(0)
     offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     ok = offs < D
@@ -572,29 +583,72 @@ def _combine_kernel(o_ptr, ids_ptr, shared_ptr, y_ptr, D, topk, BLOCK: tl.conste
         used = tl.load(ids_ptr + t * topk + j) >= 0
         o = tl.load(o_ptr + (t * topk + j).to(tl.int64) * D + offs, mask=ok & used, other=0.0)
         acc += round_bf16(o)  # the golden rounds each expert's W2 output to bf16
-    acc += tl.load(shared_ptr + t * D + offs, mask=ok, other=0.0).to(tl.float32)
-    tl.store(y_ptr + t * D + offs, bf16_bits(acc), mask=ok)
+    shared = tl.load(shared_ptr + t * D + offs, mask=ok, other=0.0).to(tl.float32)
+    if PARTIAL:
+        tl.store(y_ptr + t * D + offs, acc, mask=ok)
+        tl.store(y_ptr + (T + t) * D + offs, shared, mask=ok)
+    else:
+        tl.store(y_ptr + t * D + offs, bf16_bits(acc + shared), mask=ok)
+
+
+@triton.jit
+def _finish_kernel(p_ptr, y_ptr, N, BLOCK: tl.constexpr):
+    """y = bf16(p[0] + bf16(p[1])) elementwise over N = T * D (p fp32 [2, T, D]: the ranks' summed partials)."""
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    ok = offs < N
+    routed = tl.load(p_ptr + offs, mask=ok, other=0.0)
+    shared = tl.load(p_ptr + N + offs, mask=ok, other=0.0)
+    tl.store(y_ptr + offs, bf16_bits(routed + round_bf16(shared)), mask=ok)
+
+
+def moe_finish(parts: Tensor) -> Tensor:
+    """The MoE layer's output from its partials summed over the ranks: fp32 [2, T, D] (routed, shared) ->
+    bf16 [T, D] = bf16(routed + bf16(shared)), as moe_forward's combine and the golden MoE round them."""
+    assert parts.dtype == torch.float32 and parts.dim() == 3 and parts.size(0) == 2 and parts.is_contiguous(), (
+        f"parts: {parts.dtype} {tuple(parts.shape)}")
+    y = torch.empty(parts.shape[1:], dtype=torch.bfloat16, device=parts.device)
+    n = y.numel()
+    if n:
+        _finish_kernel[(cdiv(n, 1024),)](parts, y.view(torch.int16), n, BLOCK=1024, num_warps=4)
+    return y
+
+
+def moe_finish_ref(parts: Tensor) -> Tensor:
+    """moe_finish in torch (the same roundings: round to nearest even)."""
+    return (parts[0] + parts[1].to(torch.bfloat16).float()).to(torch.bfloat16)
+
+
+def local_ids(ids: Tensor, local: range, num_experts: int) -> Tensor:
+    """Router ids over all num_experts -> this rank's expert ids (id - local.start) or -1 for another rank's (the
+    identity when the rank holds every expert)."""
+    if len(local) == num_experts:
+        return ids
+    return torch.where((ids >= local.start) & (ids < local.stop), ids - local.start, -1).to(ids.dtype)
 
 
 def moe_forward(x: Tensor, moe: MoE, experts: ExpertWeights, ids: Tensor | None = None,
-                weights: Tensor | None = None) -> Tensor:
+                weights: Tensor | None = None, partial: bool = False) -> Tensor:
     """The MoE layer on the kernels: x bf16 [T, D] -> bf16 [T, D]. ids int32 / weights fp32 [T, k] override
-    the router (tests; -1 ids drop a slot)."""
+    the router (tests; global expert ids, -1 drops a slot). partial: this rank's share of an expert- and
+    tensor-parallel layer, fp32 [2, T, D] unrounded (module docstring; sum over the ranks, then moe_finish)."""
     assert x.dtype == torch.bfloat16 and x.dim() == 2 and x.is_contiguous(), f"x: {x.dtype} {tuple(x.shape)}"
     gate = moe.gate
     assert gate.score_func == "sqrtsoftplus" and gate.temp == 1.0, f"router {gate.score_func} / {gate.temp}"
     t, d = x.shape
     decode = fp4_applies(x, experts)
     routed = ids is None
+    shared_dtype = torch.float32 if partial else torch.bfloat16
     if decode:  # the shared expert (three small launches) runs on a side stream, beside the gate, the router and
         # the expert GEMVs. Its GEMVs take narrow grids (72 / 40 CTAs), so the gate's grid finds free SMs: forked
         # here every layer is ~4 us faster at T = 1 than forked after the gate (H200, RESULTS.md, eighth pass).
-        shared = fork("shared_expert", x.device, lambda: shared_expert(x, experts, moe.shared_experts.limit))
+        shared = fork("shared_expert", x.device,
+                      lambda: shared_expert(x, experts, moe.shared_experts.limit, shared_dtype))
     part = gate_scores(x, gate.weight) if routed else None
     if routed:  # on the decode path the CUDA route (one CTA per token), else the Triton one
         route = route_cuda if decode else route_scores
         weights, ids = route(part, gate.bias, gate.topk, gate.route_scale, gate.norm_topk)
-    limit = moe.experts[0].limit
+    ids = local_ids(ids, moe.local_experts, gate.weight.size(0))  # expert-parallel: other ranks' pairs dropped
+    limit = moe.experts[moe.local_experts[0]].limit
     if decode:  # on CUDA: the FP4 GEMVs of cuda/moe_fp4.cu (tiles of <= 8 pairs)
         sorted_pairs, tiles, xq, xs = plan_and_quant(x, ids, experts.w13.size(0), MAX_PAIRS_PER_TILE)
         plan = MoePlan(sorted_pairs, tiles[0], tiles[1], tiles[2], MAX_PAIRS_PER_TILE, ids.size(1))
@@ -607,11 +661,11 @@ def moe_forward(x: Tensor, moe: MoE, experts: ExpertWeights, ids: Tensor | None 
     if decode:
         shared = shared.join()
     else:
-        shared = shared_expert(x, experts, moe.shared_experts.limit)
-    y = torch.empty_like(x)
+        shared = shared_expert(x, experts, moe.shared_experts.limit, shared_dtype)
+    y = torch.empty(2, t, d, dtype=torch.float32, device=x.device) if partial else torch.empty_like(x)
     if t:
-        _combine_kernel[(t, cdiv(d, 1024))](o, ids, shared, y.view(torch.int16), d, ids.size(1), BLOCK=1024,
-                                             num_warps=4)
+        _combine_kernel[(t, cdiv(d, 1024))](o, ids, shared, y if partial else y.view(torch.int16), t, d, ids.size(1),
+                                             BLOCK=1024, PARTIAL=partial, num_warps=4)
     return y
 
 

@@ -190,7 +190,7 @@ class Attention(nn.Module):
     """Tensor-parallel over heads: a rank holds n_local_heads query heads (wq_b rows, attn_sink) and the
     n_local_groups output groups they feed (wo_a rows); wo_b is row-parallel over those groups' features.
     The single KV head (wkv), the compressor and the indexer are replicated, so every rank writes the
-    same caches. n_heads / groups stay the whole model's counts (the kernel path, single-shard, reads them)."""
+    same caches. n_heads / groups stay the whole model's counts; both paths compute with the local ones."""
 
     def __init__(self, cfg: ModelConfig, role: LayerRole, shard: ShardSpec = SINGLE):
         super().__init__()

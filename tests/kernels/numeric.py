@@ -138,6 +138,28 @@ def assert_fp8_linear_close(y, ref, x, qw, sw, eps: float, what: str) -> None:
         )
 
 
+def assert_fp8_partial_close(y, ref, x, qw, sw, eps: float, what: str, y_bf16=None) -> None:
+    """An fp32-output FP8 linear (the unrounded partial of a row-parallel product) against the oracle's fp32
+    accumulator: |y - ref| <= eps S (only the fp32 summation order differs; no rounding to forgive), and, given the
+    bf16 form of the same launch, bf16(y) equal to it bit for bit (the fp32 form is its value before rounding)."""
+    assert y.shape == ref.shape and y.dtype == torch.float32, f"{what}: got {y.dtype} {tuple(y.shape)}"
+    yf, rf = y.double().view(-1, ref.size(-1)).cpu(), ref.double().view(-1, ref.size(-1)).cpu()
+    allowed = eps * fp8_abs_sum(x.view(-1, x.size(-1)).cpu(), qw.cpu(), sw.cpu())
+    err = (yf - rf).abs()
+    bad = ~(err <= allowed)  # NaN fails
+    if bad.any():
+        worst = int(torch.where(bad, (err / allowed).nan_to_num(nan=1e30, posinf=1e30), -1.0).argmax())
+        m, n = divmod(worst, rf.size(1))
+        pytest.fail(f"{what}: {int(bad.sum())}/{bad.numel()} fp32 elements out of tolerance; worst [m={m}, n={n}]: "
+                    f"y={yf[m, n].item():.9g} ref={rf[m, n].item():.9g} err={err[m, n].item():.3g} "
+                    f"allowed={allowed[m, n].item():.3g}")
+    if y_bf16 is not None:
+        rounded = y.to(torch.bfloat16).view(torch.int16)
+        diff = (rounded != y_bf16.view(torch.int16)).nonzero()
+        assert diff.numel() == 0, (f"{what}: bf16(fp32 out) differs from the bf16 out at {diff.size(0)} elements, "
+                                   f"first {diff[0].tolist()}")
+
+
 def awkward_act_rows(k: int) -> torch.Tensor:
     """Rows of 32-blocks that stress the quantiser: zeros, -0.0, saturation, E4M3 ties and carries,
     subnormal E4M3 results, and every finite bf16 bit pattern, shuffled into blocks."""

@@ -34,8 +34,8 @@ from engine.kernels.fp8_gemv import (MAX_K, MAX_M, GemvParams, bf16_exact_stage,
 from engine.kernels.fp8_linear import fp8_linear, fp8_linear_ref
 from engine.presets import full_config
 from engine.quant import act_quant_qdq, dequant_fp8_weight, quant_fp8_weight
-from tests.kernels.numeric import (FP8_LINEAR_GPU_EPS, assert_fp8_linear_close, awkward_act_rows, bf16_ulp,
-                                   fp8_linear_problem)
+from tests.kernels.numeric import (FP8_LINEAR_GPU_EPS, assert_fp8_linear_close, assert_fp8_partial_close,
+                                   awkward_act_rows, bf16_ulp, fp8_linear_problem)
 from tests.kernels.test_fp8_linear import real_shapes
 
 gpu = pytest.mark.gpu
@@ -73,13 +73,14 @@ def test_cuda_source_compiles_and_launcher_checks_its_contract(tmp_path):
         assert err == CUDA_INVALID_VALUE, f"{change}: launcher returned {err}, not cudaErrorInvalidValue"
     grouped = lib.dsv41_fp8_gemv_grouped
     grouped.restype = ctypes.c_int
-    grouped.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int] * 11 + [ctypes.c_void_p]
-    ok_g = ok | dict(G=8, q=0, N=1024)
-    bad_g = bad + [dict(G=0), dict(G=65536), dict(G=2, N=48), dict(G=3, N=1000), dict(q=2), dict(q=-1)]
+    grouped.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int] * 12 + [ctypes.c_void_p]
+    ok_g = ok | dict(G=8, q=0, f32=1, N=1024)
+    bad_g = bad + [dict(G=0), dict(G=65536), dict(G=2, N=48), dict(G=3, N=1000), dict(q=2), dict(q=-1), dict(f32=2),
+                   dict(f32=-1)]
     for change in bad_g:
         a = ok_g | change
-        err = grouped(None, None, None, None, a["M"], a["N"], a["K"], a["G"], a["q"], a["rt"], a["u"], a["wn"],
-                      a["wk"], a["s"], 1, None)
+        err = grouped(None, None, None, None, a["M"], a["N"], a["K"], a["G"], a["q"], a["f32"], a["rt"], a["u"],
+                      a["wn"], a["wk"], a["s"], 1, None)
         assert err == CUDA_INVALID_VALUE, f"grouped {change}: launcher returned {err}, not cudaErrorInvalidValue"
     lib.dsv41_cuda_error_string.restype = ctypes.c_char_p
     assert lib.dsv41_cuda_error_string(CUDA_INVALID_VALUE) == b"invalid argument"
@@ -98,10 +99,11 @@ def test_cuda_source_compiles_and_launcher_checks_its_contract(tmp_path):
                 assert c_ring == smem_bytes(k, replace(p, ring=stages)), f"K={k} {p} x {stages}: {c_ring} B"
     ring = lib.dsv41_fp8_gemv_ring
     ring.restype = ctypes.c_int
-    ring.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int] * 11 + [ctypes.c_void_p]
-    for change in (dict(stages=1), dict(stages=5), dict(rt=3), dict(m=9), dict(k=48), dict(s=9)):
-        a = dict(m=1, n=64, k=1024, rt=2, stages=3, s=2) | change
-        err = ring(None, None, None, None, a["m"], a["n"], a["k"], 1, 1, a["rt"], a["stages"], 4, 1, a["s"], 1, None)
+    ring.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int] * 12 + [ctypes.c_void_p]
+    for change in (dict(stages=1), dict(stages=5), dict(rt=3), dict(m=9), dict(k=48), dict(s=9), dict(f32=2)):
+        a = dict(m=1, n=64, k=1024, rt=2, stages=3, s=2, f32=0) | change
+        err = ring(None, None, None, None, a["m"], a["n"], a["k"], 1, 1, a["f32"], a["rt"], a["stages"], 4, 1, a["s"],
+                   1, None)
         assert err == CUDA_INVALID_VALUE, f"ring {change}: launcher returned {err}"
 
 
@@ -139,6 +141,8 @@ def test_contract_is_asserted():
         fp8_gemv(x, qw, sw[:1].contiguous())
     with pytest.raises(AssertionError, match=f"at most {MAX_M} rows"):
         fp8_gemv(fp8_linear_problem(MAX_M + 1, 64, 64)[0], qw, sw)
+    with pytest.raises(AssertionError, match="out_dtype"):
+        fp8_gemv(x, qw, sw, out_dtype=torch.float16)
     with pytest.raises(AssertionError, match="CUDA device"):
         fp8_gemv(x, qw, sw)
     assert not gemv_applies(x, qw), "CPU tensors must stay on the Triton path"
@@ -302,6 +306,39 @@ def test_fp8_gemv_real_shapes_gpu(name, m):
     what = f"{name} M={m} N={n} K={k} {pick_params(m, n, k)}"
     assert_fp8_linear_close(y, fp8_linear_ref(x, qw, sw), x, qw, sw, FP8_LINEAR_GPU_EPS, what)
     assert torch.equal(y, fp8_gemv(x, qw, sw)), f"{what}: not deterministic"
+
+
+def rank_shapes(num_shards: int = 8) -> dict[str, tuple[int, int]]:
+    """The row-parallel FP8 linears of one rank at the released config: wo_b over its output groups' features, the
+    shared expert's w2 over its intermediate features (the products that leave the GEMV in fp32, unrounded)."""
+    cfg = full_config()
+    return {"wo_b": (cfg.dim, cfg.o_groups * cfg.o_lora_rank // num_shards),
+            "shared_w2": (cfg.dim, cfg.moe_inter_dim // num_shards)}
+
+
+@gpu
+@needs_cuda
+@pytest.mark.parametrize("m", [1, 6, 8])
+@pytest.mark.parametrize("shape", [rank_shapes(8)["wo_b"], rank_shapes(8)["shared_w2"], rank_shapes(4)["wo_b"],
+                                   real_shapes()["wo_b"], (1000, 1056)], ids=str)
+@pytest.mark.parametrize("ring", [0, 3])
+def test_fp32_out_is_the_sum_before_its_rounding_gpu(shape, m, ring):
+    """out_dtype=fp32 (fp8_gemv and the grouped entry): within eps S of fp8_linear_ref's fp32 accumulator, and bf16
+    of it bit for bit the bf16 form of the same launch shape (register and ring forms); deterministic."""
+    n, k = shape
+    x, qw, sw = fp8_linear_problem(m, n, k, "cuda", seed=m + n)
+    p = replace(pick_params(m, n, k), ring=ring)
+    if smem_bytes(k, p.normalised(k)) > 200 * 1024:
+        pytest.skip("over the shared-memory opt-in")
+    y = fp8_gemv(x, qw, sw, p, out_dtype=torch.float32)
+    what = f"M={m} N={n} K={k} {p.normalised(k)}"
+    assert_fp8_partial_close(y, fp8_linear_ref(x, qw, sw, torch.float32), x, qw, sw, FP8_LINEAR_GPU_EPS, what,
+                             fp8_gemv(x, qw, sw, p).cpu())
+    assert torch.equal(y, fp8_gemv(x, qw, sw, p, out_dtype=torch.float32)), f"{what}: not deterministic"
+    assert torch.equal(fp8_linear(x, qw, sw, out_dtype=torch.float32), fp8_gemv(x, qw, sw, out_dtype=torch.float32))
+    xg, qg, sg = _grouped_problem(m, 2, 64, 128, "cuda", seed=m)
+    yg = fp8_gemv_grouped(xg, qg, sg, 2, False, out_dtype=torch.float32)
+    assert yg.dtype == torch.float32 and torch.equal(yg.to(torch.bfloat16), fp8_gemv_grouped(xg, qg, sg, 2, False))
 
 
 @gpu

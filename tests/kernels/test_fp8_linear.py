@@ -19,8 +19,8 @@ from engine.kernels.fp8_linear import (Fp8LinearConfig, split_k_tickets, fp8_act
                                        fp8_linear_ref, layer_shapes, pick_config)
 from engine.presets import full_config
 from engine.quant import act_quant, act_quant_qdq, linear, quant_fp8_weight
-from tests.kernels.numeric import (FP8_LINEAR_CPU_EPS, FP8_LINEAR_GPU_EPS, assert_fp8_linear_close, awkward_act_rows,
-                                   fp8_linear_problem)
+from tests.kernels.numeric import (FP8_LINEAR_CPU_EPS, FP8_LINEAR_GPU_EPS, assert_fp8_linear_close,
+                                   assert_fp8_partial_close, awkward_act_rows, fp8_linear_problem)
 
 gpu = pytest.mark.gpu
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
@@ -80,6 +80,26 @@ def test_fp8_linear_matches_reference(m, n, k, cfg):
     # the golden model's float64 product agrees with the oracle as closely
     assert_fp8_linear_close(linear(x, qw, sw), ref, x, qw, sw, FP8_LINEAR_CPU_EPS, f"golden M={m} N={n} K={k}")
     assert not split_k_tickets(x.device).any(), "split-K tickets were not reset"
+
+
+@pytest.mark.parametrize("m", [1, 3, 70])
+@pytest.mark.parametrize("cfg", [None, Fp8LinearConfig(64, 16, 32, 3, 4, 2, True)], ids=["auto", "split3"])
+def test_fp32_out_is_the_sum_before_its_rounding(m, cfg):
+    """out_dtype=fp32 (a row-parallel partial): within eps S of the oracle's fp32 accumulator, bf16 of it bit for
+    bit the bf16 form of the same launch; and two ranks' K halves summed in fp32 then rounded once agree with the
+    whole product as the bf16 form does (1 bf16 ULP + eps S): the kernel path's wo_b at two shards."""
+    x, qw, sw = fp8_linear_problem(m, 96, 256)
+    y = fp8_linear(x, qw, sw, cfg, out_dtype=torch.float32)
+    what = f"M={m} N=96 K=256 {cfg}"
+    assert_fp8_partial_close(y, fp8_linear_ref(x, qw, sw, torch.float32), x, qw, sw, FP8_LINEAR_CPU_EPS, what,
+                             fp8_linear(x, qw, sw, cfg))
+    assert not split_k_tickets(x.device).any(), "split-K tickets were not reset"
+    halves = [fp8_linear(x[:, h:h + 128].contiguous(), qw[:, h:h + 128].contiguous(),
+                         sw[:, h // 32:(h + 128) // 32].contiguous(), cfg, out_dtype=torch.float32) for h in (0, 128)]
+    summed = (halves[0] + halves[1]).to(torch.bfloat16)
+    assert_fp8_linear_close(summed, fp8_linear_ref(x, qw, sw), x, qw, sw, FP8_LINEAR_CPU_EPS, f"halves {what}")
+    with pytest.raises(AssertionError, match="out_dtype"):
+        fp8_linear(x, qw, sw, cfg, out_dtype=torch.float16)
 
 
 def test_prefill_path_prequantises_x():

@@ -83,12 +83,6 @@ def test_four_shards_are_refused_naming_the_dimension(tiny_checkpoint, capsys):
     assert "o_groups=2 is not divisible by 4 shards" in capsys.readouterr().err
 
 
-def test_kernel_runner_is_refused_with_shards(tiny_checkpoint, capsys):
-    status = main(["--ckpt", str(tiny_checkpoint), "--prompt-ids", "5,6,7", "--num-shards", "2", "--runner", "kernels"])
-    assert status == EXIT_BAD_INPUT
-    assert "kernel runner is not split over shards" in capsys.readouterr().err
-
-
 def test_missing_tensor_exits_2_naming_tensor_and_rank(tiny_checkpoint, tmp_path, capsys):
     broken = copy_checkpoint_with(tiny_checkpoint, tmp_path / "broken", "layers.4.ffn.experts.5.w1.weight", None)
     status = main(["--ckpt", str(broken), "--prompt-ids", "5,6,7", "--num-shards", "2"])
