@@ -154,8 +154,8 @@ def assert_fp8_partial_close(y, ref, x, qw, sw, eps: float, what: str, y_bf16=No
                     f"y={yf[m, n].item():.9g} ref={rf[m, n].item():.9g} err={err[m, n].item():.3g} "
                     f"allowed={allowed[m, n].item():.3g}")
     if y_bf16 is not None:
-        rounded = y.to(torch.bfloat16).view(torch.int16)
-        diff = (rounded != y_bf16.view(torch.int16)).nonzero()
+        rounded = y.to(torch.bfloat16).cpu().view(torch.int16)  # y_bf16 may live on another device
+        diff = (rounded != y_bf16.cpu().view(torch.int16)).nonzero()
         assert diff.numel() == 0, (f"{what}: bf16(fp32 out) differs from the bf16 out at {diff.size(0)} elements, "
                                    f"first {diff[0].tolist()}")
 
