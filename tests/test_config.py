@@ -229,9 +229,13 @@ def test_round_trips(make):
 
 
 def test_presets_registry():
-    assert set(PRESETS) == {"full", "tiny"}
+    assert set(PRESETS) == {"full", "tiny", "tiny-vision"}
     assert PRESETS["full"]() == ModelConfig()
     assert PRESETS["tiny"]() == tiny_config()
+    vision = PRESETS["tiny-vision"]()
+    assert vision.has_vision and replace(vision, vision_n_layers=0) == replace(tiny_config(), **{
+        k: getattr(vision, k) for k in ("vision_dim", "vision_n_heads", "vision_inter_dim", "vision_min_pixels",
+                                        "vision_max_n_token")})
 
 
 def _write(path: Path, d: Any) -> None:

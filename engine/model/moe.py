@@ -19,7 +19,8 @@ from engine.quant import round_product
 
 class Gate(nn.Module):
     """Scores from the bf16 weight (the reference's fp32 math, in float64); the bias only selects,
-    the weights come from the raw scores."""
+    the weights come from the raw scores. With a vision tower the gate also holds `bias_vl`, the bias image
+    tokens select with (spec 4.5; loaded, not yet used: image prompts are not run yet)."""
 
     def __init__(self, cfg: ModelConfig, n_experts: int, topk: int):
         super().__init__()
@@ -27,6 +28,8 @@ class Gate(nn.Module):
         self.norm_topk, self.route_scale = cfg.norm_topk_prob, cfg.route_scale
         register(self, "weight", (n_experts, cfg.dim), torch.bfloat16)
         register(self, "bias", (n_experts,), torch.float32)
+        if cfg.has_vision:
+            register(self, "bias_vl", (n_experts,), torch.float32)
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """x [T,D] -> (weights float64 [T,k], expert ids [T,k])."""

@@ -25,8 +25,9 @@ from engine.engram_tables import EngramTables, hash_ngrams, initial_history, nex
 from engine.model.block import Block
 from engine.model.cache import ModelCache, StepShared
 from engine.model.dspark import DSparkStage, DraftOutput, sample
-from engine.model.layers import Embedding, ParallelHead, RMSNorm
+from engine.model.layers import Embedding, ParallelHead, RMSNorm, register
 from engine.model.mhc import hc_pre, identity_pre_mix
+from engine.model.vision import Aligner, ViT
 from engine.parallel import SINGLE, ShardSpec
 
 
@@ -38,7 +39,8 @@ class ForwardOutput:
 
 
 class Transformer(nn.Module):
-    """Attribute paths are the checkpoint's tensor names (embed, layers.N.*, norm, head, mtp.S.*).
+    """Attribute paths are the checkpoint's tensor names (embed, layers.N.*, norm, head, mtp.S.*; with a vision
+    tower vision.*, aligner.*, image_start / image_end / image_newline).
 
     `shard`: this process's rank among the model's shards (engine/parallel.py); the layers hold their
     slices (layers.py's parallel classes, Attention's heads, MoE's experts) and everything else is whole."""
@@ -55,6 +57,11 @@ class Transformer(nn.Module):
         self.head = ParallelHead(cfg.vocab_size, cfg.dim, shard)
         n_stages = cfg.n_mtp_layers if with_mtp else 0
         self.mtp = nn.ModuleList(DSparkStage(cfg, cfg.layer_role(cfg.n_layers + s), s, shard) for s in range(n_stages))
+        if cfg.has_vision:  # whole on every rank; loaded, not yet run by forward (engine/model/vision.py)
+            self.vision = ViT(cfg)
+            self.aligner = Aligner(cfg)
+            for name in ("image_start", "image_end", "image_newline"):  # the span delimiters' rows
+                register(self, name, (cfg.dim,), torch.bfloat16)
 
     def new_cache(self, batch: int, max_seq_len: int, device: torch.device | str | None = None) -> ModelCache:
         device = device if device is not None else self.embed.weight.device
