@@ -8,12 +8,15 @@ is not a complete image of those formats.
 image_to_patches: the reference's pixels: letterboxed into best_width x best_height on grey (127, 127,
 127) with Pillow's bicubic resize (`ImageOps.pad`), scaled to [-1, 1] in float32 as (v / 255 - 0.5) / 0.5,
 rounded to bf16, cut into p x p patches in reading order, each flattened channel-major (c, y, x).
+prepare_image_prompt: a prompt's ids with one placeholder per image, and the images' bytes -> the ids with
+each placeholder expanded to its span and the `ImageInput`s the engine carries.
 """
 
 from __future__ import annotations
 
 import io
 import warnings
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -22,7 +25,8 @@ from PIL import Image, ImageOps, UnidentifiedImageError
 
 from engine.config import ModelConfig
 from engine.vision import ImageError
-from engine.vision.layout import ImageGrid, plan_image_grid
+from engine.vision.inputs import ImageInput, image_key
+from engine.vision.layout import ImageGrid, expand_image_placeholders, plan_image_grid
 
 FORMATS = ("PNG", "JPEG", "WEBP")
 PAD_COLOR = (127, 127, 127)
@@ -115,3 +119,19 @@ def process_image(data: bytes, cfg: ModelConfig, limits: ImageLimits = ImageLimi
     if not cfg.has_vision:
         raise ImageError("no_vision", "this model has no vision tower: it takes text only")
     return image_to_patches(decode_image(data, limits), cfg)
+
+
+def prepare_image_prompt(ids: Sequence[int], images: Sequence[bytes], cfg: ModelConfig,
+                         limits: ImageLimits = ImageLimits()) -> tuple[list[int], list[ImageInput]]:
+    """ids holding one `cfg.image_token_id` placeholder per image, in order, and the encoded images -> the
+    expanded ids and one ImageInput per image. Raises ImageError (no_vision, too_large, format, corrupt, count)."""
+    processed = []
+    for k, data in enumerate(images):
+        try:
+            processed.append(process_image(data, cfg, limits))
+        except ImageError as e:
+            raise ImageError(e.reason, f"image {k}: {e}") from None
+    prompt = expand_image_placeholders(ids, [p.grid for p in processed], cfg.image_token_id)
+    inputs = [ImageInput(span.start, span.grid, p.patches.contiguous().view(torch.int16).numpy().tobytes(),
+                         image_key(data)) for span, p, data in zip(prompt.spans, processed, images)]
+    return prompt.ids, inputs
