@@ -25,7 +25,7 @@ from engine.chat import ChatFormatError, is_thinking, parse_completion, render_c
 from engine.checkpoint.loader import CheckpointError
 from engine.config import ConfigError
 from engine.core.engine import EngineConfig, LLMEngine, RequestError, RequestOutput
-from engine.core.engine_config import RUNNER_KINDS
+from engine.core.engine_config import RUNNER_KINDS, EngineConfigError
 from engine.core.shard_group import default_threads
 from engine.core.request import FinishReason, RequestStats
 from engine.core.sampling_params import SamplingParams
@@ -226,6 +226,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-batch-tokens", type=int, default=DEFAULTS.max_num_batched_tokens,
                    help="positions computed per step, all requests together")
     p.add_argument("--max-seqs", type=int, default=DEFAULTS.max_num_seqs, help="requests running at once")
+    p.add_argument("--speculative-tokens", type=int, default=DEFAULTS.speculative_tokens, metavar="K",
+                   help="speculative decoding: the checkpoint's DSpark stages draft up to K tokens a step, verified in "
+                        "the next target pass (greedy and seeded sampling keep the target's tokens / distribution); "
+                        "0 = off, at most the checkpoint's DSpark block (golden runner only for now)")
     p.add_argument("--num-shards", type=int, default=1,
                    help="split the model over N local processes (tensor-parallel attention, expert-parallel MoE; "
                         "gloo on CPU); N must divide the heads, output groups and experts (golden runner only)")
@@ -239,7 +243,8 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         return run(args)
-    except (UsageError, RequestError, ChatFormatError, ConfigError, CheckpointError, FileNotFoundError) as e:
+    except (UsageError, RequestError, ChatFormatError, ConfigError, CheckpointError, EngineConfigError,
+            FileNotFoundError) as e:
         print("error: " + "; ".join(line.strip() for line in str(e).splitlines() if line.strip()), file=sys.stderr)
         return EXIT_BAD_INPUT
 
@@ -255,6 +260,8 @@ def check_args(args: argparse.Namespace) -> None:
         raise UsageError(f"--temperature must be in [0, {MAX_TEMPERATURE:g}], got {args.temperature}")
     if not 0 <= args.seed < 2**63:
         raise UsageError(f"--seed must be in [0, 2^63), got {args.seed}")
+    if args.speculative_tokens < 0:
+        raise UsageError(f"--speculative-tokens must be >= 0 (0 = off), got {args.speculative_tokens}")
     for flag, value in (("--chunk-size", args.chunk_size), ("--max-batch-tokens", args.max_batch_tokens),
                         ("--max-seqs", args.max_seqs), ("--num-shards", args.num_shards)):
         if value is not None and value < 1:
@@ -266,7 +273,8 @@ def check_args(args: argparse.Namespace) -> None:
 def engine_config(args: argparse.Namespace) -> EngineConfig:
     return EngineConfig(max_num_seqs=args.max_seqs, max_num_batched_tokens=args.max_batch_tokens,
                         max_chunk_tokens=args.chunk_size, bounded_replay=not args.no_bounded_replay,
-                        enable_prefix_caching=args.prefix_cache, runner=args.runner)
+                        enable_prefix_caching=args.prefix_cache, runner=args.runner,
+                        speculative_tokens=args.speculative_tokens)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -318,7 +326,7 @@ def run_engine(engine: LLMEngine, args: argparse.Namespace, body: dict | None, j
     if body is not None:
         parsed = parse_completion(text, is_thinking(body.get("reasoning_effort")), body.get("tools"))
         print(json.dumps(asdict(parsed), ensure_ascii=False), file=sys.stderr)
-    print(request_timing(done), file=sys.stderr)
+    print(request_timing(done) + accept_summary(engine), file=sys.stderr)
     if args.dump_logits:
         save_dump(done, vocab_size, Path(args.dump_logits))
     return exit_status({1: done})
@@ -348,7 +356,8 @@ def run_batch(engine: LLMEngine, jobs: list[Job], args: argparse.Namespace) -> i
     print(f"batch: {len(jobs)} requests, {s.num_steps} steps, {s.num_computed_tokens} positions computed, "
           f"{generated} tokens kept; wall {wall:.2f} s ({generated / wall:.1f} tok/s, "
           f"{s.num_computed_tokens / wall:.1f} positions/s); busy {ms_per_step:.2f} ms/step; "
-          f"{s.num_preemptions} preemptions; prefix cache hit rate {engine.cache.hit_rate:.1%}", file=sys.stderr)
+          f"{s.num_preemptions} preemptions; prefix cache hit rate {engine.cache.hit_rate:.1%}{accept_summary(engine)}",
+          file=sys.stderr)
     return exit_status(done)
 
 
@@ -406,6 +415,15 @@ def request_timing(d: Finished) -> str:
     decode = 1000 * s.decode_time / decode_steps if decode_steps else math.nan
     return (f"prompt {prompt_len} tokens, prefill {s.prefill_time * 1000:.1f} ms ({prefill:.1f} tok/s); "
             f"decode {decode_steps} steps, {decode:.2f} ms/token")
+
+
+def accept_summary(engine: LLMEngine) -> str:
+    """'; accept A tokens/step (a of d drafts)' with speculative decoding on, else ''."""
+    s = engine.stats
+    if not engine.config.is_speculative:
+        return ""
+    return (f"; accept {s.accept_length:.2f} tokens/step ({s.num_accepted_tokens} of {s.num_draft_tokens} drafts "
+            f"in {s.num_verify_steps} verify steps)")
 
 
 def _check_vocab(ids: list[int], vocab_size: int, what: str) -> None:

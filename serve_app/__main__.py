@@ -30,13 +30,27 @@ def ensure_tiny_checkpoint(path: Path = TINY_CHECKPOINT) -> Path:
     return path
 
 
+def check_speculative_settings(settings: ServeSettings) -> None:
+    """With --speculative-tokens K > 0: refuse a K past the checkpoint's DSpark block (or the kernel runner) before
+    Ray starts, rather than in every replica's constructor (engine/core/engine_config.check_speculative)."""
+    if settings.speculative_tokens == 0:
+        return
+    from engine.config import load_config
+    from engine.core.engine_config import check_speculative, kernels_for
+
+    kernels = kernels_for(settings.runner)
+    check_speculative(settings.to_engine_config(), load_config(settings.checkpoint),
+                      bool(kernels) or (kernels is None and settings.device == "cuda"))
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if "--checkpoint" not in argv and not os.environ.get("DSV41_CHECKPOINT"):
         argv += ["--checkpoint", str(ensure_tiny_checkpoint())]
     try:
         settings = ServeSettings.from_cli(argv)
-    except SettingsError as e:
+        check_speculative_settings(settings)
+    except (SettingsError, ValueError, OSError) as e:  # OSError: no config.json to check K against
         print(f"error: {e}", file=sys.stderr)
         return 2
     import ray

@@ -274,6 +274,8 @@ class EngineReplica:
         if index == 0 and group.kv is not None:
             metrics = replace(metrics, num_pulled_tokens=group.kv.num_pulled_tokens, kv_fallback=group.kv.fallback)
         self.metrics.observe_finish(finish_reason, None if math.isnan(metrics.e2e_s) else metrics.e2e_s)
+        if choice.stats is not None and choice.stats.num_verify_steps:
+            self.metrics.observe_accept_length(metrics.average_accept_length)
         request_id = group.request_id if index == 0 else f"{group.request_id}/{index}"
         record = request_end_record(request_id, choice.num_prompt_tokens, _cached_tokens(group, choice),
                                     choice.num_output_tokens, metrics, finish_reason)
@@ -342,7 +344,8 @@ def _request_metrics(group: _Group, choice: _Choice) -> RequestMetrics:
     busy = stats.prefill_time + stats.decode_time
     return RequestMetrics(ttft_s=since(stats.first_token_time), e2e_s=since(finish), queue_s=since(scheduled),
                           num_iterations=iterations, average_iteration_ms=busy / iterations * 1000 if iterations else 0.0,
-                          average_accept_length=1.0, num_preemptions=stats.num_preemptions)
+                          average_accept_length=stats.average_accept_length, num_preemptions=stats.num_preemptions,
+                          num_draft_tokens=stats.num_draft_tokens, num_accepted_tokens=stats.num_accepted_tokens)
 
 
 def deployment(settings: ServeSettings) -> serve.Deployment:

@@ -20,6 +20,7 @@ REQUEST_LOGGER = "dsv41.request"
 
 _LATENCY_S = [0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0]
 _ITL_S = [0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 1.0, 2.5]
+_ACCEPT = [1.0, 1.25, 1.5, 1.75, 2.0, 2.5, 3.0, 3.5, 4.0, 4.5, 5.0, 5.5, 6.0]
 _E2E_S = [0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 600.0, 1800.0]
 
 
@@ -85,6 +86,8 @@ class ServeMetrics(MetricSet):
         self.itl = histogram("dsv41_inter_token_latency_seconds", "Time between a choice's successive tokens.",
                              _ITL_S)
         self.e2e = histogram("dsv41_e2e_request_latency_seconds", "Arrival to the finish of one choice.", _E2E_S)
+        self.accept_length = histogram("dsv41_spec_accept_length", "Speculative decoding: a finished choice's "
+                                       "tokens per verify step (accepted drafts + 1).", _ACCEPT)
         self.prompt_tokens = counter("dsv41_prompt_tokens_total", "Prompt tokens of admitted requests.")
         self.generation_tokens = counter("dsv41_generation_tokens_total", "Tokens generated (all choices).")
         self.cached_tokens = counter("dsv41_cached_prompt_tokens_total", "Prompt tokens served from the prefix cache.")
@@ -112,6 +115,9 @@ class ServeMetrics(MetricSet):
         self._inc(self.requests, "dsv41_request_total", 1, {"finish_reason": finish_reason})
         if e2e_s is not None:
             self._observe(self.e2e, "dsv41_e2e_request_latency_seconds", e2e_s)
+
+    def observe_accept_length(self, tokens_per_step: float) -> None:
+        self._observe(self.accept_length, "dsv41_spec_accept_length", tokens_per_step)
 
     def set_engine_state(self, num_running: int, num_waiting: int, cache_usage: float, prefix_hit_rate: float) -> None:
         for metric, name, value in ((self.running, "dsv41_num_requests_running", num_running),
@@ -152,7 +158,8 @@ def request_end_record(request_id: str, num_prompt_tokens: int, num_cached_token
             "cached_tokens": num_cached_tokens, "completion_tokens": num_completion_tokens,
             "ttft_ms": _ms(metrics.ttft_s), "e2e_ms": _ms(metrics.e2e_s), "tok_per_s": _round(tok_per_s),
             "average_iteration_ms": _round(metrics.average_iteration_ms),
-            "average_accept_length": metrics.average_accept_length, "finish_reason": finish_reason}
+            "average_accept_length": _round(metrics.average_accept_length), "draft_tokens": metrics.num_draft_tokens,
+            "accepted_tokens": metrics.num_accepted_tokens, "finish_reason": finish_reason}
 
 
 def log_request_end(logger: logging.Logger, record: dict[str, object]) -> None:

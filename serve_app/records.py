@@ -51,8 +51,10 @@ class RequestMetrics:
     queue_s: float  # arrival -> first scheduled
     num_iterations: int
     average_iteration_ms: float
-    average_accept_length: float  # tokens per decode step (1.0 without speculative decoding)
+    average_accept_length: float  # tokens per verify step (1.0 without speculative decoding)
     num_preemptions: int
+    num_draft_tokens: int = 0  # speculative decoding: drafts verified for this choice
+    num_accepted_tokens: int = 0  # ... and accepted
     num_pulled_tokens: int = 0  # prompt tokens whose KV was pulled from another replica (choice 0)
     kv_fallback: str | None = None  # why a pull the router asked for was not used (kv_sharing.FallbackReason)
 

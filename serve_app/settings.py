@@ -55,6 +55,7 @@ class ServeSettings:
     bounded_replay: bool = _DEFAULT_ENGINE.bounded_replay
     enable_prefix_caching: bool = _DEFAULT_ENGINE.enable_prefix_caching
     runner: RunnerKind = _DEFAULT_ENGINE.runner  # auto: the kernels on CUDA, the golden modules on CPU
+    speculative_tokens: int = _DEFAULT_ENGINE.speculative_tokens  # DSpark drafts verified per step (0: off)
     # API
     api_key: str | None = field(default=None, repr=False)  # None: no authentication
     max_n: int = 8  # most choices one request may ask for
@@ -96,8 +97,13 @@ class ServeSettings:
             need(_is_int(getattr(self, name)) and getattr(self, name) >= 1, name, "an integer >= 1")
         need(self.device in ("cpu", "cuda"), "device", "'cpu' or 'cuda'")
         need(self.runner in RUNNER_KINDS, "runner", " or ".join(RUNNER_KINDS))
+        need(_is_int(self.speculative_tokens) and self.speculative_tokens >= 0, "speculative_tokens",
+             "an integer >= 0 (0 = off; at most the checkpoint's DSpark block, checked when it loads)")
         if self.num_shards > 1:
             self._check_shards()
+        if self.num_shards > 1 and _is_int(self.speculative_tokens) and self.speculative_tokens > 0:
+            raise SettingsError(f"--speculative-tokens {self.speculative_tokens} with --num-shards {self.num_shards}: "
+                                "speculative decoding is not split over shards yet; use one or the other")
         for name in ("bounded_replay", "enable_prefix_caching", "kv_sharing"):
             need(isinstance(getattr(self, name), bool), name, "true or false")
         need(self.max_chunk_tokens is None or (_is_int(self.max_chunk_tokens) and self.max_chunk_tokens >= 1),
@@ -135,7 +141,7 @@ class ServeSettings:
                             max_chunk_tokens=self.max_chunk_tokens, bounded_replay=self.bounded_replay,
                             enable_prefix_caching=self.enable_prefix_caching,
                             cache_memory_bytes=self.cache_memory_bytes, max_model_len=self.max_model_len,
-                            runner=self.runner)
+                            runner=self.runner, speculative_tokens=self.speculative_tokens)
 
     @classmethod
     def from_cli(cls, argv: Sequence[str] | None = None, environ: Mapping[str, str] | None = None) -> "ServeSettings":
@@ -195,6 +201,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--prefix-caching", dest="enable_prefix_caching", help="true or false (default true)")
     p.add_argument("--runner", help="auto, kernels or golden (default auto: the kernels on CUDA, the golden "
                    "float64 modules on CPU)")
+    p.add_argument("--speculative-tokens", help="speculative decoding: DSpark drafts verified per step, at most the "
+                   "checkpoint's DSpark block (default 0 = off; golden runner only for now)")
     p.add_argument("--api-key", help="require this bearer token" + env["api_key"])
     p.add_argument("--max-n", help="most choices per request (default 8)")
     p.add_argument("--max-messages", help="most messages per chat request (default 2048)")
@@ -295,7 +303,7 @@ _PARSERS: dict[str, Callable[[str, str], object]] = {
     "replica_num_cpus": parse_float, "health_check_period_s": parse_float,
     "graceful_shutdown_timeout_s": parse_float, "request_log_file": parse_optional_path,
     "kv_sharing": parse_bool, "redis_url": parse_optional_path, "host_kv_bytes": parse_bytes,
-    "runner": parse_runner,
+    "runner": parse_runner, "speculative_tokens": parse_int,
 }
 
 

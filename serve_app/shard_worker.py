@@ -18,7 +18,7 @@ from __future__ import annotations
 import asyncio
 import os
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from datetime import timedelta
 
 import numpy as np
@@ -45,7 +45,8 @@ CLOSE_TIMEOUT_S = 5.0  # shutdown: how long the actors get to stop the group and
 
 
 class ShardWorker:
-    """One model shard (rank `rank` of `num_shards`): weights (engine.load.load_model, no MTP), its PagedKVCache
+    """One model shard (rank `rank` of `num_shards`): weights (engine.load.load_model; the DSpark stages with
+    speculative decoding, one shard only), its PagedKVCache
     for `layout`, a ModelRunner. Decorate at the use site with `ray.remote(**shard_actor_options(settings))`.
     With num_shards > 1: `join` the group once every rank is `ready`, then ranks > 0 `follow`."""
 
@@ -61,7 +62,9 @@ class ShardWorker:
                                 "use --runner golden")
         self.step_timeout = timedelta(seconds=step_timeout_s)
         self.rendezvous = Rendezvous(num_shards, self.step_timeout) if rank == 0 and num_shards > 1 else None
-        mine = load_shard(checkpoint, self.device, layout, self.shard, kernels, decode)  # prints its memory line
+        # the DSpark stages only when the pools hold their context (speculative decoding on)
+        mine = load_shard(checkpoint, self.device, layout, self.shard, kernels, decode,
+                          with_mtp=layout.num_dspark_layers > 0)  # prints its memory line
         self.loaded, self.kv, self.runner, self.memory = mine.loaded, mine.kv, mine.runner, mine.memory
         self.graphs = capture_decode_graphs(self.runner, progress=True)  # the capture's time and memory, logged
         self.groups: ProcessGroups | None = None
@@ -108,7 +111,7 @@ class ShardWorker:
         at a time in the order sent (the "step" concurrency group): a plan may read the previous step's draws on
         the device (from_rows). A group out of lockstep raises ShardGroupFailed."""
         out = self.leader.execute(plan) if self._leads() else self.runner.execute(plan)
-        return StepOutput(out.sample, {i: (first, rows.cpu()) for i, (first, rows) in out.rows.items()})
+        return replace(out, rows={i: (first, rows.cpu()) for i, (first, rows) in out.rows.items()})
 
     @ray.method(concurrency_group="step")
     def read_blocks(self, block_ids: list[int]) -> np.ndarray:

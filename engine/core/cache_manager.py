@@ -4,8 +4,9 @@ window (SWA) blocks, compressor pending slots, and snapshots of finished request
 - Global block: `global_block_size` consecutive positions' global KV (main KV + index keys of every KV
   source). A full block whose global KV is written is registered under the chain hash of the tokens up
   to its end (salted with the replica fingerprint) and is shared read-only by every later hit.
-- SWA block: `swa_block_size` positions' window KV for every layer. A request holds only the blocks a
-  present or future query can see: positions >= max(swa_floor, num_computed - window + 1).
+- SWA block: `swa_block_size` positions' window KV for every layer (and, with speculative decoding, the DSpark
+  stages' context KV). A request holds only the blocks a present or future query can see: positions
+  >= max(swa_floor, num_computed - window + 1 - swa_lookback).
 - Pending slot: the compressor's incomplete ratio-r group (one per running request or snapshot).
 - Snapshot: a finished request's whole state at its end (global blocks incl. the partial tail, its
   window KV, its pending group). The next turn of that conversation resumes from it exactly; a block
@@ -34,6 +35,14 @@ class CacheLayout:
     num_swa_blocks: int
     num_pending_slots: int
     max_snapshots: int
+    num_dspark_layers: int = 0  # DSpark stages whose context KV the SWA blocks also hold (speculative decoding)
+    # positions below the window a request keeps: 1 with DSpark, whose drafts after position P read context
+    # P - window + 1 .. P while the target's next query (P + 1) reads P - window + 2 .. P + 1
+    swa_lookback: int = 0
+
+    def first_live(self, swa_floor: int, num_computed: int) -> int:
+        """The first position whose window KV a request at num_computed may still read."""
+        return max(swa_floor, num_computed - self.window_size + 1 - self.swa_lookback, 0)
 
     def swa_blocks_for(self, first: int, end: int) -> range:
         """SWA block indices covering positions first .. end-1."""
@@ -179,7 +188,7 @@ class KVCacheManager:
         L = self.layout
         self._release_dead_swa(req)
         new_global = -(-end // L.global_block_size) - len(req.global_blocks)
-        first_live = max(req.swa_floor, req.num_computed - L.window_size + 1, 0)
+        first_live = L.first_live(req.swa_floor, req.num_computed)
         new_swa = [i for i in L.swa_blocks_for(first_live, end) if i not in req.swa_blocks]
         if new_global <= 0 and not new_swa:  # most decode steps: nothing to allocate
             return True
@@ -191,6 +200,21 @@ class KVCacheManager:
         for i, b in zip(new_swa, self.swa_pool.allocate(len(new_swa))):
             req.swa_blocks[i] = b
         return True
+
+    def trim(self, req: Request) -> None:
+        """Give back the blocks that hold only positions >= num_computed (a verify step's rejected drafts; never
+        registered, as registration covers full blocks below num_computed). Invariant the speculative engine keeps:
+        a request owns global blocks 0 .. ceil(num_computed / G) - 1 and window blocks below num_computed between
+        steps, as without speculation."""
+        L = self.layout
+        keep = -(-req.num_computed // L.global_block_size)
+        if len(req.global_blocks) > keep:
+            assert req.num_registered_blocks <= keep, f"{req.request_id}: trimming a registered block"
+            self.global_pool.release(list(reversed(req.global_blocks[keep:])))
+            del req.global_blocks[keep:]
+        past = [i for i in req.swa_blocks if i * L.swa_block_size >= req.num_computed]
+        if past:
+            self.swa_pool.release([req.swa_blocks.pop(i) for i in past])
 
     def register_full_blocks(self, req: Request) -> None:
         """Publish the global blocks whose positions are all computed (called after each step)."""
@@ -287,7 +311,7 @@ class KVCacheManager:
 
     # ---- internals --------------------------------------------------------------------------------
     def _release_dead_swa(self, req: Request) -> None:
-        first_live = max(req.swa_floor, req.num_computed - self.layout.window_size + 1, 0)
+        first_live = self.layout.first_live(req.swa_floor, req.num_computed)
         dead = [i for i in req.swa_blocks if (i + 1) * self.layout.swa_block_size <= first_live]
         if dead:
             self.swa_pool.release([req.swa_blocks.pop(i) for i in dead])

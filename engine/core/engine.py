@@ -3,6 +3,8 @@
 A step is schedule -> execute -> advance -> sample: the scheduler plans which positions each request
 computes, the runner computes them over the paged pools, and every request whose computed positions
 reached its tokens gets its next token (teacher-forced ids win over sampled ones while they last).
+With speculative decoding a decoding request's chunk also verifies drafts, and it gets every token the
+runner accepted (engine/core/speculative.py).
 """
 
 from __future__ import annotations
@@ -21,13 +23,14 @@ import torch
 from engine.config import ModelConfig
 from engine.core import kv_blocks
 from engine.core.cache_manager import CacheLayout, KVCacheManager
-from engine.core.engine_config import DecodeOptions, EngineConfig, decode_options
+from engine.core.drafter import Drafter
+from engine.core.engine_config import DecodeOptions, EngineConfig, EngineConfigError, check_speculative, decode_options
 from engine.core.engine_config import kernels_for
 from engine.core.grammar import GrammarCompiler, GrammarError
 from engine.core.kv_blocks import ExportedPrefix, PrefixImportError
 from engine.core.kv_cache import PagedKVCache, size_layout
 from engine.core.overlap import InFlight, can_overlap, from_rows
-from engine.core.plan import SampleSpec, StepPlan, plan_step
+from engine.core.plan import DraftPolicy, SampleSpec, StepPlan, VerifySpec, plan_step
 from engine.core.prefix_hash import fingerprint
 from engine.core.request import PENDING_TOKEN, FinishReason, Request, RequestStats, TokenLogprob
 from engine.core.runner import ModelRunner
@@ -72,6 +75,14 @@ class EngineStats:
     busy_time: float = 0.0  # seconds inside executor.execute
     num_failed_steps: int = 0  # steps whose execute raised (their requests ended with ERROR)
     num_wasted_positions: int = 0  # positions a launched step computed past its request's end (rolled back)
+    num_verify_steps: int = 0  # verify chunks run (speculative decoding), all requests together
+    num_draft_tokens: int = 0  # drafts they verified
+    num_accepted_tokens: int = 0  # drafts accepted
+
+    @property
+    def accept_length(self) -> float:
+        """Tokens per verify chunk: accepted drafts plus the target's token (1.0 without drafts)."""
+        return 1.0 + self.num_accepted_tokens / self.num_verify_steps if self.num_verify_steps else 1.0
 
 
 class Executor(Protocol):
@@ -94,9 +105,9 @@ class LocalExecutor:
     run on device buffers, and on CUDA their graphs are captured here (progress: a bar and a summary line)."""
 
     def __init__(self, model: Transformer, layout: CacheLayout, kernels: bool | None = None,
-                 decode: DecodeOptions | None = None, progress: bool = False):
+                 decode: DecodeOptions | None = None, progress: bool = False, drafter: Drafter | None = None):
         self.kv = PagedKVCache(model.cfg, layout, model.embed.weight.device)
-        self.runner = ModelRunner(model, self.kv, kernels, decode)
+        self.runner = ModelRunner(model, self.kv, kernels, decode, drafter)
         self.capture = capture_decode_graphs(self.runner, progress)
 
     def execute(self, plan: StepPlan) -> StepOutput:
@@ -138,14 +149,17 @@ def prefix_salt(cfg: ModelConfig, weights_identity: str, global_block_size: int)
 def cache_layout(cfg: ModelConfig, config: EngineConfig) -> CacheLayout:
     return size_layout(cfg, config.cache_memory_bytes, max_num_seqs=config.max_num_seqs,
                        max_num_batched_tokens=config.max_num_batched_tokens, max_snapshots=config.max_snapshots,
-                       global_block_size=config.global_block_size, swa_block_size=config.swa_block_size)
+                       global_block_size=config.global_block_size, swa_block_size=config.swa_block_size,
+                       speculative=config.is_speculative)
 
 
 class LLMEngine:
     def __init__(self, cfg: ModelConfig, config: EngineConfig, make_executor: Callable[[CacheLayout], Executor], *,
                  eos_token_id: int | None = None, weights_identity: str = "unnamed",
                  grammars: GrammarCompiler | None = None):
-        """grammars: compiles the requests' GrammarSpecs (None: a request with one is refused)."""
+        """grammars: compiles the requests' GrammarSpecs (None: a request with one is refused). Raises
+        EngineConfigError for speculative settings the checkpoint cannot run."""
+        check_speculative(config, cfg)
         self.cfg, self.config = cfg, config
         self.grammars = grammars
         self.eos_token_id = eos_token_id if eos_token_id is not None else cfg.eos_token_id
@@ -155,7 +169,9 @@ class LLMEngine:
         # bounded replay off is the reference-exact mode: prefix hits then rebuild window KV exactly too
         self.cache = KVCacheManager(layout, salt, config.enable_prefix_caching, exact_hits=not config.bounded_replay)
         self.scheduler = Scheduler(SchedulerConfig(cfg.window_size, config.max_num_seqs, config.max_num_batched_tokens,
-                                                   config.max_chunk_tokens, config.bounded_replay), self.cache)
+                                                   config.max_chunk_tokens, config.bounded_replay,
+                                                   config.speculative_tokens), self.cache)
+        self.draft_policy = DraftPolicy(config.speculative_min_survival, config.max_draft_tokens)
         self.executor = make_executor(layout)
         self.requests: dict[str, Request] = {}
         self.stats = EngineStats()
@@ -164,11 +180,13 @@ class LLMEngine:
 
     @classmethod
     def local(cls, model: Transformer, config: EngineConfig = EngineConfig(), progress: bool = False,
-              **kw) -> "LLMEngine":
-        """The engine and the model in this process."""
+              drafter: Drafter | None = None, **kw) -> "LLMEngine":
+        """The engine and the model in this process; drafter: what drafts with speculative decoding on (default:
+        the model's DSpark stages, which it must have been loaded with)."""
         kernels = kernels_for(config.runner)
         decode = decode_options(config, model.cfg)
-        return cls(model.cfg, config, lambda layout: LocalExecutor(model, layout, kernels, decode, progress), **kw)
+        return cls(model.cfg, config, lambda layout: LocalExecutor(model, layout, kernels, decode, progress, drafter),
+                   **kw)
 
     @classmethod
     def from_checkpoint(cls, ckpt_dir: str | Path, config: EngineConfig = EngineConfig(), device: str = "cpu",
@@ -177,9 +195,14 @@ class LLMEngine:
         (engine/core/shard_group.py; this process is rank 0). Close it when done (`close`)."""
         if num_shards > 1:
             return cls.sharded(ckpt_dir, config, device, num_shards)
+        from engine.config import load_config
         from engine.load import load_model
 
-        loaded = load_model(ckpt_dir, device, with_mtp=False, progress=progress)
+        kernels = kernels_for(config.runner)
+        # before the weights load
+        check_speculative(config, load_config(ckpt_dir), kernels or (kernels is None and device == "cuda"))
+
+        loaded = load_model(ckpt_dir, device, with_mtp=config.is_speculative, progress=progress)
         grammars = GrammarCompiler(loaded.tokenizer.path.read_text(encoding="utf-8"), loaded.tokenizer.eos_id)
         engine = cls.local(loaded.model, config, eos_token_id=loaded.tokenizer.eos_id,
                            weights_identity=str(Path(ckpt_dir).resolve()), grammars=grammars)
@@ -199,6 +222,9 @@ class LLMEngine:
         from engine.tokenizer import load_tokenizer
 
         kernels = kernels_for(config.runner)
+        if config.is_speculative:
+            raise EngineConfigError(f"--num-shards {num_shards}: speculative decoding is not split over shards yet; "
+                                    "use --speculative-tokens 0 or one shard")
         if kernels or (kernels is None and device == "cuda"):
             raise ShardingError(f"--num-shards {num_shards}: the kernel runner is not split over shards yet; "
                                 "use --runner golden")
@@ -291,23 +317,24 @@ class LLMEngine:
             out.chunks = [c for c in out.chunks if not c.request.is_finished]  # ended by prev's tokens
         if not out.chunks:
             return outputs
-        if self.config.async_scheduling and self._launch(out, None):
-            return outputs
+        if self.config.async_scheduling and not self.config.is_speculative and self._launch(out, None):
+            return outputs  # speculating, each step's accepted tokens decide the next step's chunks: no overlap
         return outputs + self._run(out)
 
     def _run(self, out) -> list[RequestOutput]:
-        """The synchronous step: execute, advance, draw."""
-        samples = self._sample_specs(out)
+        """The synchronous step: execute, advance, draw (a verify chunk: take every token it accepted)."""
+        samples, verifies = self._sample_specs(out), self._verify_specs(out)
         t0 = time.monotonic()
         try:
-            result = self.executor.execute(plan_step(out, samples))
+            result = self.executor.execute(plan_step(out, samples, verifies=verifies, draft_policy=self.draft_policy))
         except Exception as e:  # noqa: BLE001 -- ends this step's requests, never the engine
             return self._fail_step(out, e)
         elapsed = time.monotonic() - t0
-        self.scheduler.advance(out)
+        computed = {v.chunk: out.chunks[v.chunk].start + len(r.token_ids) for v, r in zip(verifies, result.verified)}
+        self.scheduler.advance(out, computed=computed)
         self._count_step(out, elapsed)
         reqs, picks, j = [], [], 0  # the requests that take a drawn token, and the index of their spec
-        for c in (c for c in out.chunks if c.sample):
+        for c in (c for c in out.chunks if c.sample and not c.num_draft):
             siblings = {child.choice_index: child for child in self._fork_siblings(c.request)}
             for choice in range(self._num_draws(c.request)):
                 req = c.request if choice == 0 else siblings.get(choice)  # None: not forked, computes its own
@@ -319,9 +346,31 @@ class LLMEngine:
         outputs = [self._take(req, sampled.token_ids[j], sampled.logprobs[j], sampled.errors[j])
                    for req, j in zip(reqs, picks)]
         self.stats.num_sampled_tokens += len(reqs)
+        outputs += [self._take_verified(out.chunks[v.chunk].request, r) for v, r in zip(verifies, result.verified)]
         for index, (first_pos, kept) in result.rows.items():
             self._keep_logits(out.chunks[index].request, first_pos, kept, outputs)
         return outputs
+
+    def _take_verified(self, req: Request, verified) -> RequestOutput:
+        """A verify chunk's tokens, in order (the runner cut them after a stop id, so only the last may end req)."""
+        self.stats.num_verify_steps += 1
+        self.stats.num_draft_tokens += verified.num_drafted
+        self.stats.num_accepted_tokens += verified.num_accepted
+        req.stats.num_verify_steps += 1
+        req.stats.num_draft_tokens += verified.num_drafted
+        req.stats.num_accepted_tokens += verified.num_accepted
+        if verified.error is not None:
+            return self._take(req, -1, None, verified.error)
+        tokens, logprobs = [], []
+        for i, (token, lp) in enumerate(zip(verified.token_ids, verified.logprobs)):
+            o = self._take(req, token, lp, None)
+            tokens += o.new_token_ids
+            logprobs += o.new_logprobs
+            if o.finished:
+                assert i == len(verified.token_ids) - 1, \
+                    f"{req.request_id} ended ({o.finish_reason}) at token {i} of the {len(verified.token_ids)} accepted"
+        self.stats.num_sampled_tokens += len(tokens)
+        return replace(o, new_token_ids=tokens, new_logprobs=logprobs)
 
     def _launch(self, out, prev: InFlight | None) -> bool:
         """Launch `out` without waiting for its tokens (a decode step the executor can launch); each of its
@@ -487,10 +536,10 @@ class LLMEngine:
         return req.params.n if req.choice_index == 0 and not req.output_ids else 1
 
     def _sample_specs(self, out) -> list[SampleSpec]:
-        """What the step draws, in the order step() hands the tokens out: per sampled chunk its request,
-        then the n-1 choices forked from it (their seeds as _fork_siblings gives them)."""
+        """What the step draws, in the order step() hands the tokens out: per sampled chunk (not a verify chunk)
+        its request, then the n-1 choices forked from it (their seeds as _fork_siblings gives them)."""
         specs = []
-        for row, c in enumerate(c for c in out.chunks if c.sample):
+        for row, c in enumerate(c for c in out.chunks if c.sample and not c.num_draft):
             req = c.request
             n_out = len(req.output_ids)
             force = req.force_ids[n_out] if req.force_ids is not None and n_out < len(req.force_ids) else None
@@ -498,6 +547,20 @@ class LLMEngine:
             specs.append(SampleSpec(row, req.params, req.seed, n_out, force, allowed))
             specs += [SampleSpec(row, req.params, _sibling_seed(req.seed, i), 0, force, allowed)
                       for i in range(1, self._num_draws(req))]
+        return specs
+
+    def _verify_specs(self, out) -> list[VerifySpec]:
+        """Per verify chunk (in chunk order): what its rows draw, its teacher-forced ids and its stop ids."""
+        specs = []
+        for i, c in enumerate(out.chunks):
+            if not c.num_draft:
+                continue
+            req = c.request
+            n_out = len(req.output_ids)
+            force = tuple(req.force_ids[n_out:n_out + c.num_draft + 1]) if req.force_ids is not None else ()
+            stops = req.params.stop_token_ids + (() if req.params.ignore_eos or req.eos_token_id is None
+                                                 else (req.eos_token_id,))
+            specs.append(VerifySpec(i, req.params, req.seed, n_out, force, stops))
         return specs
 
     def _take(self, req: Request, token: int, lp, error: str | None, slot: int | None = None) -> RequestOutput:

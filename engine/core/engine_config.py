@@ -9,6 +9,10 @@ from typing import TYPE_CHECKING, Literal
 if TYPE_CHECKING:
     from engine.config import ModelConfig
 
+class EngineConfigError(ValueError):
+    """A configuration the engine cannot run (the message names the setting and why)."""
+
+
 RunnerKind = Literal["auto", "kernels", "golden"]
 RUNNER_KINDS: tuple[str, ...] = ("auto", "kernels", "golden")
 
@@ -35,6 +39,15 @@ class EngineConfig:
     decode_step: bool = True  # kernel path: decode steps on device buffers (engine/core/decode_step.py)
     cuda_graphs: bool = True  # ... replayed as CUDA graphs captured at start-up (CUDA only)
     async_scheduling: bool = True  # launch a decode step before reading the last one's tokens (engine/core/overlap.py)
+    # speculative decoding (engine/core/speculative.py): drafts a decoding request verifies per step, at most the
+    # checkpoint's DSpark block (0: off). Async scheduling is off while it is on (a step's tokens decide the next).
+    speculative_tokens: int = 0
+    speculative_min_survival: float = 0.0  # verify a draft when the drafter's survival estimate is at least this
+    max_draft_tokens: int | None = None  # drafts verified per step, all requests together (None: no cap)
+
+    @property
+    def is_speculative(self) -> bool:
+        return self.speculative_tokens > 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -51,3 +64,28 @@ def decode_options(config: EngineConfig, cfg: ModelConfig) -> DecodeOptions | No
     if not config.decode_step:
         return None
     return DecodeOptions(config.max_num_seqs, config.max_model_len or cfg.max_position_embeddings, config.cuda_graphs)
+
+
+SPECULATIVE_KERNELS = ("speculative decoding runs on the golden runner only for now (the kernel path's draft and "
+                       "verify graphs are not written yet): use --runner golden")
+
+
+def check_speculative(config: EngineConfig, cfg: ModelConfig, kernels: bool = False) -> None:
+    """Raises EngineConfigError for speculative settings this checkpoint (or the kernel runner) cannot run."""
+    k = config.speculative_tokens
+    if not isinstance(k, int) or isinstance(k, bool) or k < 0:
+        raise EngineConfigError(f"--speculative-tokens must be an integer >= 0, got {k!r}")
+    if k == 0:
+        return
+    if kernels:
+        raise EngineConfigError(SPECULATIVE_KERNELS)
+    if cfg.n_mtp_layers == 0:
+        raise EngineConfigError(f"--speculative-tokens {k}: this checkpoint has no DSpark stages to draft with")
+    if k > cfg.dspark_block_size:
+        raise EngineConfigError(f"--speculative-tokens {k} is past the checkpoint's DSpark block of "
+                                f"{cfg.dspark_block_size} tokens (dspark_block_size): use 1..{cfg.dspark_block_size}, "
+                                "or 0 for off")
+    if not 0.0 <= config.speculative_min_survival <= 1.0:
+        raise EngineConfigError(f"speculative_min_survival must be in [0, 1], got {config.speculative_min_survival}")
+    if config.max_draft_tokens is not None and config.max_draft_tokens < 0:
+        raise EngineConfigError(f"max_draft_tokens must be >= 0 or None, got {config.max_draft_tokens}")

@@ -1,6 +1,8 @@
 """The paged device pools behind the cache manager's block ids (spec 4.7), in packed record formats.
 
 - swa[layer]: uint8 [num_swa_blocks, swa_block_size, 528]: FP8 window KV of every layer.
+- dspark_swa[stage] (speculative decoding): the same records, the DSpark stages' context KV (spec 4.9: from the
+  target's tap hiddens), in the same window blocks.
 - main_kv[source]: uint8 [num_global_blocks, global_block_size / ratio, 288]: FP4 main KV.
 - index_k[source]: uint8 [num_global_blocks, global_block_size / ratio, 68]: MXFP4 index keys.
 - pending_kv / pending_score[source] (ratio > 1): fp32 [num_pending_slots, ratio, head_dim].
@@ -27,8 +29,8 @@ def global_bytes_per_block(cfg: ModelConfig, block_size: int) -> int:
     return sum(block_size // cfg.compress_ratios[s] * per_entry for s in cfg.kv_source_layers)
 
 
-def swa_bytes_per_block(cfg: ModelConfig, block_size: int) -> int:
-    return cfg.n_layers * block_size * swa_record_bytes(cfg.head_dim)
+def swa_bytes_per_block(cfg: ModelConfig, block_size: int, num_dspark_layers: int = 0) -> int:
+    return (cfg.n_layers + num_dspark_layers) * block_size * swa_record_bytes(cfg.head_dim)
 
 
 def pending_bytes_per_slot(cfg: ModelConfig) -> int:
@@ -37,20 +39,22 @@ def pending_bytes_per_slot(cfg: ModelConfig) -> int:
 
 def size_layout(cfg: ModelConfig, memory_bytes: int, *, max_num_seqs: int, max_num_batched_tokens: int,
                 max_snapshots: int = 8, global_block_size: int = DEFAULT_GLOBAL_BLOCK,
-                swa_block_size: int = DEFAULT_SWA_BLOCK) -> CacheLayout:
+                swa_block_size: int = DEFAULT_SWA_BLOCK, speculative: bool = False) -> CacheLayout:
+    """speculative: the window blocks also hold the DSpark stages' context KV, one position further back."""
     ratios = {cfg.compress_ratios[s] for s in cfg.kv_source_layers}
     if any(global_block_size % r for r in ratios):
         raise ValueError(f"global_block_size {global_block_size} must be a multiple of every compress ratio {sorted(ratios)}")
     holders = max_num_seqs + max_snapshots
-    per_seq = -(-cfg.window_size // swa_block_size) + 1
+    num_dspark, lookback = (cfg.n_mtp_layers, 1) if speculative else (0, 0)
+    per_seq = -(-(cfg.window_size + lookback) // swa_block_size) + 1
     num_swa = holders * per_seq + -(-max_num_batched_tokens // swa_block_size) + max_num_seqs
-    fixed = num_swa * swa_bytes_per_block(cfg, swa_block_size) + holders * pending_bytes_per_slot(cfg)
+    fixed = num_swa * swa_bytes_per_block(cfg, swa_block_size, num_dspark) + holders * pending_bytes_per_slot(cfg)
     num_global = (memory_bytes - fixed) // global_bytes_per_block(cfg, global_block_size)
     if num_global < 1:
         raise ValueError(f"cache memory {memory_bytes} B is too small: the window blocks for {holders} sequences "
                          f"alone take {fixed} B")
     return CacheLayout(global_block_size, swa_block_size, cfg.window_size, int(num_global), num_swa, holders,
-                       max_snapshots)
+                       max_snapshots, num_dspark, lookback)
 
 
 class PagedKVCache:
@@ -62,6 +66,8 @@ class PagedKVCache:
             return torch.zeros(shape, dtype=dtype, device=device)
 
         self.swa = [zeros(layout.num_swa_blocks, S, swa_record_bytes(cfg.head_dim)) for _ in range(cfg.n_layers)]
+        self.dspark_swa = [zeros(layout.num_swa_blocks, S, swa_record_bytes(cfg.head_dim))
+                           for _ in range(layout.num_dspark_layers)]
         self.main_kv, self.index_k, self.pending_kv, self.pending_score = {}, {}, {}, {}
         for s in cfg.kv_source_layers:
             r = cfg.compress_ratios[s]
@@ -73,7 +79,7 @@ class PagedKVCache:
 
     @property
     def nbytes(self) -> int:
-        pools = [*self.swa, *self.main_kv.values(), *self.index_k.values(), *self.pending_kv.values(),
+        pools = [*self.swa, *self.dspark_swa, *self.main_kv.values(), *self.index_k.values(), *self.pending_kv.values(),
                  *self.pending_score.values()]
         return sum(t.numel() * t.element_size() for t in pools)
 
@@ -81,7 +87,7 @@ class PagedKVCache:
         """Block copies for forks, before the step that writes into the copies."""
         for op in copies:
             if op.pool == "swa":
-                for t in self.swa:
+                for t in (*self.swa, *self.dspark_swa):
                     t[op.dst] = t[op.src]
             elif op.pool == "global":
                 for t in (*self.main_kv.values(), *self.index_k.values()):

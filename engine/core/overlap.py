@@ -13,7 +13,9 @@ The engine overlaps only where that cannot change what the scheduler decides (ca
 decodes one position, nothing waits to be admitted, no fork copies are pending, the token budget covers the batch,
 and the pools hold the blocks the next positions need without preempting anyone or dropping a snapshot, and no
 running request is constrained by a grammar (its next mask is computed from the token still in flight). Otherwise
-the step in flight is read first and the next step runs as it would without overlap.
+the step in flight is read first and the next step runs as it would without overlap. With speculative decoding on
+the engine never overlaps: how many drafts a step accepts decides the next step's chunks (their anchors, positions
+and blocks), so the next step cannot be planned before this one's tokens are read.
 """
 
 from __future__ import annotations

@@ -29,6 +29,7 @@ class ChunkPlan:
     swa_floor: int  # window floor of encoder-layer queries
     decoder_from: int  # decoder layers skip positions below
     decoder_floor: int  # window floor of decoder-layer queries
+    num_draft: int = 0  # a verify chunk: room for this many drafts after its anchor (StepPlan.verifies)
     images: tuple[ImageInput, ...] = ()  # the request's images whose spans overlap start - ENGRAM_LOOKBACK .. end-1
 
 
@@ -45,6 +46,29 @@ class SampleSpec:
     allowed: bytes | None = None  # a grammar's bitmask of the tokens this draw may take (engine/core/grammar.py)
 
 
+@dataclass(frozen=True, slots=True)
+class VerifySpec:
+    """A verify chunk (speculative decoding, engine/core/speculative.py): the chunk holds the request's anchor (its
+    last token) and room for up to its num_draft drafts; the runner drafts them, computes anchor + drafts in the step's
+    forward and returns the tokens it accepts. Its rows draw output indices step, step + 1, ..."""
+
+    chunk: int  # index in StepPlan.chunks
+    params: SamplingParams
+    seed: int
+    step: int  # output index the anchor's row draws (the request's number of outputs)
+    force_ids: tuple[int, ...] = ()  # teacher forcing: output indices step.. take these
+    stop_ids: tuple[int, ...] = ()  # an emitted token among these ends the request: nothing after it is kept
+
+
+@dataclass(frozen=True, slots=True)
+class DraftPolicy:
+    """How many of its drafts each verify chunk verifies (speculative.verify_lengths): the draft slots whose
+    survival (the drafter's confidence) is >= min_survival, at most max_draft_tokens of them in a step."""
+
+    min_survival: float = 0.0
+    max_draft_tokens: int | None = None
+
+
 @dataclass(slots=True)
 class StepPlan:
     chunks: list[ChunkPlan] = field(default_factory=list)
@@ -53,16 +77,20 @@ class StepPlan:
     # per chunk: the row of the previous step's draws that holds its input token (still on the device:
     # request.PENDING_TOKEN in token_ids), -1 where the token is known; None: every token is known
     from_rows: list[int] | None = None
+    verifies: list[VerifySpec] = field(default_factory=list)  # the verify chunks, in chunk order
+    draft_policy: DraftPolicy = DraftPolicy()
 
 
 def plan_step(out: SchedulerOutput, samples: list[SampleSpec] | None = None, from_rows: list[int] | None = None,
-              lookback: int = ENGRAM_LOOKBACK) -> StepPlan:
+              lookback: int = ENGRAM_LOOKBACK, verifies: list[VerifySpec] | None = None,
+              draft_policy: DraftPolicy = DraftPolicy()) -> StepPlan:
+    """A verify chunk's token_ids hold its anchor only (positions start .. end-1 leave room for its drafts)."""
     chunks = []
     for c in out.chunks:
         r = c.request
-        chunks.append(ChunkPlan(c.start, c.end, r.ids_between(c.start, c.end),
+        chunks.append(ChunkPlan(c.start, c.end, r.ids_between(c.start, c.end - c.num_draft),
                                 r.ids_between(max(0, c.start - lookback), c.start), c.sample,
                                 r.keep_logits, list(r.global_blocks), dict(r.swa_blocks), r.pending_slot, r.global_from,
-                                r.swa_floor, r.decoder_from, r.decoder_floor,
+                                r.swa_floor, r.decoder_from, r.decoder_floor, c.num_draft,
                                 tuple(im for im in r.images if im.overlaps(c.start - lookback, c.end))))
-    return StepPlan(chunks, list(out.copies), samples or [], from_rows)
+    return StepPlan(chunks, list(out.copies), samples or [], from_rows, verifies or [], draft_policy)

@@ -45,6 +45,14 @@ class RequestStats:
     num_preemptions: int = 0
     prefill_time: float = 0.0  # seconds of steps that computed prompt positions
     decode_time: float = 0.0  # seconds of steps that computed only generated positions
+    num_verify_steps: int = 0  # speculative decoding: steps that verified drafts for this request
+    num_draft_tokens: int = 0  # drafts verified
+    num_accepted_tokens: int = 0  # drafts accepted
+
+    @property
+    def average_accept_length(self) -> float:
+        """Tokens per verify step (accepted drafts plus the target's token); 1.0 without speculative decoding."""
+        return 1.0 + self.num_accepted_tokens / self.num_verify_steps if self.num_verify_steps else 1.0
 
     def copy(self) -> RequestStats:
         """A copy (every step's output carries one): ~6x faster than dataclasses.replace or copy.copy."""

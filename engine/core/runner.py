@@ -14,17 +14,27 @@ kernel path refuses images (ValueError): it has no vision tower yet.
 
 On CUDA (or with kernels=True) the step runs instead through engine/core/kernel_layers.py: the same
 plan and logits, with Triton kernels and fp32 torch ops reading the paged pools in place.
+
+Speculative decoding (the pools hold DSpark context, CacheLayout.num_dspark_layers > 0; golden path only): a step
+drafts for its verify chunks first (engine/core/drafter.py), computes every chunk with the drafts as tokens, lets
+engine/core/speculative.py accept or reject them from the verify rows, rolls back the compressor's pending group
+to the accepted end, and writes the DSpark context KV of every kept position.
 """
 
 from __future__ import annotations
 
 from collections import OrderedDict
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING
 
 import torch
 
+from engine.core.drafter import Draft, DraftRequest, Drafter, DSparkDrafter, write_context
+from engine.core.engine_config import SPECULATIVE_KERNELS, EngineConfigError
 from engine.core.kv_cache import PagedKVCache
 from engine.core.plan import ChunkPlan, StepPlan
+from engine.core.sampler import sample_specs
+from engine.core.speculative import verify, verify_lengths
 from engine.core.step_rows import (Segment, StepLogits, StepOutput, decoder_rows, engram_hashes, head_rows, no_logits,
                                    sample_step, segments, split_logits)
 from engine.kernels import paged
@@ -41,19 +51,50 @@ if TYPE_CHECKING:
 MAX_KEPT_SPANS = 4  # images whose span rows the runner keeps (a prefill chunked across a span encodes it once)
 
 
+@dataclass(frozen=True, slots=True)
+class CompressorRows:
+    """The fp32 rows a ratio-r compressor saw for one verify chunk, from its first group's start (the pending
+    tokens, then the chunk's): what the pending group is rolled back from."""
+
+    first: int  # position of row 0
+    kv: torch.Tensor  # fp32 [1, n, hd]
+    score: torch.Tensor  # fp32 [1, n, hd]
+
+
+@dataclass(slots=True)
+class ForwardState:
+    """What a golden forward leaves besides its logits: the decoder rows' tap hiddens (DSpark context on) and
+    segments, and the compressor rows of each (verify chunk index, ratio > 1 KV source)."""
+
+    logits: StepLogits
+    main_hidden: torch.Tensor | None = None  # [1, R, taps*D]
+    segs: list[Segment] = field(default_factory=list)
+    groups: dict[tuple[int, int], CompressorRows] = field(default_factory=dict)
+
+
 class ModelRunner:
     """kernels: True runs the kernel path (engine/core/kernel_layers.py: Triton kernels and fp32 torch
     on the device), False the golden modules (float64, exact); None (default) picks the kernels when
-    the model is on CUDA. Both take the same plan and return the same logits, up to fp32 rounding."""
+    the model is on CUDA. Both take the same plan and return the same logits, up to fp32 rounding.
+    drafter: what proposes the verify chunks' drafts (default: the model's DSpark stages, made on first use)."""
 
     def __init__(self, model: Transformer, kv: PagedKVCache, kernels: bool | None = None,
-                 decode: "DecodeOptions | None" = None):
+                 decode: "DecodeOptions | None" = None, drafter: Drafter | None = None):
         self.model, self.kv, self.cfg = model, kv, model.cfg
         self.device = model.embed.weight.device
         self.kernels = self.device.type == "cuda" if kernels is None else kernels
+        self.drafter = drafter
         self._kernel_path = None
         self._spans: OrderedDict[int, torch.Tensor] = OrderedDict()  # image key -> bf16 [span tokens, dim]
         self.decode = None  # the kernel path's decode step on device buffers (engine/core/decode_step.py)
+        if kv.dspark_swa:
+            if self.kernels:
+                raise EngineConfigError(SPECULATIVE_KERNELS)
+            if len(model.mtp) != len(kv.dspark_swa):
+                raise EngineConfigError(f"speculative decoding needs the checkpoint's DSpark stages: "
+                                        f"{len(model.mtp)} loaded, {len(kv.dspark_swa)} expected")
+            taps, cut = self.cfg.dspark_target_layer_ids, self.cfg.ced_cut
+            assert cut >= self.cfg.n_layers or min(taps) > cut, f"DSpark taps {taps} must follow the CED cut {cut}"
         if self.kernels:
             from engine.core.kernel_layers import KernelRunner  # imports Triton: only on the kernel path
 
@@ -72,7 +113,9 @@ class ModelRunner:
         if self.decode is not None and self.decode.takes(plan):
             self.kv.apply(plan.copies)
             return self.decode.execute(plan)
-        return sample_step(plan, self.forward(plan))
+        if not self.kv.dspark_swa:
+            return sample_step(plan, self.forward(plan))
+        return self._speculative_step(plan)
 
     @torch.inference_mode()
     def launch(self, plan: StepPlan) -> "PendingDraw | None":
@@ -86,17 +129,74 @@ class ModelRunner:
     @torch.inference_mode()
     def forward(self, out: StepPlan) -> StepLogits:
         """Runs one step's model forward: logits of the sampled chunks' last positions, and of every decoder
-        row of chunks whose request keeps its logits."""
+        row of chunks whose request keeps its logits (or that verify drafts)."""
         assert out.from_rows is None or all(r < 0 for r in out.from_rows), "tokens still on the device: decode step only"
         if self._kernel_path is not None:
             if any(c.images for c in out.chunks):
                 raise ValueError("images need the golden runner (--runner golden): the kernel runner does not run "
                                  "the vision tower yet")
             return self._kernel_path.execute(out)
+        return self._forward(out).logits
+
+    # ---- speculative decoding ---------------------------------------------------------------------------
+    def _speculative_step(self, plan: StepPlan) -> StepOutput:
+        """Draft, forward, verify, roll back what rejected drafts touched, store the kept positions' context."""
+        plan, drafts = self._draft(plan)
+        state = self._forward(plan)
+        rows = state.logits.rows
+        verified = verify([rows[v.chunk][1] for v in plan.verifies], plan.verifies, [d.token_ids for d in drafts],
+                          [d.q for d in drafts])
+        ends = {v.chunk: plan.chunks[v.chunk].start + len(r.token_ids) for v, r in zip(plan.verifies, verified)}
+        self._roll_back_pending(plan, state.groups, ends)
+        if state.main_hidden is not None:
+            write_context(self.model, self.kv, state.main_hidden, state.segs, plan.chunks, ends)
+        kept = {i: (first, r[:ends[i] - first] if i in ends else r) for i, (first, r) in rows.items()
+                if plan.chunks[i].keep_logits}
+        return StepOutput(sample_specs(state.logits.sample, plan.samples), kept, verified)
+
+    def _draft(self, plan: StepPlan) -> tuple[StepPlan, list[Draft]]:
+        """The verify chunks' drafts, as many of each as the plan's DraftPolicy keeps, written into their chunks
+        (token_ids = anchor + drafts, end = start + 1 + drafts; num_draft stays the room the scheduler made)."""
+        if not plan.verifies:
+            return plan, []
+        if self.drafter is None:
+            self.drafter = DSparkDrafter(self.model, self.kv)
+        requests = []
+        for v in plan.verifies:
+            c = plan.chunks[v.chunk]
+            assert c.num_draft > 0 and len(c.token_ids) == 1, f"chunk {v.chunk} is not a verify chunk"
+            requests.append(DraftRequest(c.token_ids[0], c.start, c.prev_ids, c.num_draft, c.swa_blocks, v.params,
+                                         v.seed, v.step))
+        drafts = self.drafter.propose(requests)
+        lengths = verify_lengths([d.confidence for d in drafts], plan.draft_policy)
+        drafts = [d.prefix(k) for d, k in zip(drafts, lengths)]
+        chunks = list(plan.chunks)
+        for v, d in zip(plan.verifies, drafts):
+            c = chunks[v.chunk]
+            chunks[v.chunk] = replace(c, end=c.start + 1 + len(d.token_ids), token_ids=c.token_ids + d.token_ids)
+        return replace(plan, chunks=chunks), drafts
+
+    def _roll_back_pending(self, plan: StepPlan, groups: dict[tuple[int, int], CompressorRows],
+                           ends: dict[int, int]) -> None:
+        """A ratio-r source's pending slot must hold the incomplete group below the accepted end e (positions
+        e - e % r .. e - 1), which the verify overwrote when it computed past e: written back from the rows the
+        compressor saw. Completed groups' main KV and index keys need no rollback (see _store_global)."""
+        for (index, source), rows in groups.items():
+            end = ends[index]
+            rest = end % self.cfg.compress_ratios[source]
+            if rest == 0:
+                continue
+            slot, lo = plan.chunks[index].pending_slot, end - rest - rows.first  # >= 0: the rows start at a group
+            self.kv.pending_kv[source][slot, :rest] = rows.kv[0, lo:lo + rest]
+            self.kv.pending_score[source][slot, :rest] = rows.score[0, lo:lo + rest]
+
+    def _forward(self, out: StepPlan) -> ForwardState:
+        """The golden forward over the paged pools (see forward), with its tap hiddens when the pools hold DSpark
+        context and the compressor rows of verify chunks."""
         self.kv.apply(out.copies)
         model, cfg, chunks = self.model, self.cfg, out.chunks
         if not chunks:
-            return no_logits(cfg.vocab_size, self.device)
+            return ForwardState(no_logits(cfg.vocab_size, self.device))
         ids = torch.tensor([t for c in chunks for t in c.token_ids], dtype=torch.long, device=self.device)
         segs = segments(chunks)
         hashes = engram_hashes(model.engram_tables, chunks, segs, ids)
@@ -110,26 +210,32 @@ class ModelRunner:
         h = x.view(1, -1, cfg.dim).unsqueeze(2).repeat(1, 1, cfg.hc_mult, 1)  # [1,T,hc,D]
         pre_mix = identity_pre_mix(1, ids.numel(), cfg.hc_mult, self.device)
         shared = [StepShared() for _ in chunks]
+        state = ForwardState(no_logits(cfg.vocab_size, self.device))
+        taps = []
         for i, layer in enumerate(model.layers):
             mask = None if is_image is None else is_image[rows].view(1, -1)  # the rows h holds
             if layer.engram is not None:
                 h = layer.engram(h, hashes[:, rows, layer.role.engram_index], None if mask is None else ~mask)
+            if self.kv.dspark_swa and layer.role.is_dspark_tap:
+                taps.append(h.mean(dim=2))  # [1,R,D]: the layer's input stream, mean over copies (spec 4.9)
             keep, out_segs = None, segs
             if i == cfg.ced_cut:
                 out_segs, keep = decoder_rows(chunks, segs)
                 keep = keep.to(self.device)
             decoder = i >= cfg.ced_cut
             attend = (lambda x, a=layer.attn, si=segs, so=out_segs, d=decoder:
-                      self._attention(a, x, chunks, si, so, shared, d))
+                      self._attention(a, x, chunks, si, so, shared, d, state.groups))
             h, pre_mix = layer(h, pre_mix, attend, 0 if keep is None else keep, mask)
             if keep is not None:
                 rows, segs = rows[keep], out_segs
+        state.segs = segs
+        state.main_hidden = torch.cat(taps, dim=-1) if taps else None
         head = head_rows(chunks, segs)
-        if not head.picks:
-            return no_logits(cfg.vocab_size, self.device)
-        sel = torch.tensor(head.picks, device=self.device)
-        logits = model.head(model.norm(hc_pre(h[:, sel], pre_mix[:, sel])))[0]  # fp32 [len(picks), V]
-        return split_logits(logits, head)
+        if head.picks:
+            sel = torch.tensor(head.picks, device=self.device)
+            logits = model.head(model.norm(hc_pre(h[:, sel], pre_mix[:, sel])))[0]  # fp32 [len(picks), V]
+            state.logits = split_logits(logits, head)
+        return state
 
     # ---- pieces -------------------------------------------------------------------------------------
     def _image_rows(self, chunks: list[ChunkPlan]) -> torch.Tensor:
@@ -153,17 +259,20 @@ class ModelRunner:
         return rows
 
     def _attention(self, attn: Attention, x: torch.Tensor, chunks, segs_in: list[Segment], segs_out: list[Segment],
-                   shared: list[StepShared], decoder: bool) -> torch.Tensor:
+                   shared: list[StepShared], decoder: bool,
+                   groups: dict[tuple[int, int], CompressorRows]) -> torch.Tensor:
         """x [1,R,D] normed rows of segs_in -> attention output [1,R',D] for the rows of segs_out."""
         kv, role, W = self.kv, attn.role, self.cfg.window_size
         layer = role.layer_id
+        # window KV: every row's is written before any query reads, so a rejected draft's entry (at a position
+        # >= its request's num_computed) is rewritten by the step that computes that position before it is read
         pos = torch.cat([torch.arange(s.start, s.end) for s in segs_in]).to(x.device)
         slots = torch.cat([paged.swa_slots(chunks[s.index].swa_blocks, s.start, s.end, kv.layout.swa_block_size)
                            for s in segs_in]).to(x.device)
         paged.store_swa(kv.swa[layer], slots, attn.window_kv_unquantized(x, pos)[0])
         if attn.compressor is not None:
             for si in segs_in:
-                self._store_global(attn, x[:, si.offset:si.offset + si.rows], si, chunks[si.index])
+                self._store_global(attn, x[:, si.offset:si.offset + si.rows], si, chunks[si.index], groups)
         qpos = torch.cat([torch.arange(s.start, s.end) for s in segs_out]).to(x.device)
         if qpos.numel() == 0:
             return x.new_zeros(1, 0, x.size(-1))
@@ -191,19 +300,30 @@ class ModelRunner:
             outs.append(sparse_attn(q[:, qsl], rows, attn.attn_sink, idx, attn.head_dim ** -0.5))
         return attn.output(torch.cat(outs, dim=1), qpos)
 
-    def _store_global(self, attn: Attention, x: torch.Tensor, seg: Segment, req: ChunkPlan) -> None:
+    def _store_global(self, attn: Attention, x: torch.Tensor, seg: Segment, req: ChunkPlan,
+                      groups: dict[tuple[int, int], CompressorRows]) -> None:
         """A KV source: compress this chunk's positions >= global_from and store the completed groups'
-        main KV and index keys (the incomplete group waits in the request's pending slot)."""
+        main KV and index keys (the incomplete group waits in the request's pending slot).
+
+        A verify chunk writes entries of groups that end past its accepted positions too. Invariant that makes
+        them harmless: entries of groups ending at or past a request's num_computed are never read before the
+        step that computes that group's last position rewrites them (a step writes its positions' entries before
+        its queries read entries below its end). Only the pending slot carries state into the next step: a
+        verify chunk's compressor rows are kept (groups) so it can be rolled back."""
         kv, role = self.kv, attn.role
         ratio, source = role.ratio, role.kv_source
         start = max(seg.start, req.global_from)
         if start >= seg.end:
             return
-        pending = (None, None)
         if ratio > 1:
             slot = req.pending_slot
-            pending = (kv.pending_kv[source][slot:slot + 1], kv.pending_score[source][slot:slot + 1])
-        latent = attn.compressor(x[:, start - seg.start:], start, SourceCache(None, None, *pending))
+            src = SourceCache(None, None, kv.pending_kv[source][slot:slot + 1], kv.pending_score[source][slot:slot + 1])
+            kv_rows, score_rows = attn.compressor.group_rows(x[:, start - seg.start:], start, src)
+            if req.num_draft:
+                groups[(seg.index, source)] = CompressorRows(start - start % ratio, kv_rows, score_rows)
+            latent = attn.compressor.pool(kv_rows, score_rows, src, x.dtype)
+        else:
+            latent = attn.compressor(x[:, start - seg.start:], start, SourceCache(None, None, None, None))
         if latent is None:
             return
         first = start // ratio

@@ -61,7 +61,7 @@ def _min_p_thresholds(ps: Sequence[SamplingParams]) -> torch.Tensor:
     return torch.where(t32.double() < t64, torch.nextafter(t32, torch.tensor(math.inf)), t32)
 
 
-def _usable(logits: torch.Tensor) -> torch.Tensor:
+def usable_rows(logits: torch.Tensor) -> torch.Tensor:
     """bool [N]: the row can be sampled (-inf is a token that cannot be drawn; a NaN, a +inf or no drawable
     token makes the row fail)."""
     return ~(logits.isnan() | (logits == math.inf)).any(dim=-1) & (logits > -math.inf).any(dim=-1)
@@ -163,7 +163,7 @@ def sample(logits: torch.Tensor, rows: Sequence[SampleRow], allowed: torch.Tenso
     raw = logits
     if allowed is not None:
         logits = logits.masked_fill(~allowed, float("-inf"))  # no allowed token left: the row fails (unusable)
-    usable = _usable(logits)
+    usable = usable_rows(logits)
     logits = logits.masked_fill(~usable[:, None], 0.0)  # a failed row samples harmlessly, then is dropped
     token_ids = logits.argmax(dim=-1)  # [N]; first maximum -> lowest id on ties
 
@@ -268,7 +268,7 @@ def sample_device(logits: torch.Tensor, t: SampleTensors, variant: SampleVariant
     """sample() on device tensors without a host sync: fp32 [N, V] logits -> the same tokens (every filter runs
     for every drawn row of the variant, a filter that is off keeping its row whole). A forced row takes its token;
     num_logprobs > 0 also returns each row's logprob of its token and its num_logprobs most likely."""
-    usable = _usable(logits)
+    usable = usable_rows(logits)
     logits = logits.masked_fill(~usable[:, None], 0.0)
     ids = logits.argmax(dim=-1)
     if variant != "greedy":

@@ -8,6 +8,11 @@ admitted request is preempted (its blocks released, recomputed later; its full b
 prefix cache). Then waiting requests are admitted in arrival order, each starting from its longest
 cached prefix.
 
+Speculative decoding (speculative_tokens K > 0): a request that decodes (one position behind its tokens, past its
+first output) gets a verify chunk: its anchor position plus room for up to K drafts, within its remaining outputs
+and the budget; the runner drafts them and keeps what it accepts, and the engine sets num_computed to the accepted
+positions. Drafts never preempt: a request whose drafts' blocks do not fit verifies none.
+
 Decoder SWA bounded replay (spec 4.8) is decided at admission: when the positions still to compute
 exceed one window, the decoder layers (>= the CED cut) run only on the last `window` of them.
 """
@@ -29,6 +34,7 @@ class SchedulerConfig:
     max_num_batched_tokens: int = 512
     max_chunk_tokens: int | None = None  # cap on one request's positions per step; None = the budget
     bounded_replay: bool = True
+    speculative_tokens: int = 0  # drafts a decoding request may verify per step (0: off)
 
     def __post_init__(self) -> None:
         if self.max_num_seqs < 1 or self.max_num_batched_tokens < 1:
@@ -43,6 +49,7 @@ class ScheduledChunk:
     start: int  # positions start .. end-1 are computed this step
     end: int
     sample: bool  # end reaches the request's tokens: position end-1's logits give the next token
+    num_draft: int = 0  # a verify chunk: positions end - num_draft .. end - 1 are room for drafts
 
 
 @dataclass(slots=True)
@@ -78,8 +85,12 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
-            end = req.num_computed + self._chunk_len(req, budget)
+            num_draft = self._num_draft(req, budget)
+            end = req.num_computed + self._chunk_len(req, budget) + num_draft
             while not self.cache.allocate(req, end):
+                if num_draft:  # drafts never preempt: verify none first
+                    end, num_draft = end - num_draft, 0
+                    continue
                 if len(self.running) == 1:  # nothing left to preempt: the cache cannot hold this request
                     self.finish(req, FinishReason.LENGTH)
                     out.cannot_grow.append(req)
@@ -90,7 +101,8 @@ class Scheduler:
                 if victim is req:
                     break
             else:
-                out.chunks.append(ScheduledChunk(req, req.num_computed, end, end == req.num_tokens))
+                sample = end - num_draft == req.num_tokens
+                out.chunks.append(ScheduledChunk(req, req.num_computed, end, sample, num_draft))
                 budget -= end - req.num_computed
                 i += 1
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs and not out.preempted:
@@ -112,11 +124,14 @@ class Scheduler:
             budget -= end - req.num_computed
         return out
 
-    def advance(self, out: SchedulerOutput, register: bool = True) -> None:
+    def advance(self, out: SchedulerOutput, register: bool = True, computed: dict[int, int] | None = None) -> None:
         """After the forward (or once it is launched): the chunks' positions are computed; publish newly full
-        blocks (register=False: the caller does once their tokens are known)."""
-        for c in out.chunks:
-            c.request.num_computed = c.end
+        blocks (register=False: the caller does once their tokens are known). computed: per verify chunk (index in
+        out.chunks), the end of its accepted positions; the blocks past it are given back."""
+        for i, c in enumerate(out.chunks):
+            c.request.num_computed = c.end if computed is None or i not in computed else computed[i]
+            if c.num_draft:
+                self.cache.trim(c.request)
             c.request.stats.num_iterations += 1
             c.request.stats.num_computed_prompt_tokens += max(0, min(c.end, len(c.request.prompt_ids)) - c.start)
             if register:
@@ -156,11 +171,26 @@ class Scheduler:
         return True
 
     def check_integrity(self) -> None:
+        """Between steps: the pools are consistent, and no running request holds blocks past its computed
+        positions (beyond its prefix hit): what a verify chunk allocated for rejected drafts was given back."""
         self.cache.check_integrity(self.running)
+        G, S = self.cache.layout.global_block_size, self.cache.layout.swa_block_size
         for req in self.running:
             assert 0 <= req.num_computed <= req.num_tokens, f"{req.request_id}: computed {req.num_computed} of {req.num_tokens}"
+            assert len(req.global_blocks) <= max(-(-req.num_computed // G), req.global_from // G), \
+                f"{req.request_id}: {len(req.global_blocks)} global blocks for {req.num_computed} computed positions"
+            past = [i for i in req.swa_blocks if i * S >= max(req.num_computed, req.global_from)]
+            assert not past, f"{req.request_id}: window blocks {past} past its {req.num_computed} computed positions"
 
     # ---- internals --------------------------------------------------------------------------------
+    def _num_draft(self, req: Request, budget: int) -> int:
+        """Room for drafts in a decoding request's verify chunk: K, fewer near its output limit (the step emits up
+        to num_draft + 1 tokens) or the budget's end; none with a grammar (each draft would need its mask)."""
+        K = self.config.speculative_tokens
+        if not K or req.num_tokens - req.num_computed != 1 or not req.output_ids or req.grammar is not None:
+            return 0
+        return max(0, min(K, req.max_output_len - len(req.output_ids) - 1, budget - 1))
+
     def _chunk_len(self, req: Request, budget: int) -> int:
         cap = self.config.max_chunk_tokens or budget
         return min(req.num_tokens - req.num_computed, budget, cap)

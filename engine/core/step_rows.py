@@ -4,12 +4,13 @@ of the stream, which rows reach the head and how their logits are returned."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
 from engine.core.plan import ENGRAM_LOOKBACK, ChunkPlan, StepPlan
 from engine.core.sampler import SampleOutput, sample_specs
+from engine.core.speculative import Verified
 from engine.engram_tables import EngramTables, hash_ngrams, initial_history, next_history
 from engine.vision.inputs import image_mask
 
@@ -36,11 +37,13 @@ class StepLogits:
 
 @dataclass(slots=True)
 class StepOutput:
-    """What a step returns to the engine: one token per plan.samples entry (engine/core/sampler.py), and
-    the logits of the chunks that keep theirs (chunk index -> (first position, fp32 [rows, vocab]))."""
+    """What a step returns to the engine: one token per plan.samples entry (engine/core/sampler.py), the
+    logits of the chunks that keep theirs (chunk index -> (first position, fp32 [rows, vocab])), and per
+    plan.verifies entry the tokens its verify chunk emits (engine/core/speculative.py)."""
 
     sample: SampleOutput
     rows: dict[int, tuple[int, torch.Tensor]]
+    verified: list[Verified] = field(default_factory=list)
 
 
 @dataclass(slots=True)
@@ -95,13 +98,14 @@ def engram_hashes(tables: EngramTables | None, chunks: list[ChunkPlan], segs: li
 
 
 def head_rows(chunks: list[ChunkPlan], segs: list[Segment]) -> HeadRows:
-    """Each sampled chunk's last decoder row, and every decoder row of chunks that keep their logits."""
+    """Each sampled chunk's last decoder row, and every decoder row of chunks that keep their logits or verify
+    drafts (a verify chunk's rows are all kept, none sampled: StepPlan.verifies draws from them)."""
     picks, kept = [], []
     for c, s in zip(chunks, segs):
-        if c.keep_logits and s.rows:
+        if (c.keep_logits or c.num_draft) and s.rows:
             kept.append((s.index, s.start, len(picks), s.rows))
             picks += range(s.offset, s.offset + s.rows)
-        if c.sample:
+        if c.sample and not c.num_draft:
             assert s.rows > 0 and s.end == c.end, f"chunk {s.index} samples but has no decoder rows"
             picks.append(s.offset + s.rows - 1)
     return HeadRows(picks, kept)

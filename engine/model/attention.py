@@ -100,14 +100,24 @@ class Compressor(nn.Module):
     def forward(self, x: torch.Tensor, start_pos: int, src: SourceCache) -> torch.Tensor | None:
         """x [B,S,D] bf16 at positions start_pos.. -> pre-RoPE latents of the groups completed in
         this step (first one is group start_pos // ratio), or None."""
-        r = self.ratio
-        if r == 1:
+        if self.ratio == 1:
             return self.norm(self.wkv(x))
-        kv, score = self.wkv(x), self.wgate(x)  # fp32 [B,S,hd] (the pending state keeps fp32, as the reference)
-        pending = start_pos % r
+        return self.pool(*self.group_rows(x, start_pos, src), src, x.dtype)
+
+    def group_rows(self, x: torch.Tensor, start_pos: int, src: SourceCache) -> tuple[torch.Tensor, torch.Tensor]:
+        """ratio > 1: fp32 kv and score [B, start_pos % r + S, hd] of positions start_pos - start_pos % r ..: the
+        pending group's tokens, then x's (the pending state keeps fp32, as the reference)."""
+        kv, score = self.wkv(x), self.wgate(x)  # fp32 [B,S,hd]
+        pending = start_pos % self.ratio
         if pending:
             kv = torch.cat([src.pending_kv[:, :pending], kv], dim=1)
             score = torch.cat([src.pending_score[:, :pending], score], dim=1)
+        return kv, score
+
+    def pool(self, kv: torch.Tensor, score: torch.Tensor, src: SourceCache, dtype: torch.dtype) -> torch.Tensor | None:
+        """group_rows' output (from a group start) -> pre-RoPE latents [B,G,hd] of its complete groups, or None;
+        the incomplete tail waits in src's pending state."""
+        r = self.ratio
         complete = kv.size(1) // r * r
         rest = kv.size(1) - complete
         src.pending_kv[:, :rest] = kv[:, complete:]
@@ -117,7 +127,7 @@ class Compressor(nn.Module):
         kv = kv[:, :complete].unflatten(1, (-1, r))
         score = score[:, :complete].unflatten(1, (-1, r))
         pooled = (kv.double() * score.double().softmax(dim=2)).sum(dim=2)  # [B,G,hd]
-        return self.norm(pooled.to(x.dtype))
+        return self.norm(pooled.to(dtype))
 
 
 class Indexer(nn.Module):

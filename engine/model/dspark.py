@@ -45,10 +45,15 @@ class DSparkAttention(Attention):
     def draft(self, x: torch.Tensor, last_ctx: int, cache: ModelCache) -> torch.Tensor:
         """x [B,blk,D] at positions last_ctx+1.. attends to context positions up to last_ctx (one window)
         and to the whole draft block (bidirectional) -> [B,blk,D]."""
+        ctx = cache.swa[self.role.layer_id][:, max(0, last_ctx - self.window + 1):last_ctx + 1]
+        return self.draft_over(x, last_ctx, ctx)
+
+    def draft_over(self, x: torch.Tensor, last_ctx: int, ctx: torch.Tensor) -> torch.Tensor:
+        """`draft` with the context given: ctx [B,C,hd] the window KV of positions last_ctx-C+1 .. last_ctx
+        (C = min(window, last_ctx + 1); from the static cache, or gathered from the engine's paged pools)."""
         B, blk, _ = x.shape
         qpos = torch.arange(last_ctx + 1, last_ctx + 1 + blk, device=x.device)
         _, q = self.queries(x, qpos)
-        ctx = cache.swa[self.role.layer_id][:, max(0, last_ctx - self.window + 1):last_ctx + 1]
         kv = torch.cat([ctx, self.window_kv(x, qpos)], dim=1)
         idx = torch.arange(kv.size(1), device=x.device).expand(B, blk, -1)
         return self.output(sparse_attn(q, kv, self.attn_sink, idx, self.head_dim ** -0.5), qpos)

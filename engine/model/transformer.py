@@ -15,6 +15,7 @@ falls on a rounding boundary. Top-k ties go to the lower index (`stable_topk`).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -155,26 +156,43 @@ class Transformer(nn.Module):
                      generator: torch.Generator | None = None) -> DraftOutput:
         """anchor_ids [B]: the token sampled at position P+1 after the target processed P = dspark_len-1.
         Returns [anchor, d1..d_block] for positions P+1..P+1+block, the draft logits and confidences."""
-        cfg = self.cfg
         P = cache.dspark_len - 1
         if P < 0:
             raise ValueError("dspark_draft needs context: call dspark_observe first")
+        x = self.dspark_hidden(anchor_ids, lambda stage, h: stage.attn.draft(h, P, cache))
+        return self.dspark_propose(x, anchor_ids, lambda i, logits: sample(logits, temperature, generator))
+
+    def dspark_hidden(self, anchor_ids: torch.Tensor,
+                      attend: Callable[[DSparkStage, torch.Tensor], torch.Tensor]) -> torch.Tensor:
+        """anchor_ids [B] -> x [B, block, D]: the draft block [anchor, noise, ...] through every stage, collapsed
+        (hc_pre with the last pre_mix). attend(stage, x_normed [B,block,D]) -> [B,block,D] is a stage's attention
+        over its context KV (the static cache's, or the engine's paged pools)."""
+        cfg = self.cfg
         ids = anchor_ids.new_full((anchor_ids.size(0), cfg.dspark_block_size), cfg.dspark_noise_token_id)
         ids[:, 0] = anchor_ids
         X = self.embed(ids).unsqueeze(2).repeat(1, 1, cfg.hc_mult, 1)
         pre_mix = identity_pre_mix(X.size(0), X.size(1), cfg.hc_mult, X.device)
         for stage in self.mtp:
-            X, pre_mix = stage(X, pre_mix, lambda x, s=stage: s.attn.draft(x, P, cache))
-        x = hc_pre(X, pre_mix)
+            X, pre_mix = stage(X, pre_mix, lambda h, s=stage: attend(s, h))
+        return hc_pre(X, pre_mix)
+
+    def dspark_propose(self, x: torch.Tensor, anchor_ids: torch.Tensor, pick: Callable[[int, torch.Tensor], torch.Tensor],
+                       num_tokens: int | None = None) -> DraftOutput:
+        """x [B, block, D] (dspark_hidden) -> num_tokens (default the block) drafted tokens by the sequential Markov
+        correction: row i's logits are the base logits plus the bigram of token i, and pick(i, logits_i fp32 [B, V])
+        -> [B] draws token i+1. Also the confidences of those rows."""
+        n = self.cfg.dspark_block_size if num_tokens is None else num_tokens
+        assert 0 < n <= self.cfg.dspark_block_size, f"{n} draft tokens from a block of {self.cfg.dspark_block_size}"
+        x = x[:, :n]
         last = self.mtp[-1]
-        logits = self.head(last.norm(x))  # [B,block,V] fp32
-        out = anchor_ids.new_empty(anchor_ids.size(0), cfg.dspark_block_size + 1)
+        logits = self.head(last.norm(x))  # [B,n,V] fp32
+        out = anchor_ids.new_empty(anchor_ids.size(0), n + 1)
         out[:, 0] = anchor_ids
         markov = []
-        for i in range(cfg.dspark_block_size):  # sequential rank-r bigram correction
+        for i in range(n):  # sequential rank-r bigram correction
             e = last.markov_head.embed(out[:, i])  # [B,r] bf16
             logits[:, i] += last.markov_head.head(e)
             markov.append(e)
-            out[:, i + 1] = sample(logits[:, i], temperature, generator)
+            out[:, i + 1] = pick(i, logits[:, i])
         confidence = last.confidence_head.proj(torch.cat([x, torch.stack(markov, dim=1)], dim=-1)).squeeze(-1)
         return DraftOutput(out, logits, confidence)

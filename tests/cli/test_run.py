@@ -161,6 +161,9 @@ def test_parse_completion(tmp_path, capsys):
     (["--prompt", "hi", "--max-seqs", "-2"], "--max-seqs"),
     (["--batch", "b.jsonl", "--print-prompt"], "--print-prompt"),
     ([], "give one of"),
+    (["--prompt", "hi", "--speculative-tokens", "-1"], "--speculative-tokens must be >= 0"),
+    (["--prompt", "hi", "--speculative-tokens", "4"], "past the checkpoint's DSpark block of 3 tokens"),
+    (["--prompt", "hi", "--speculative-tokens", "2", "--runner", "kernels"], "golden runner"),
 ])
 def test_malformed_input_exits_2_with_reason(ckpt, capsys, argv, needle):
     assert main(["--ckpt", str(ckpt), *argv]) == 2
@@ -214,3 +217,32 @@ def test_seeded_sampling_is_reproducible_and_zero_tokens_dump_the_prompt(tiny_ch
     dumped = load_file(out)
     assert dumped["input_ids"].tolist() == [5, 6, 7, 8]
     compare_logits(dumped["logits"], golden_run(golden.model, [5, 6, 7, 8], 1, True, -1).logits, "prompt-only dump")
+
+
+@pytest.mark.usefixtures("one_torch_thread")
+def test_speculative_tokens_keep_the_text_the_dump_and_report_accept(tiny_checkpoint, tmp_path, capsys):
+    """--speculative-tokens K: greedy text and a teacher-forced dump equal K = 0's; the summary lines say 'accept'."""
+    prompt, forced = ",".join(map(str, PROMPT)), ",".join(map(str, FORCED[:5]))
+    runs = {}
+    for k in ("0", "3"):
+        dump_path = tmp_path / f"forced-{k}.safetensors"
+        assert main(["--ckpt", str(tiny_checkpoint), "--prompt-ids", prompt, "--force-ids", forced, "--dump-logits",
+                     str(dump_path), "--speculative-tokens", k]) == 0
+        capsys.readouterr()
+        assert main(["--ckpt", str(tiny_checkpoint), "--prompt-ids", prompt, "--max-new-tokens", "6",
+                     "--speculative-tokens", k]) == 0
+        cap = capsys.readouterr()
+        runs[k] = (cap.out, load_file(dump_path))
+        assert ("accept" in cap.err) == (k != "0") and "ms/token" in cap.err
+    assert runs["3"][0] == runs["0"][0]
+    assert torch.equal(runs["3"][1]["input_ids"], runs["0"][1]["input_ids"])
+    assert compare_logits(runs["3"][1]["logits"], runs["0"][1]["logits"], "forced dump, K = 3 vs 0")
+
+    batch = tmp_path / "b.jsonl"
+    batch.write_text(json.dumps({"prompt_ids": PROMPT[:9], "max_new_tokens": 4}) + "\n"
+                     + json.dumps({"prompt_ids": PROMPT[3:], "max_new_tokens": 5, "temperature": 1.0}) + "\n")
+    assert main(["--ckpt", str(tiny_checkpoint), "--batch", str(batch), "--speculative-tokens", "2"]) == 0
+    cap = capsys.readouterr()
+    lines = [json.loads(line) for line in cap.out.splitlines()]
+    assert [len(line["output_ids"]) for line in lines] == [4, 5]
+    assert "accept " in cap.err and "tokens/step" in cap.err and "drafts" in cap.err

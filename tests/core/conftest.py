@@ -1,4 +1,4 @@
-"""Fixtures for engine tests: the tiny model (no DSpark stages) and golden-model reference runs."""
+"""Fixtures for engine tests: the tiny model (without and with its DSpark stages) and golden-model reference runs."""
 
 from __future__ import annotations
 
@@ -13,6 +13,14 @@ def tiny_model(tiny_checkpoint):
     from engine.load import load_model
 
     return load_model(tiny_checkpoint, progress=False, with_mtp=False)
+
+
+@pytest.fixture(scope="session")
+def tiny_model_mtp(tiny_checkpoint):
+    """The tiny model with its DSpark stages (speculative decoding)."""
+    from engine.load import load_model
+
+    return load_model(tiny_checkpoint, progress=False)
 
 
 @dataclass(frozen=True)

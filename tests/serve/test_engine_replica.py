@@ -22,7 +22,8 @@ APP = "engine_replica_test"
 GREEDY = SamplingParams(max_tokens=6, ignore_eos=True)
 SAMPLED_N2 = SamplingParams(max_tokens=4, temperature=0.8, seed=7, n=2, ignore_eos=True)
 LOG_FIELDS = {"event", "request_id", "prompt_tokens", "cached_tokens", "completion_tokens", "ttft_ms", "e2e_ms",
-              "tok_per_s", "average_iteration_ms", "average_accept_length", "finish_reason"}
+              "tok_per_s", "average_iteration_ms", "average_accept_length", "draft_tokens", "accepted_tokens",
+              "finish_reason"}
 
 
 @pytest.fixture(scope="module")
@@ -98,10 +99,13 @@ def test_settings_parse_strictly():
     assert ServeSettings.from_cli(["--checkpoint", "/ckpt", "--max-prompt-chars", "1000"], environ={}).max_prompt_chars == 1000
     forced = ServeSettings.from_cli(["--checkpoint", "/ckpt", "--runner", "Golden"], environ={})
     assert forced.to_engine_config().runner == "golden"
+    spec = ServeSettings.from_cli(["--checkpoint", "/ckpt", "--speculative-tokens", "3"], environ={})
+    assert spec.to_engine_config().speculative_tokens == 3 and s.to_engine_config().speculative_tokens == 0
     bad = {("--runner", "fast"): "--runner: expected auto, kernels, golden", ("--num-shards", "2"): "--num-shards 2: /ckpt: no config.json", ("--port", "80a"): "--port: expected an integer",
            ("--bounded-replay", "maybe"): "true or false", ("--device", "tpu"): "cpu, cuda or auto",
            ("--max-n", "0"): "--max-n must be an integer >= 1", ("--max-prompt-chars", "4M"): "--max-prompt-chars: expected an integer",
-           ("--cache-memory", "12 potatoes"): "byte count"}
+           ("--cache-memory", "12 potatoes"): "byte count",
+           ("--speculative-tokens", "-1"): "--speculative-tokens must be an integer >= 0"}
     for (flag, value), message in bad.items():
         with pytest.raises(SettingsError, match=message):
             ServeSettings.from_cli(["--checkpoint", "/ckpt", flag, value], environ={})
@@ -220,6 +224,7 @@ def test_request_end_log_and_metrics(handle, settings):
     assert record["ttft_ms"] == pytest.approx(m.ttft_s * 1000, abs=1e-3)
     assert record["e2e_ms"] == pytest.approx(m.e2e_s * 1000, abs=1e-3)
     assert record["tok_per_s"] > 0 and record["average_accept_length"] == 1.0
+    assert record["draft_tokens"] == record["accepted_tokens"] == 0
     n2 = [r["request_id"] for r in log_records(settings) if r["request_id"].startswith("n2-a")]
     assert sorted(n2) == ["n2-a", "n2-a/1"], "one line per choice"
 

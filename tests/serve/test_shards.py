@@ -126,5 +126,8 @@ def test_four_shards_or_the_kernel_runner_are_refused_when_the_settings_are_buil
         ServeSettings.from_cli(["--checkpoint", str(tiny_checkpoint), "--num-shards", "2", "--device", "cuda"],
                                environ={})
     assert ServeSettings.from_cli(["--checkpoint", str(tiny_checkpoint), "--num-shards", "2"], environ={}).num_shards == 2
+    with pytest.raises(SettingsError, match="--speculative-tokens 2 with --num-shards 2: speculative decoding is not"):
+        ServeSettings.from_cli(["--checkpoint", str(tiny_checkpoint), "--num-shards", "2", "--speculative-tokens", "2"],
+                               environ={})
     assert serve_main(["--checkpoint", str(tiny_checkpoint), "--num-shards", "4"]) == 2  # make serve: before Ray
     assert "o_groups=2 is not divisible by 4 shards" in capsys.readouterr().err

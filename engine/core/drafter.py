@@ -1,0 +1,127 @@
+"""Drafters for speculative decoding (issue 22): a `Drafter` proposes up to k tokens after each verify chunk's
+anchor; `DSparkDrafter` runs the checkpoint's DSpark stages (spec 4.9) over their context KV in the paged pools,
+and `write_context` stores that context: every DSpark stage's window KV of each target position the engine keeps,
+projected from the tap hiddens of the target's own forward (main_x). Tests pass other drafters (an oracle that
+proposes the target's continuation) through the same seam (ModelRunner's `drafter`).
+
+Context invariant: a request's DSpark context KV is valid at every position below its num_computed that a draft
+can read (num_computed - window .. num_computed - 1): write_context stores only positions the verify kept (an
+accepted draft or a plain chunk's decoder rows), and the window blocks keep one position below the target's
+window (CacheLayout.swa_lookback).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+from torch import Tensor
+
+from engine.core.kv_cache import PagedKVCache
+from engine.core.plan import ChunkPlan
+from engine.core.sampling_params import SamplingParams
+from engine.core.speculative import draw_draft, keys
+from engine.core.step_rows import Segment
+from engine.kernels import paged
+from engine.model.dspark import DSparkStage
+from engine.model.transformer import Transformer
+
+
+@dataclass(frozen=True, slots=True)
+class DraftRequest:
+    """One verify chunk's request, as a drafter sees it."""
+
+    anchor: int  # the request's last token, at `position` (the drafts follow it)
+    position: int
+    prev_ids: list[int]  # up to plan.ENGRAM_LOOKBACK ids just before the anchor
+    num_tokens: int  # drafts wanted, <= the DSpark block
+    swa_blocks: dict[int, int]  # its window blocks (which hold the DSpark context KV)
+    params: SamplingParams
+    seed: int
+    step: int  # output index the first draft proposes
+
+
+@dataclass(slots=True)
+class Draft:
+    token_ids: list[int]  # [k]
+    q: Tensor  # float64 [k, V]: the distribution each token was drawn from (one-hot when greedy)
+    confidence: list[float]  # [k] logits of the drafter's estimate that each draft is accepted (sigmoid)
+
+    def prefix(self, k: int) -> "Draft":
+        return Draft(self.token_ids[:k], self.q[:k], self.confidence[:k])
+
+
+class Drafter(Protocol):
+    def propose(self, requests: list[DraftRequest]) -> list[Draft]:
+        """One Draft of exactly request.num_tokens tokens per request, drawn with the request's sampling params
+        (engine/core/speculative.draw_draft keys the draws by (seed, output index))."""
+        ...
+
+
+class DSparkDrafter:
+    """The DSpark stages of `model` (loaded with its MTP layers) drafting from the context KV in kv.dspark_swa.
+    Per-position math runs batched over the requests; each request's attention reads its own context window."""
+
+    def __init__(self, model: Transformer, kv: PagedKVCache):
+        if not model.mtp or len(kv.dspark_swa) != len(model.mtp):
+            raise ValueError(f"DSpark drafting needs the model's DSpark stages ({len(model.mtp)} loaded) and their "
+                             f"context pools ({len(kv.dspark_swa)})")
+        self.model, self.kv, self.cfg = model, kv, model.cfg
+
+    @torch.inference_mode()
+    def propose(self, requests: list[DraftRequest]) -> list[Draft]:
+        if not requests:
+            return []
+        model, cfg, S = self.model, self.cfg, self.kv.layout.swa_block_size
+        device = model.embed.weight.device
+        anchors = torch.tensor([r.anchor for r in requests], dtype=torch.long, device=device)
+        contexts = []  # per request: the first context position and its slots (the window before the anchor)
+        for r in requests:
+            lo = max(0, r.position - cfg.window_size)
+            contexts.append((r.position - 1, paged.swa_slots(r.swa_blocks, lo, r.position, S)))
+
+        def attend(stage: DSparkStage, x: Tensor) -> Tensor:  # x [B, block, D]
+            pool = self.kv.dspark_swa[stage.role.layer_id - cfg.n_layers]
+            return torch.cat([stage.attn.draft_over(x[b:b + 1], last, paged.gather_swa(pool, slots, cfg.head_dim)[None])
+                              for b, (last, slots) in enumerate(contexts)])
+
+        x = model.dspark_hidden(anchors, attend)
+        seeds, steps = (torch.cat(t) for t in zip(*(keys(r.seed, r.step, 1) for r in requests)))
+        params = [r.params for r in requests]
+        qs: list[Tensor] = []
+
+        def pick(i: int, logits: Tensor) -> Tensor:
+            tokens, q = draw_draft(logits, params, seeds, steps + i)
+            qs.append(q)
+            return tokens.to(logits.device)
+
+        n = max(r.num_tokens for r in requests)
+        out = model.dspark_propose(x, anchors, pick, n)
+        q = torch.stack(qs, dim=1)  # [B, n, V]
+        tokens, confidence = out.tokens[:, 1:].tolist(), out.confidence.tolist()
+        return [Draft(tokens[b][:r.num_tokens], q[b, :r.num_tokens], confidence[b][:r.num_tokens])
+                for b, r in enumerate(requests)]
+
+
+@torch.inference_mode()
+def write_context(model: Transformer, kv: PagedKVCache, main_hidden: Tensor, segs: list[Segment],
+                  chunks: list[ChunkPlan], ends: dict[int, int]) -> None:
+    """main_hidden [1, R, taps*D]: the tap hiddens of the decoder rows segs (the step's final stream) -> every DSpark
+    stage's context KV at those positions, below ends[chunk] where given (a verify chunk: its accepted positions)."""
+    rows, pos, slots = [], [], []
+    S = kv.layout.swa_block_size
+    for s in segs:
+        end = min(s.end, ends.get(s.index, s.end))
+        if end <= s.start:
+            continue
+        rows.append(torch.arange(s.offset, s.offset + end - s.start))
+        pos.append(torch.arange(s.start, end))
+        slots.append(paged.swa_slots(chunks[s.index].swa_blocks, s.start, end, S))
+    if not rows:
+        return
+    device = main_hidden.device
+    main_x = model.mtp[0].main_x(main_hidden[:, torch.cat(rows).to(device)])  # [1, R', D]
+    p = torch.cat(pos).to(device)
+    for pool, stage in zip(kv.dspark_swa, model.mtp):
+        paged.store_swa(pool, torch.cat(slots), stage.attn.window_kv_unquantized(main_x, p)[0])
