@@ -312,7 +312,7 @@ class OpenAIIngress:
                                     parse_tool_calls=req.tool_choice != "none", stop=req.stop,
                                     stop_token_ids=stop_ids, id_salt=f"{rid}-{i}",
                                     skip_special_tokens=req.skip_special_tokens) for i in range(req.n)]
-        chunks = await self._start(GenerateRequest(rid, prompt_ids, params))
+        chunks = await self._start(GenerateRequest(rid, prompt_ids, params, images=req.images))
         turn = _ChatTurn(rid, int(time.time()), req.model, streams, self.strings, req.logprobs)
         if req.stream:
             return StreamingResponse(self._sse(turn.events(chunks), req.include_usage, turn),
@@ -352,7 +352,8 @@ class OpenAIIngress:
         """On a prepare thread: body bytes -> the validated request and its prompt ids."""
         s = self.settings
         req = parse_chat_request(parse_json_body(raw, s.max_body_bytes), max_n=s.max_n, max_messages=s.max_messages,
-                                 max_output_tokens=s.max_output_tokens)
+                                 max_output_tokens=s.max_output_tokens, max_images=s.max_images,
+                                 max_image_bytes=s.max_image_bytes)
         check_model(req.model, [s.model_name])
         return req, chat_prompt_ids(req, self.tokenizer, max_chars=s.max_prompt_chars)
 
@@ -400,7 +401,7 @@ class OpenAIIngress:
     async def _kv_hint(self, gen_req: GenerateRequest) -> KVHint | None:
         """The KVRouter's decision for the prompt; None (route by load only) without a router or when it
         fails or does not answer within ROUTE_TIMEOUT_S."""
-        if self.router is None:
+        if self.router is None or gen_req.images:  # image spans are not shared between replicas (yet)
             return None
         try:
             return await asyncio.wait_for(self.router.route.remote(gen_req.request_id, gen_req.prompt_ids),

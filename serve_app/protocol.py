@@ -36,13 +36,14 @@ import json
 import math
 import re
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from engine.chat import EFFORT_NAMES, ChatFormatError, PromptPart, is_thinking, render_chat_parts
 from engine.core.request import TokenLogprob
 from engine.core.sampling_params import GrammarSpec, SamplingError, SamplingParams
 from serve_app.errors import APIError, bad_request, model_not_found
+from serve_app.image_parts import chat_images
 from serve_app.json_body import json_kind
 from serve_app.streaming import TokenStrings
 from serve_app.structured import check_strict, output_grammar, response_schema
@@ -51,6 +52,8 @@ from serve_app.structured import check_strict, output_grammar, response_schema
 # settings set max_n, max_messages and max_output_tokens; the others are the API's (OpenAI's where it has one).
 DEFAULT_MAX_N = 8
 DEFAULT_MAX_MESSAGES = 2048  # OpenAI's limit on a chat request's messages
+DEFAULT_MAX_IMAGES = 8
+DEFAULT_MAX_IMAGE_BYTES = 20 << 20  # OpenAI's 20 MB per image
 MAX_STOP_STRINGS = 4
 MAX_STOP_CHARS = 256  # a stop string's characters: streaming holds back up to this many minus one
 MAX_STOP_TOKEN_IDS = 64  # every generated token is checked against them
@@ -91,6 +94,7 @@ class ChatCompletionRequest:
     skip_special_tokens: bool = True  # vLLM's: tokens flagged special are not text
     spaces_between_special_tokens: bool = True  # vLLM's; no effect with this tokenizer (serve_app/streaming.py)
     grammar: str | None = None  # the output's constraint (serve_app/structured.py), compiled once here
+    images: tuple[bytes, ...] = field(default=(), repr=False)  # the user messages' image_url parts, in prompt order
 
     @property
     def thinking(self) -> bool:
@@ -136,8 +140,10 @@ def check_model(name: str, served_names: Sequence[str]) -> None:
 
 
 def parse_chat_request(body: dict, *, max_n: int = DEFAULT_MAX_N, max_messages: int = DEFAULT_MAX_MESSAGES,
-                       max_output_tokens: int | None = None) -> ChatCompletionRequest:
-    """max_output_tokens: the most max_tokens / max_completion_tokens may ask for (None: the context window)."""
+                       max_output_tokens: int | None = None, max_images: int = DEFAULT_MAX_IMAGES,
+                       max_image_bytes: int = DEFAULT_MAX_IMAGE_BYTES) -> ChatCompletionRequest:
+    """max_output_tokens: the most max_tokens / max_completion_tokens may ask for (None: the context window);
+    max_images / max_image_bytes: image_url parts per request and decoded bytes per image (serve_app/image_parts.py)."""
     f = _Fields(body)
     tools = _tools(f)
     choice, choice_name = _tool_choice(f, tools)
@@ -150,9 +156,10 @@ def parse_chat_request(body: dict, *, max_n: int = DEFAULT_MAX_N, max_messages: 
     if top_logprobs is not None and not logprobs:
         raise bad_request("top_logprobs: requires logprobs to be true", "top_logprobs")
     stream, include_usage = f.stream()
+    model, messages = f.model(), _messages(f, max_messages)
     return ChatCompletionRequest(
-        model=f.model(),
-        messages=_messages(f, max_messages),
+        model=model,
+        messages=messages,
         tools=tools,
         tool_choice=choice,
         tool_choice_name=choice_name,
@@ -167,6 +174,7 @@ def parse_chat_request(body: dict, *, max_n: int = DEFAULT_MAX_N, max_messages: 
         include_usage=include_usage,
         user=f.string("user"),
         grammar=grammar,
+        images=chat_images(messages, max_images=max_images, max_image_bytes=max_image_bytes),
         **f.detokenize(),
         **f.sampling(),
     )

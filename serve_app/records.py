@@ -38,6 +38,8 @@ class GenerateRequest:
     prompt_ids: list[int]
     params: SamplingParams  # stop strings are the ingress's business; stop ids go to the engine
     kv_hint: KVHint | None = None  # set by the ingress when KV sharing is on
+    # encoded images, one per image placeholder of prompt_ids, in order (the replica decodes and expands them)
+    images: tuple[bytes, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)

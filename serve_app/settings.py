@@ -65,6 +65,11 @@ class ServeSettings:
     # a prompt's characters (chat: the rendered text) above this are a 400 before tokenising, which costs
     # ~1 s of one core per 1.2 M characters; the default is about the 1M-token window at ~4 characters a token
     max_prompt_chars: int = 4_000_000
+    # images (chat image_url parts, data: URLs only): per request, and per image (bytes decoded; pixels from the
+    # header, before decoding); a model without a vision tower refuses every image
+    max_images: int = 8
+    max_image_bytes: int = 20 << 20  # OpenAI's 20 MB per image
+    max_image_pixels: int = 7680 * 4320  # 8K UHD
     host: str = "0.0.0.0"
     port: int = 8000
     # Serve
@@ -87,7 +92,8 @@ class ServeSettings:
         need(bool(self.checkpoint), "checkpoint", f"a checkpoint folder (or set {ENV_VARS['checkpoint']})")
         need(bool(self.model_name), "model_name", "a non-empty name")
         for name in ("num_replicas", "num_shards", "max_num_seqs", "max_num_batched_tokens", "cache_memory_bytes",
-                     "max_n", "max_messages", "max_body_bytes", "max_prompt_chars", "max_ongoing_requests"):
+                     "max_n", "max_messages", "max_body_bytes", "max_prompt_chars", "max_ongoing_requests",
+                     "max_images", "max_image_bytes", "max_image_pixels"):
             need(_is_int(getattr(self, name)) and getattr(self, name) >= 1, name, "an integer >= 1")
         need(self.device in ("cpu", "cuda"), "device", "'cpu' or 'cuda'")
         need(self.runner in RUNNER_KINDS, "runner", " or ".join(RUNNER_KINDS))
@@ -205,6 +211,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-prompt-chars", help="longest prompt text in characters, refused before tokenising "
                    "(default 4000000)")
     p.add_argument("--host")
+    p.add_argument("--max-images", help="most images per chat request (default 8)")
+    p.add_argument("--max-image-bytes", help="largest image, bytes or e.g. 20MiB (default 20MiB)")
+    p.add_argument("--max-image-pixels", help="most pixels per image, from its header (default 7680 x 4320)")
     p.add_argument("--port", help="HTTP port (default 8000)" + env["port"])
     p.add_argument("--max-ongoing-requests", help="per replica (default 64)")
     p.add_argument("--replica-num-cpus")
@@ -289,7 +298,8 @@ _PARSERS: dict[str, Callable[[str, str], object]] = {
     "cache_memory_bytes": parse_bytes, "max_num_seqs": parse_int, "max_num_batched_tokens": parse_int,
     "max_chunk_tokens": parse_optional_int, "max_model_len": parse_optional_int,
     "bounded_replay": parse_bool, "enable_prefix_caching": parse_bool, "max_n": parse_int, "max_messages": parse_int, "max_output_tokens": parse_optional_int,
-    "max_body_bytes": parse_bytes, "max_prompt_chars": parse_int, "port": parse_int, "max_ongoing_requests": parse_int,
+    "max_body_bytes": parse_bytes, "max_prompt_chars": parse_int, "max_images": parse_int,
+    "max_image_bytes": parse_bytes, "max_image_pixels": parse_int, "port": parse_int, "max_ongoing_requests": parse_int,
     "replica_num_cpus": parse_float, "health_check_period_s": parse_float,
     "graceful_shutdown_timeout_s": parse_float, "request_log_file": parse_optional_path,
     "kv_sharing": parse_bool, "redis_url": parse_optional_path, "host_kv_bytes": parse_bytes,
