@@ -75,6 +75,24 @@ def test_runner_equals_the_golden_forward_and_chunks_agree(vision_model):
     assert chunked == tokens and torch.equal(torch.cat([r for _, r in chunk_rows])[:len(ids)], logits)
 
 
+def test_decode_right_after_an_image_that_ends_the_prompt(vision_model):
+    """The image is the prompt's last span, so the decode steps' chunks carry it only for their Engram look-back
+    (no row of theirs is an image row): every row, prompt and decode, equals the golden forward teacher-forced on
+    the prompt + the drawn tokens."""
+    model, cfg = vision_model.model, vision_model.cfg
+    ids, images = prompt_with(cfg, [png(2)], [])
+    assert images[0].end == len(ids)
+    tokens, rows, _ = run(make(model), "e", ids, images, keep_logits=True)
+    assert len(tokens) == NUM_NEW, tokens
+    logits = torch.cat([r for _, r in rows])
+    seq = ids + tokens[:-1]
+    image = process_image(png(2), cfg)
+    mask = torch.tensor([image_mask(0, len(seq), images)])
+    golden = model(torch.tensor([seq]), 0, model.new_cache(1, len(seq) + 1), full_logits=True, image_mask=mask,
+                   image_rows=model.span_rows(image.patches, image.grid)).logits[0]
+    assert logits.shape == golden.shape and torch.equal(logits, golden)
+
+
 def test_two_images_give_different_outputs(vision_model):
     model, cfg = vision_model.model, vision_model.cfg
     outs = []
