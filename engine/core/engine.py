@@ -454,7 +454,12 @@ class LLMEngine:
         targets = self.cache.import_prefix(prefix.hashes)
         fill = [i for i, b in enumerate(targets) if b is not None]
         if fill:
-            self.executor.write_blocks([targets[i] for i in fill], prefix.data[fill])
+            written = [targets[i] for i in fill]
+            try:
+                self.executor.write_blocks(written, prefix.data[fill])
+            except BaseException:
+                self.cache.abandon_import(written)  # registered before the write: no hit may take them now
+                raise
             self.stats.num_imported_tokens += len(fill) * self.cache.layout.global_block_size
         return len(targets) * self.cache.layout.global_block_size
 
