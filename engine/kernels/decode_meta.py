@@ -34,6 +34,7 @@ from engine.engram_tables import DEAD, EngramTables, hash_ngrams
 from engine.kernels.triton_common import cdiv
 
 BLOCK_ENTRIES = 1024
+DEAD_ID = tl.constexpr(DEAD)  # a compiled kernel reads module globals only as constexprs
 
 
 @dataclass(slots=True)
@@ -210,12 +211,12 @@ def _decode_inputs_kernel(ids_ptr, from_row_ptr, last_ptr, out_ids_ptr, pos_ptr,
         in_l = lay < NL
         COLS: tl.constexpr = K * H
         src = tl.load(token_map_ptr + tok)  # shift 0: the position's own token
-        blocked = src == DEAD
+        blocked = src == DEAD_ID
         rolling = tl.where(blocked, pad_id, src) * tl.load(mult_ptr + lay * (K + 1), mask=in_l, other=0)
         for shift in tl.static_range(1, K + 1):  # the token `shift` positions back
             prev = tl.load(prev_ptr + b * prev_s0 + (LOOKBACK - shift) * prev_s1)
             src = tl.where(prev >= 0, tl.load(token_map_ptr + tl.maximum(prev, 0)), pad_id)
-            blocked = blocked | (pos < shift) | (src == DEAD)
+            blocked = blocked | (pos < shift) | (src == DEAD_ID)
             rolling = rolling ^ (tl.where(blocked, pad_id, src)
                                  * tl.load(mult_ptr + lay * (K + 1) + shift, mask=in_l, other=0))
             for h in tl.static_range(H):  # rolling now hashes the (shift + 1)-gram
