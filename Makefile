@@ -22,7 +22,7 @@ $(STAMP): pyproject.toml Makefile
 test: install
 	TRITON_INTERPRET=1 $(BIN)/python -m pytest -q tests
 
-# make serve: the embedded default (tiny random-weight checkpoint, CPU) on :8000, or CKPT=/path/to/model.
+# make serve: the embedded default (tiny-vision random-weight checkpoint, CPU) on :8000, or CKPT=/path/to/model.
 serve: install
 	$(BIN)/python -m serve_app $(if $(CKPT),--checkpoint $(CKPT)) $(SERVE_ARGS)
 

@@ -68,7 +68,8 @@ def randomize(module: torch.nn.Module, g: torch.Generator, engram_rows: int | No
 def real_width_config(n_layers: int = 10, max_model_len: int | None = None) -> ModelConfig:
     """The release's widths (dim, heads, experts, indexer, Engram heads, vocabulary) over the tiny preset's
     role order: 0-1 SWA (1 = Engram), 2 Full r2, 3 Reuse, 4 Full r2 + Engram, 5 Reuse, 6 Full r1 + candidate
-    source + CED cut, 7 Reuse, 8 Reindex with candidates, 9 Reuse. Engram hashes into ENGRAM_VOCAB-sized tables."""
+    source + CED cut, 7 Reuse, 8 Reindex with candidates, 9 Reuse. Engram hashes into ENGRAM_VOCAB-sized tables.
+    Text-only (no vision tower)."""
     assert n_layers == 10, "the role order is the tiny preset's ten layers"
     cfg = full_config()
     ids = (1, 4)
@@ -77,7 +78,8 @@ def real_width_config(n_layers: int = 10, max_model_len: int | None = None) -> M
                    kv_source_layers=(2, 4, 6), index_source_layers=(2, 4, 6, 8), candidate_source_layer=6,
                    engram_layer_ids=ids, engram_num_embeddings=tuple(sum(p) for p in primes),
                    engram_vocab_size=ENGRAM_VOCAB, dspark_target_layer_ids=(7, 8, 9),
-                   max_position_embeddings=max_model_len or cfg.max_position_embeddings)
+                   max_position_embeddings=max_model_len or cfg.max_position_embeddings,
+                   vision_n_layers=0)  # text-only: no vision tower to build
 
 
 def random_model(cfg: ModelConfig, device: str | torch.device, seed: int = 0) -> Transformer:

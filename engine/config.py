@@ -124,13 +124,19 @@ class ModelConfig:
     eos_token_id: int = 1
     pad_token_id: int = 2
     image_token_id: int = 129264
-    # vision tower (only counted, never run: text-only serving skips it)
+    # vision tower (spec 2.3, 4.10): ViT + aligner; vision_n_layers 0 = text-only (the HF form without a
+    # vision_config). The last four size images: resolution >= vision_min_pixels, <= vision_max_n_token LLM
+    # tokens per image span, and (when set) width <= vision_max_wh_ratio * height.
     vision_n_layers: int = 32
     vision_dim: int = 1024
     vision_n_heads: int = 16
     vision_inter_dim: int = 2816
     vision_patch_size: int = 14
+    vision_rope_theta: float = 10000.0
     vision_downsample_ratio: int = 3
+    vision_max_n_token: int = 1024
+    vision_min_pixels: int = 295936  # 544^2
+    vision_max_wh_ratio: float | None = None
 
     def __post_init__(self) -> None:
         _validate(self)
@@ -145,6 +151,14 @@ class ModelConfig:
     def ced_cut(self) -> int:
         """First decoder layer: the last KV source (vLLM: cut = max(kv_source_layer_ids))."""
         return max(self.kv_source_layers) if self.kv_source_layers else self.n_layers
+
+    @property
+    def has_vision(self) -> bool:
+        return self.vision_n_layers > 0
+
+    @property
+    def vision_head_dim(self) -> int:
+        return self.vision_dim // self.vision_n_heads
 
     @property
     def n_hash_cols(self) -> int:
@@ -382,15 +396,18 @@ _VISION_TO_HF = {
     "vision_n_heads": "num_attention_heads",
     "vision_inter_dim": "intermediate_size",
     "vision_patch_size": "patch_size",
+    "vision_rope_theta": "rope_theta",
     "vision_downsample_ratio": "downsample_ratio",
+    "vision_max_n_token": "max_image_tokens",
+    "vision_min_pixels": "min_pixels",
+    "vision_max_wh_ratio": "max_wh_ratio",
 }
 # keys whose absence would silently change the model if defaulted
 _HF_REQUIRED = {"vocab_size", "dim", "moe_inter_dim", "n_layers", "n_heads", "head_dim", "rope_head_dim",
                 "q_lora_rank", "o_groups", "o_lora_rank", "n_routed_experts", "n_activated_experts",
                 "window_size", "compress_ratios", "index_n_heads", "index_head_dim", "index_topk"}
 # runtime-only keys of the reference's config.json / ModelArgs
-_REFERENCE_RUNTIME_KEYS = {"max_batch_size", "max_seq_len", "temperature", "n_hash_layers", "vision_rope_theta",
-                           "vision_max_n_token", "vision_min_pixels", "vision_max_wh_ratio"}
+_REFERENCE_RUNTIME_KEYS = {"max_batch_size", "max_seq_len", "temperature", "n_hash_layers"}
 _INT_TUPLES = {"compress_ratios", "kv_source_layers", "index_source_layers", "engram_layer_ids",
                "engram_num_embeddings", "dspark_target_layer_ids"}
 
@@ -410,6 +427,10 @@ def _coerce_value(key: str, value: Any) -> Any:
         return tuple(value)
     if key == "expert_dtype":
         return value
+    if key == "vision_max_wh_ratio":  # a number or null (no limit)
+        if value is not None and (not isinstance(value, (int, float)) or isinstance(value, bool)):
+            raise ConfigError(f"{key}: expected a number or null, got {value!r}")
+        return None if value is None else float(value)
     default = ModelConfig.__dataclass_fields__[key].default
     if isinstance(default, bool):
         if not isinstance(value, bool):
@@ -515,3 +536,16 @@ def _validate(c: ModelConfig) -> None:
         need(0 <= c.dspark_noise_token_id < c.vocab_size, "dspark_noise_token_id", "outside the vocabulary")
         need(0 < c.dspark_n_activated_experts <= c.dspark_n_routed_experts, "dspark_n_activated_experts",
              "must be in 1..dspark_n_routed_experts")
+    need(c.vision_n_layers >= 0, "vision_n_layers", f"must be >= 0, got {c.vision_n_layers}")
+    if c.has_vision:
+        for key in ("vision_dim", "vision_n_heads", "vision_inter_dim", "vision_patch_size", "vision_downsample_ratio"):
+            need(getattr(c, key) > 0, key, f"must be positive, got {getattr(c, key)}")
+        need(c.vision_dim % c.vision_n_heads == 0 and c.vision_head_dim % 4 == 0, "vision_n_heads",
+             f"vision_dim / vision_n_heads must be a multiple of 4 (2-D RoPE: half the pairs rows, half columns), "
+             f"got {c.vision_dim} / {c.vision_n_heads}")
+        need(c.vision_max_n_token >= 4, "vision_max_n_token",
+             f"must be >= 4 (the smallest span: start, one image token, a newline, end), got {c.vision_max_n_token}")
+        need(c.vision_min_pixels >= 0, "vision_min_pixels", f"must be >= 0, got {c.vision_min_pixels}")
+        need(c.vision_max_wh_ratio is None or c.vision_max_wh_ratio > 0, "vision_max_wh_ratio",
+             f"must be positive or null, got {c.vision_max_wh_ratio}")
+        need(c.vision_rope_theta > 0, "vision_rope_theta", f"must be positive, got {c.vision_rope_theta}")

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
@@ -44,15 +44,20 @@ def build_engram_tables(cfg: ModelConfig, tokenizer: Tokenizer) -> EngramTables 
 
 
 def load_model(ckpt_dir: str | Path, device: str | torch.device = "cpu", *, with_mtp: bool = True,
-               progress: bool = True, shard: ShardSpec = SINGLE, shared_engram: bool = False) -> LoadedModel:
+               with_vision: bool = True, progress: bool = True, shard: ShardSpec = SINGLE,
+               shared_engram: bool = False) -> LoadedModel:
     """Engram tables stay in host memory (the real ones are ~98 GB each); everything else goes to `device`.
     With a shard of a split model: that rank's part only (engine/checkpoint/sharding.py); a config the
     shards cannot split raises ShardingError naming the dimension, before anything is read.
     shared_engram: the Engram tables are mapped read-only from the node's one shared copy (engine/shared_tables.py,
     made by the first process that asks; page-locked when `device` is CUDA) instead of read into this process;
-    the mapping is `model.engram_host` and lives as long as the model."""
+    the mapping is `model.engram_host` and lives as long as the model.
+    with_vision: read the vision tower when the config has one (whole on every rank); False loads the model as
+    text-only (the returned cfg then has no tower: vision_n_layers 0)."""
     ckpt_dir = Path(ckpt_dir)
     cfg = load_config(ckpt_dir)
+    if not with_vision:
+        cfg = replace(cfg, vision_n_layers=0)
     check_shardable(cfg, shard.world_size, include_mtp=with_mtp)
     tokenizer = load_tokenizer(ckpt_dir)
     if tokenizer.vocab_size > cfg.vocab_size:

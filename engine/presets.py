@@ -45,4 +45,12 @@ def tiny_config() -> ModelConfig:
     )
 
 
-PRESETS = {"full": full_config, "tiny": tiny_config}
+def tiny_vision_config() -> ModelConfig:
+    """The tiny preset with a tiny vision tower (spec 8's optional second config): 2 ViT layers of dim 64, 4 heads,
+    SwiGLU 128, the released patch 14 and 3x3 downsample, and small images (>= 112^2 pixels, <= 64 tokens: a
+    544^2 image becomes 294^2 pixels, 21^2 patches, a 7 x 7 grid, 58 tokens)."""
+    return replace(tiny_config(), vision_n_layers=2, vision_dim=64, vision_n_heads=4, vision_inter_dim=128,
+                   vision_min_pixels=112 * 112, vision_max_n_token=64)
+
+
+PRESETS = {"full": full_config, "tiny": tiny_config, "tiny-vision": tiny_vision_config}

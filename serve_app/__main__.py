@@ -1,7 +1,8 @@
 """`python -m serve_app`: start (or join) Ray, deploy the app, serve OpenAI's API until interrupted.
 
 Without --checkpoint (and DSV41_CHECKPOINT) it serves the embedded default: a tiny random-weight V4.1
-checkpoint generated under checkpoints/tiny (seed 0) with the real tokenizer, on the CPU.
+checkpoint with a tiny vision tower (preset tiny-vision) generated under checkpoints/tiny-vision (seed 0) with
+the real tokenizer, on the CPU: it answers images too.
 """
 
 from __future__ import annotations
@@ -16,16 +17,16 @@ from pathlib import Path
 from serve_app.settings import ServeSettings, SettingsError
 
 LOCAL_MIN_CPUS = 4
-TINY_CHECKPOINT = Path(__file__).resolve().parents[1] / "checkpoints" / "tiny"
+TINY_CHECKPOINT = Path(__file__).resolve().parents[1] / "checkpoints" / "tiny-vision"
 
 
 def ensure_tiny_checkpoint(path: Path = TINY_CHECKPOINT) -> Path:
     if not (path / "config.json").exists():
-        from engine.presets import tiny_config
+        from engine.presets import tiny_vision_config
         from engine.tools.make_checkpoint import make_checkpoint
 
-        print(f"generating the tiny random-weight checkpoint in {path}", file=sys.stderr)
-        make_checkpoint(path, tiny_config(), seed=0)
+        print(f"generating the tiny-vision random-weight checkpoint in {path}", file=sys.stderr)
+        make_checkpoint(path, tiny_vision_config(), seed=0)
     return path
 
 

@@ -29,9 +29,12 @@ from ray import serve
 from engine.config import load_config
 from engine.core.async_engine import AsyncEngine, EngineShutdownError, EngineStuckError
 from engine.core.engine import LLMEngine, RequestError, RequestOutput
+from engine.core.engine_config import kernels_for
 from engine.core.grammar import GrammarCompiler
 from engine.core.request import RequestStats
 from engine.core.sampling_params import SamplingError, SamplingParams
+from engine.vision import ImageError
+from engine.vision.image_processing import ImageLimits, prepare_image_prompt
 from engine.tokenizer import load_tokenizer
 from serve_app import router as kv_router
 from serve_app.kv_metrics import KVMetrics
@@ -84,7 +87,8 @@ class EngineReplica:
         """router: the KVRouter deployment's handle (KV sharing on), told of measured pulls and prefills."""
         self.settings, self.router = settings, router
         ckpt = Path(settings.checkpoint)
-        cfg = load_config(ckpt)
+        cfg = self.cfg = load_config(ckpt)
+        self.image_limits = ImageLimits(settings.max_image_bytes, settings.max_image_pixels)
         tokenizer = load_tokenizer(ckpt)
         grammars = GrammarCompiler(tokenizer.path.read_text(encoding="utf-8"), tokenizer.eos_id)
         self.engine = LLMEngine(cfg, settings.to_engine_config(), make_shard_executor(settings, cfg),
@@ -129,12 +133,23 @@ class EngineReplica:
             raise EngineRejected(str(e)) from None
         if req.params.n > self.settings.max_n:
             raise EngineRejected(f"n must be at most {self.settings.max_n}, got {req.params.n}")
-        group = _Group(req.request_id, req.params.n, len(req.prompt_ids))
+        prompt_ids, images = list(req.prompt_ids), []
+        if req.images:  # decoded, resized and expanded off the event loop (and off the engine's thread)
+            if kernels_for(self.settings.runner) or (self.settings.runner == "auto" and self.settings.device == "cuda"):
+                raise EngineRejected("images need the golden runner (--runner golden): the kernel runner does not run "
+                                     "the vision tower yet")
+            try:
+                prompt_ids, images = await asyncio.to_thread(prepare_image_prompt, prompt_ids, req.images, self.cfg,
+                                                             self.image_limits)
+            except ImageError as e:
+                raise EngineRejected(str(e)) from None
+        group = _Group(req.request_id, req.params.n, len(prompt_ids))
         end_reason = "abort"  # for choices left unfinished: the consumer went away
-        if self.kv is not None:
+        share_kv = self.kv is not None and not images  # image spans are not shared between replicas (yet)
+        if share_kv:
             self.kv.start_renewal()
-            group.kv = await self.kv.prefetch(list(req.prompt_ids), req.kv_hint)  # falls back, never raises
-        stream = self.aengine.generate(req.request_id, list(req.prompt_ids), req.params)
+            group.kv = await self.kv.prefetch(prompt_ids, req.kv_hint)  # falls back, never raises
+        stream = self.aengine.generate(req.request_id, prompt_ids, req.params, images=images)
         try:
             async for out in stream:
                 yield self._chunk(group, out)
@@ -156,7 +171,7 @@ class EngineReplica:
                     choice = group.choices.setdefault(index, _Choice(num_prompt_tokens=group.num_prompt_tokens))
                     if not choice.finished:
                         self._end_choice(group, index, choice, end_reason)
-                if self.kv is not None and end_reason == "abort":  # finished or aborted, not failed
+                if share_kv and end_reason == "abort":  # finished or aborted, not failed
                     first = group.choices.get(0)
                     self.kv.publish_soon(list(req.prompt_ids) + (first.token_ids if first else []))
             self._update_gauges(force=True)
@@ -170,7 +185,8 @@ class EngineReplica:
                             prefix_hit_rate=cache.hit_rate, num_global_blocks=cache.layout.num_global_blocks,
                             num_global_blocks_in_use=cache.global_pool.num_in_use,
                             num_global_blocks_cached=cache.global_pool.num_cached,
-                            num_swa_blocks_in_use=cache.swa_pool.num_in_use)
+                            num_swa_blocks_in_use=cache.swa_pool.num_in_use,
+                            vision_config=self.cfg if self.cfg.has_vision else None)
 
     async def check_health(self) -> None:
         """Serve's health hook: raises if a step failed, a shard actor is dead or unresponsive, or the shards'

@@ -36,13 +36,14 @@ import json
 import math
 import re
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from engine.chat import EFFORT_NAMES, ChatFormatError, PromptPart, is_thinking, render_chat_parts
 from engine.core.request import TokenLogprob
 from engine.core.sampling_params import GrammarSpec, SamplingError, SamplingParams
 from serve_app.errors import APIError, bad_request, model_not_found
+from serve_app.image_parts import ImagePart, ImagePolicy, chat_images
 from serve_app.json_body import json_kind
 from serve_app.streaming import TokenStrings
 from serve_app.structured import check_strict, output_grammar, response_schema
@@ -91,6 +92,8 @@ class ChatCompletionRequest:
     skip_special_tokens: bool = True  # vLLM's: tokens flagged special are not text
     spaces_between_special_tokens: bool = True  # vLLM's; no effect with this tokenizer (serve_app/streaming.py)
     grammar: str | None = None  # the output's constraint (serve_app/structured.py), compiled once here
+    # the user messages' image_url parts, in prompt order (URL parts are fetched by the ingress: image_parts.py)
+    images: tuple[ImagePart, ...] = field(default=(), repr=False)
 
     @property
     def thinking(self) -> bool:
@@ -136,8 +139,10 @@ def check_model(name: str, served_names: Sequence[str]) -> None:
 
 
 def parse_chat_request(body: dict, *, max_n: int = DEFAULT_MAX_N, max_messages: int = DEFAULT_MAX_MESSAGES,
-                       max_output_tokens: int | None = None) -> ChatCompletionRequest:
-    """max_output_tokens: the most max_tokens / max_completion_tokens may ask for (None: the context window)."""
+                       max_output_tokens: int | None = None,
+                       image_policy: ImagePolicy = ImagePolicy()) -> ChatCompletionRequest:
+    """max_output_tokens: the most max_tokens / max_completion_tokens may ask for (None: the context window);
+    image_policy: the image_url parts' limits and URL allow-list (serve_app/image_parts.py)."""
     f = _Fields(body)
     tools = _tools(f)
     choice, choice_name = _tool_choice(f, tools)
@@ -150,9 +155,10 @@ def parse_chat_request(body: dict, *, max_n: int = DEFAULT_MAX_N, max_messages: 
     if top_logprobs is not None and not logprobs:
         raise bad_request("top_logprobs: requires logprobs to be true", "top_logprobs")
     stream, include_usage = f.stream()
+    model, messages = f.model(), _messages(f, max_messages)
     return ChatCompletionRequest(
-        model=f.model(),
-        messages=_messages(f, max_messages),
+        model=model,
+        messages=messages,
         tools=tools,
         tool_choice=choice,
         tool_choice_name=choice_name,
@@ -167,6 +173,7 @@ def parse_chat_request(body: dict, *, max_n: int = DEFAULT_MAX_N, max_messages: 
         include_usage=include_usage,
         user=f.string("user"),
         grammar=grammar,
+        images=chat_images(messages, image_policy),
         **f.detokenize(),
         **f.sampling(),
     )
@@ -260,11 +267,11 @@ def _too_many_chars(param: str, num_chars: int, max_chars: int) -> APIError:
 
 def to_sampling_params(
     req: ChatCompletionRequest | CompletionRequest, *, num_prompt_tokens: int, max_model_len: int,
-    max_output_tokens: int | None = None, think_end_id: int | None = None,
+    max_output_tokens: int | None = None, think_end_id: int | None = None, num_image_tokens: int = 0,
 ) -> SamplingParams:
     """The engine's parameters. max_tokens None becomes the rest of the context window (at most
     max_output_tokens); a prompt that leaves no room, or prompt + max_tokens beyond the window, is a 400
-    (OpenAI's context_length_exceeded). Chat logprobs map to top_logprobs alternatives, legacy ones to `logprobs`.
+    (OpenAI's context_length_exceeded). num_prompt_tokens counts image spans expanded, num_image_tokens of them. Chat logprobs map to top_logprobs alternatives, legacy ones to `logprobs`.
     A chat grammar constrains the output from its first token in chat mode, and after the `</think>` token
     (think_end_id) in thinking mode: the reasoning is free."""
     prompt_param = "messages" if isinstance(req, ChatCompletionRequest) else "prompt"
@@ -273,7 +280,9 @@ def to_sampling_params(
     if room < 1 or max_tokens > room:
         raise bad_request(
             f"{prompt_param}: this model's maximum context length is {max_model_len} tokens; the request "
-            f"has {num_prompt_tokens} prompt tokens and asks for up to {max_tokens} more",
+            f"has {num_prompt_tokens} prompt tokens"
+            + (f" ({num_image_tokens} of them its images' spans)" if num_image_tokens else "")
+            + f" and asks for up to {max_tokens} more",
             prompt_param, "context_length_exceeded")
     grammar = None
     if isinstance(req, ChatCompletionRequest):

@@ -66,6 +66,16 @@ def tiny_checkpoint(tmp_path_factory, tiny_cfg) -> Path:
     return make_checkpoint(tmp_path_factory.mktemp("tiny_checkpoint"), tiny_cfg, seed=TINY_SEED)
 
 
+@pytest.fixture(scope="session")
+def tiny_vision_checkpoint(tmp_path_factory) -> Path:
+    """The tiny-vision preset's checkpoint (seed TINY_SEED): the embedded default that `make serve` serves. Its
+    text tensors are the tiny checkpoint's, byte for byte; read-only by convention."""
+    from engine.presets import tiny_vision_config
+    from engine.tools.make_checkpoint import make_checkpoint
+
+    return make_checkpoint(tmp_path_factory.mktemp("tiny_vision_checkpoint"), tiny_vision_config(), seed=TINY_SEED)
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

@@ -229,9 +229,13 @@ def test_round_trips(make):
 
 
 def test_presets_registry():
-    assert set(PRESETS) == {"full", "tiny"}
+    assert set(PRESETS) == {"full", "tiny", "tiny-vision"}
     assert PRESETS["full"]() == ModelConfig()
     assert PRESETS["tiny"]() == tiny_config()
+    vision = PRESETS["tiny-vision"]()
+    assert vision.has_vision and replace(vision, vision_n_layers=0) == replace(tiny_config(), **{
+        k: getattr(vision, k) for k in ("vision_dim", "vision_n_heads", "vision_inter_dim", "vision_min_pixels",
+                                        "vision_max_n_token")})
 
 
 def _write(path: Path, d: Any) -> None:
@@ -450,3 +454,25 @@ def test_tiny_covers_every_role():
                 "engram_head_dim"):
         assert getattr(cfg, key) % 32 == 0, key
     assert cfg.n_heads * cfg.head_dim // cfg.o_groups % 32 == 0
+
+
+# ---- vision_config (spec 2.3) ------------------------------------------------------------------------
+def test_vision_fields_from_hf_and_text_only():
+    d = _released_hf_config()
+    d["vision_config"].update(max_image_tokens=256, min_pixels=1000, max_wh_ratio=4, rope_theta=500)
+    cfg = ModelConfig.from_hf(d)
+    assert (cfg.vision_max_n_token, cfg.vision_min_pixels, cfg.vision_max_wh_ratio, cfg.vision_rope_theta) == (
+        256, 1000, 4.0, 500.0)
+    assert cfg.has_vision and cfg.vision_head_dim == 64
+    del d["vision_config"]
+    text_only = ModelConfig.from_hf(d)
+    assert not text_only.has_vision and text_only.vision_n_layers == 0
+
+
+def test_vision_errors_name_the_key():
+    d = _released_hf_config()
+    d["vision_config"]["max_wh_ratio"] = "wide"
+    _raises_naming("vision_config.max_wh_ratio", ModelConfig.from_hf, d)
+    _raises_naming("vision_n_heads", replace, ModelConfig(), vision_dim=1020, vision_n_heads=10)  # head_dim 102: odd pairs
+    _raises_naming("vision_max_n_token", replace, ModelConfig(), vision_max_n_token=3)
+    replace(tiny_config(), vision_max_n_token=3)  # a text-only config checks no vision field

@@ -4,7 +4,9 @@ Follows the V4.1 reference encoder (DeepSeek's `encoding/encoding.py`, as adapte
 `tokenizers/deepseek_v41_encoding.py` with the request handling of `tokenizers/deepseek_v41.py`):
 
 1. Validate and normalise: text parts of a list `content` are joined with "\\n\\n"; `reasoning` is
-   accepted as an alias of `reasoning_content`.
+   accepted as an alias of `reasoning_content`. A user message's `image_url` parts become the image
+   placeholder `<｜deepseek_image｜>` where they stand (joined with "\\n\\n" like text parts; the engine
+   expands each to its image's span, engine/vision/layout.py); other roles take text only.
 2. `tools` go into the first system message (an empty one is inserted at index 0 if there is none).
 3. Tool messages become `<tool_result>…</tool_result>` blocks of a user turn; consecutive user and
    tool messages form one turn, its blocks joined with "\\n\\n"; a turn's tool results are put in the
@@ -46,10 +48,12 @@ class ChatFormatError(ValueError):
 
 @dataclass(slots=True)
 class _Block:
-    """One part of a user turn: plain text, or a tool result (`tool_call_id` set)."""
+    """One part of a user turn: plain text, or a tool result (`tool_call_id` set); a user message with images
+    holds its parts in order (`parts`, text as literals and image placeholders as template parts)."""
 
     text: str
     tool_call_id: str | None = None
+    parts: list[s.PromptPart] | None = None
 
 
 @dataclass(slots=True)
@@ -169,12 +173,29 @@ def _text(content: object, where: str, *, allow_none: bool = False) -> str:
     for j, part in enumerate(content):
         if not isinstance(part, dict):
             raise ChatFormatError(f"{where}[{j}]: must be an object")
+        if part.get("type") == "image_url":
+            raise ChatFormatError(f"{where}[{j}].type: image_url parts are accepted in user messages only")
         if part.get("type") != "text":
             raise ChatFormatError(f"{where}[{j}].type: unsupported content part type {part.get('type')!r}")
         if not isinstance(part.get("text"), str):
             raise ChatFormatError(f"{where}[{j}].text: must be a string")
         texts.append(part["text"])
     return "\n\n".join(texts)
+
+
+def _user_block(content: object, where: str) -> _Block:
+    """A user message's content; with image_url parts (their URLs are the API layer's business), its parts."""
+    if not isinstance(content, list) or not any(isinstance(p, dict) and p.get("type") == "image_url" for p in content):
+        return _Block(_text(content, where))
+    parts: list[s.PromptPart] = []
+    for j, part in enumerate(content):
+        if parts:
+            parts.append(s.template("\n\n"))
+        if isinstance(part, dict) and part.get("type") == "image_url":
+            parts.append(s.template(s.IMAGE))
+        else:
+            parts.append(s.literal(_text([part], where)))
+    return _Block("", parts=parts)
 
 
 def _call_arguments(arguments: object, where: str) -> dict[str, Any]:
@@ -216,7 +237,7 @@ def _normalize(messages: list[object]) -> list[_Turn | _Block]:
                 raise ChatFormatError(f"{where}.tool_call_id: {call_id!r} matches no earlier tool call")
             out.append(_Block(_text(content, f"{where}.content"), call_id))
         elif role == "user":
-            out.append(_Turn("user", blocks=[_Block(_text(content, f"{where}.content"))]))
+            out.append(_Turn("user", blocks=[_user_block(content, f"{where}.content")]))
         elif role == "assistant":
             out.append(_assistant_turn(msg, where, call_ids))
         else:
@@ -341,6 +362,8 @@ def _render_turns(turns: list[_Turn], budget: int | None, drop: bool) -> list[s.
 
 
 def _block_parts(block: _Block) -> list[s.PromptPart]:
+    if block.parts is not None:
+        return block.parts
     if block.tool_call_id is None:
         return [s.literal(block.text)]
     return [s.template(s.TOOL_RESULT_OPEN), s.literal(block.text), s.template(s.TOOL_RESULT_CLOSE)]

@@ -42,6 +42,7 @@ ASSISTANT = "<｜Assistant｜>"
 LATEST_REMINDER = "<｜latest_reminder｜>"
 THINK_START = "<think>"
 THINK_END = "</think>"
+IMAGE = "<｜deepseek_image｜>"  # an image placeholder; expanded to the image's span (engine/vision/layout.py)
 
 DSML = "｜DSML｜"
 CALLS_OPEN = f"<{DSML} calls>"

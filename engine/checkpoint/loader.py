@@ -249,8 +249,7 @@ def _validate(cfg: ModelConfig, expected: dict[str, TensorSpec], weight_map: dic
         if not dtype_ok:
             want = " / ".join(_PACKED_FP4_LABELS) if spec.is_packed_fp4 else spec.dtype
             problems.append(f"tensor {name} has dtype {info['dtype']}, expected {want}")
-    unexpected = [n for n in located if n not in expected and not is_text_only_skippable(n)
-                  and not (n.startswith("mtp.") and skip(n))]
+    unexpected = [n for n in located if n not in expected and not skip(n)]
     problems += [f"unexpected tensor {n} ({located[n]}): not part of the V4.1 layout for this config"
                  for n in unexpected]
     if problems:
@@ -271,17 +270,19 @@ def load_checkpoint(ckpt_dir: str | Path, cfg: ModelConfig, *, device: str | tor
     Tensors named in `exclude` are validated but not read (the caller maps them: engine/shared_tables.py).
 
     FP8 weights are float8_e4m3fn, scales float8_e8m0fnu, packed FP4 experts uint8 [out, in/2],
-    everything else in its checkpoint dtype (`attn.wo_a` stays FP8 + scale). Vision, aligner,
-    image_* and `gate.bias_vl` are skipped, as is `mtp.*` when include_mtp is False.
+    everything else in its checkpoint dtype (`attn.wo_a` stays FP8 + scale). With a vision tower in the config
+    (`cfg.has_vision`) vision.*, aligner.*, image_* and `gate.bias_vl` are read and must all be there; a
+    text-only config skips them wherever they are. `mtp.*` is skipped when include_mtp is False.
     Raises CheckpointError on any mismatch or damage, before reading tensor data.
     """
     ckpt_dir = Path(ckpt_dir)
     weight_map, paths = _shard_paths(ckpt_dir)
     shards = {p.name: _Shard(p) for p in paths}
-    expected = expected_tensors(cfg, include_mtp=True)
+    expected = expected_tensors(cfg, include_vision=cfg.has_vision, include_mtp=True)
 
     def skip(name: str) -> bool:
-        return is_text_only_skippable(name) or (not include_mtp and name.startswith("mtp."))
+        return ((not cfg.has_vision and is_text_only_skippable(name))
+                or (not include_mtp and name.startswith("mtp.")))
 
     located = _validate(cfg, expected, weight_map, shards, skip, shard)
     parts = {n: part for n in located

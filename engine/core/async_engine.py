@@ -9,13 +9,14 @@ used concurrently and the event loop never blocks on the model. A consumer that 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
 from typing import TypeVar
 
 from engine.core.engine import LLMEngine, RequestError, RequestOutput
 from engine.core.sampling_params import SamplingParams
+from engine.vision.inputs import ImageInput
 
 T = TypeVar("T")
 
@@ -49,7 +50,8 @@ class AsyncEngine:
         self._is_shut_down = False
 
     async def generate(self, request_id: str, prompt_ids: list[int], params: SamplingParams = SamplingParams(),
-                       force_ids: list[int] | None = None) -> AsyncIterator[RequestOutput]:
+                       force_ids: list[int] | None = None, images: Sequence[ImageInput] = ()
+                       ) -> AsyncIterator[RequestOutput]:
         """Every RequestOutput of the group (request_id and its n-1 siblings) as steps produce them;
         returns when all n choices finished. RequestError propagates before anything is yielded."""
         if self._is_shut_down:
@@ -59,7 +61,7 @@ class AsyncEngine:
             raise RequestError(f"request id {request_id!r} is already in use")
         stream = _Stream(params.n)
         # the add is queued on the worker before the driver can queue a step for this stream
-        added = self._on_worker(self.engine.add_request, request_id, prompt_ids, params, force_ids)
+        added = self._on_worker(self.engine.add_request, request_id, prompt_ids, params, force_ids, False, images)
         self._streams[request_id] = stream
         try:
             await added

@@ -51,7 +51,7 @@ class CacheLayout:
 
 @dataclass(slots=True)
 class Snapshot:
-    token_ids: list[int]  # positions 0..L-1, all computed
+    token_ids: list[int]  # positions 0..L-1, all computed (prefix-cache ids: image spans as their key)
     global_blocks: list[int]
     swa_blocks: dict[int, int]
     pending_slot: int
@@ -92,8 +92,9 @@ class KVCacheManager:
 
     # ---- prefix lookup and admission ------------------------------------------------------------
     def find_prefix(self, req: Request) -> PrefixHit:
-        """Longest reusable prefix, leaving at least one position to compute (its logits are needed)."""
-        ids = req.all_ids
+        """Longest reusable prefix, leaving at least one position to compute (its logits are needed). Image spans
+        are matched by their image's content (`Request.cache_ids_between`), never by their token ids."""
+        ids = req.all_cache_ids
         if not self.enable_prefix_caching:
             return PrefixHit()
         req.block_hashes = block_hashes(ids, self.layout.global_block_size, self.salt)
@@ -180,6 +181,11 @@ class KVCacheManager:
         self.global_pool.release(list(reversed(chain)))  # tail first, like a request: the head outlives it
         return out
 
+    def abandon_import(self, block_ids: list[int]) -> None:
+        """The blocks import_prefix returned were not all written (the write failed part-way): forget them all,
+        before any step can take one as a hit."""
+        self.global_pool.forget(block_ids)
+
     # ---- per-step allocation ----------------------------------------------------------------------
     def allocate(self, req: Request, end: int) -> bool:
         """Own the blocks positions num_computed .. end-1 need (and drop window blocks no query can see
@@ -225,7 +231,8 @@ class KVCacheManager:
             return
         if len(req.block_hashes) < num_full:
             known = req.block_hashes[-1] if req.block_hashes else None
-            req.block_hashes += block_hashes(req.ids_between(len(req.block_hashes) * B, num_full * B), B, self.salt, known)
+            req.block_hashes += block_hashes(req.cache_ids_between(len(req.block_hashes) * B, num_full * B), B, self.salt,
+                                             known)
         for i in range(req.num_registered_blocks, num_full):
             self.global_pool.register(req.global_blocks[i], req.block_hashes[i])
         req.num_registered_blocks = num_full
@@ -247,7 +254,7 @@ class KVCacheManager:
             return
         self._release_dead_swa(req)
         self.register_full_blocks(req)
-        snap = Snapshot(req.all_ids[:req.num_computed], req.global_blocks, req.swa_blocks, req.pending_slot,
+        snap = Snapshot(req.cache_ids_between(0, req.num_computed), req.global_blocks, req.swa_blocks, req.pending_slot,
                         req.block_hashes[:req.num_computed // L.global_block_size], req.num_registered_blocks)
         self.snapshots[self._next_snapshot] = snap
         self._next_snapshot += 1

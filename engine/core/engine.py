@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import random
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from datetime import timedelta
 from pathlib import Path
@@ -38,6 +38,7 @@ from engine.core.step_rows import StepOutput
 from engine.core.sampling_params import SamplingError, SamplingParams
 from engine.core.scheduler import Scheduler, SchedulerConfig
 from engine.model.transformer import Transformer
+from engine.vision.inputs import ImageInput
 
 _SEED_STEP = 0x9E3779B97F4A7C15
 
@@ -247,9 +248,12 @@ class LLMEngine:
 
     # ---- API ----------------------------------------------------------------------------------------
     def add_request(self, request_id: str, prompt_ids: list[int], params: SamplingParams = SamplingParams(),
-                    force_ids: list[int] | None = None, keep_logits: bool = False) -> None:
+                    force_ids: list[int] | None = None, keep_logits: bool = False,
+                    images: Sequence[ImageInput] = ()) -> None:
         """Queue a request (and its n-1 siblings, ids request_id/1 ..). Raises RequestError.
-        keep_logits: outputs carry the logits of every position the decoder computed (prompt rows too)."""
+        keep_logits: outputs carry the logits of every position the decoder computed (prompt rows too).
+        images: the prompt's image spans, its ids already expanded (engine/vision/image_processing.py:
+        prepare_image_prompt)."""
         try:
             params.validate()
         except SamplingError as e:
@@ -276,8 +280,9 @@ class LLMEngine:
                 self.grammars.matcher(params.grammar)  # compiled (and cached) now, so a bad grammar queues nothing
             except GrammarError as e:
                 raise RequestError(f"the grammar does not compile: {e}") from None
+        self._check_images(prompt_ids, images)
         seed = params.seed if params.seed is not None else self._rng.randrange(2**63)
-        req = self._new_request(request_id, request_id, 0, list(prompt_ids), params, seed, force_ids)
+        req = self._new_request(request_id, request_id, 0, list(prompt_ids), params, seed, force_ids, tuple(images))
         req.keep_logits = keep_logits
         self.scheduler.add(req)
 
@@ -449,7 +454,12 @@ class LLMEngine:
         targets = self.cache.import_prefix(prefix.hashes)
         fill = [i for i, b in enumerate(targets) if b is not None]
         if fill:
-            self.executor.write_blocks([targets[i] for i in fill], prefix.data[fill])
+            written = [targets[i] for i in fill]
+            try:
+                self.executor.write_blocks(written, prefix.data[fill])
+            except BaseException:
+                self.cache.abandon_import(written)  # registered before the write: no hit may take them now
+                raise
             self.stats.num_imported_tokens += len(fill) * self.cache.layout.global_block_size
         return len(targets) * self.cache.layout.global_block_size
 
@@ -474,10 +484,25 @@ class LLMEngine:
                                             error=message))
         return failed
 
+    def _check_images(self, prompt_ids: list[int], images: Sequence[ImageInput]) -> None:
+        if not images:
+            return
+        if not self.cfg.has_vision:
+            raise RequestError("this model has no vision tower: it takes text only, not images")
+        end = 0
+        for k, im in enumerate(images):
+            if im.start < end or im.end > len(prompt_ids):
+                raise RequestError(f"image {k}: its span {im.start}..{im.end - 1} overlaps another or leaves the prompt")
+            if any(t != self.cfg.image_token_id for t in prompt_ids[im.start:im.end]):
+                raise RequestError(f"image {k}: its span's ids are not all the image token {self.cfg.image_token_id}")
+            if im.key >= 0:
+                raise RequestError(f"image {k}: its prefix-cache key must be negative, got {im.key}")
+            end = im.end
+
     def _new_request(self, rid: str, group: str, choice: int, prompt: list[int], params: SamplingParams, seed: int,
-                     force_ids: list[int] | None) -> Request:
+                     force_ids: list[int] | None, images: tuple[ImageInput, ...] = ()) -> Request:
         req = Request(rid, prompt, params, seed, self.eos_token_id, self.max_model_len,
-                      list(force_ids) if force_ids else None)
+                      list(force_ids) if force_ids else None, images=images)
         req.fork_of = None if choice == 0 else group
         req.choice_index = choice
         if params.grammar is not None:
@@ -500,7 +525,7 @@ class LLMEngine:
         for i in range(1, self._num_draws(parent)):
             seed = _sibling_seed(parent.seed, i)
             child = self._new_request(f"{parent.request_id}/{i}", parent.request_id, i, parent.prompt_ids,
-                                      parent.params, seed, parent.force_ids)
+                                      parent.params, seed, parent.force_ids, parent.images)
             child.stats = replace(parent.stats, first_token_time=None)  # it shares the prompt's history
             if self.scheduler.fork(parent, child):
                 forked.append(child)

@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 from engine.core.cache_manager import CopyOp
 from engine.core.sampling_params import SamplingParams
 from engine.core.scheduler import SchedulerOutput
+from engine.vision.inputs import ImageInput
 
 ENGRAM_LOOKBACK = 3  # ids before a chunk that Engram's n-grams can reach (max_ngram_size - 1 <= 3 here)
 
@@ -29,6 +30,7 @@ class ChunkPlan:
     decoder_from: int  # decoder layers skip positions below
     decoder_floor: int  # window floor of decoder-layer queries
     num_draft: int = 0  # a verify chunk: room for this many drafts after its anchor (StepPlan.verifies)
+    images: tuple[ImageInput, ...] = ()  # the request's images whose spans overlap start - ENGRAM_LOOKBACK .. end-1
 
 
 @dataclass(frozen=True, slots=True)
@@ -89,5 +91,6 @@ def plan_step(out: SchedulerOutput, samples: list[SampleSpec] | None = None, fro
         chunks.append(ChunkPlan(c.start, c.end, r.ids_between(c.start, c.end - c.num_draft),
                                 r.ids_between(max(0, c.start - lookback), c.start), c.sample,
                                 r.keep_logits, list(r.global_blocks), dict(r.swa_blocks), r.pending_slot, r.global_from,
-                                r.swa_floor, r.decoder_from, r.decoder_floor, c.num_draft))
+                                r.swa_floor, r.decoder_from, r.decoder_floor, c.num_draft,
+                                tuple(im for im in r.images if im.overlaps(c.start - lookback, c.end))))
     return StepPlan(chunks, list(out.copies), samples or [], from_rows, verifies or [], draft_policy)

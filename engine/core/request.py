@@ -13,6 +13,7 @@ from dataclasses import dataclass, field, fields
 from operator import attrgetter
 
 from engine.core.sampling_params import SamplingParams
+from engine.vision.inputs import ImageInput, cache_ids
 
 
 PENDING_TOKEN = -1  # an output token a step in flight is drawing (engine/core/overlap.py); ids are >= 0
@@ -79,6 +80,7 @@ class Request:
     force_ids: list[int] | None = None  # teacher forcing: output i is force_ids[i] while they last
     keep_logits: bool = False  # return the logits of every computed decoder row, not just the sampled ones
     grammar: object | None = None  # its GrammarMatcher (engine/core/grammar.py) when params.grammar is set
+    images: tuple[ImageInput, ...] = ()  # the prompt's image spans, in position order
     output_ids: list[int] = field(default_factory=list)  # PENDING_TOKEN: drawn by a step still on the device
     logprobs: list[TokenLogprob | None] = field(default_factory=list)
     status: RequestStatus = RequestStatus.WAITING
@@ -118,6 +120,15 @@ class Request:
         if start >= P:
             return self.output_ids[start - P:end - P]
         return self.prompt_ids[start:] + self.output_ids[:end - P]
+
+    def cache_ids_between(self, start: int, end: int) -> list[int]:
+        """The prefix cache's ids of positions start..end-1: the token ids, image spans as their image's key."""
+        ids = self.ids_between(start, end)
+        return cache_ids(ids, start, self.images) if self.images else ids
+
+    @property
+    def all_cache_ids(self) -> list[int]:
+        return self.cache_ids_between(0, self.num_tokens)
 
     @property
     def is_finished(self) -> bool:

@@ -7,6 +7,11 @@ per-request parts (window and global KV writes, compressor groups, indexer, spar
 chunks and call `engine.kernels` by name. Decoder bounded replay drops a chunk's rows below its
 request's `decoder_from` at the CED cut layer, which still writes KV for all of them.
 
+Images: a chunk that overlaps an image span (plan.images) runs the vision tower for that image (its span rows
+are kept for the next few chunks, so a prefill chunked across a span encodes it once) and its span rows
+overwrite those positions' embedding rows; they route with bias_vl and are DEAD to Engram (spec 4.10). The
+kernel path refuses images (ValueError): it has no vision tower yet.
+
 On CUDA (or with kernels=True) the step runs instead through engine/core/kernel_layers.py: the same
 plan and logits, with Triton kernels and fp32 torch ops reading the paged pools in place.
 
@@ -18,6 +23,7 @@ to the accepted end, and writes the DSpark context KV of every kept position.
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING
 
@@ -36,10 +42,13 @@ from engine.model.attention import Attention, sparse_attn, window_indices
 from engine.model.cache import SourceCache, StepShared
 from engine.model.mhc import hc_pre, identity_pre_mix
 from engine.model.transformer import Transformer
+from engine.vision.inputs import ImageInput, image_mask
 
 if TYPE_CHECKING:
     from engine.core.decode_step import PendingDraw
     from engine.core.engine_config import DecodeOptions
+
+MAX_KEPT_SPANS = 4  # images whose span rows the runner keeps (a prefill chunked across a span encodes it once)
 
 
 @dataclass(frozen=True, slots=True)
@@ -76,6 +85,7 @@ class ModelRunner:
         self.kernels = self.device.type == "cuda" if kernels is None else kernels
         self.drafter = drafter
         self._kernel_path = None
+        self._spans: OrderedDict[int, torch.Tensor] = OrderedDict()  # image key -> bf16 [span tokens, dim]
         self.decode = None  # the kernel path's decode step on device buffers (engine/core/decode_step.py)
         if kv.dspark_swa:
             if self.kernels:
@@ -122,6 +132,9 @@ class ModelRunner:
         row of chunks whose request keeps its logits (or that verify drafts)."""
         assert out.from_rows is None or all(r < 0 for r in out.from_rows), "tokens still on the device: decode step only"
         if self._kernel_path is not None:
+            if any(c.images for c in out.chunks):
+                raise ValueError("images need the golden runner (--runner golden): the kernel runner does not run "
+                                 "the vision tower yet")
             return self._kernel_path.execute(out)
         return self._forward(out).logits
 
@@ -188,14 +201,22 @@ class ModelRunner:
         segs = segments(chunks)
         hashes = engram_hashes(model.engram_tables, chunks, segs, ids)
         rows = torch.arange(ids.numel(), device=self.device)  # stream row -> original row
-        h = model.embed(ids).view(1, -1, cfg.dim).unsqueeze(2).repeat(1, 1, cfg.hc_mult, 1)  # [1,T,hc,D]
+        x = model.embed(ids)  # [T,D]
+        is_image = None  # bool [T]: image-span rows
+        if any(c.images for c in chunks):
+            is_image = torch.tensor([m for c in chunks for m in image_mask(c.start, c.end, c.images)],
+                                    device=self.device)
+            if bool(is_image.any()):  # a chunk may carry an image only for its Engram look-back (decode after it)
+                x[is_image] = self._image_rows(chunks)
+        h = x.view(1, -1, cfg.dim).unsqueeze(2).repeat(1, 1, cfg.hc_mult, 1)  # [1,T,hc,D]
         pre_mix = identity_pre_mix(1, ids.numel(), cfg.hc_mult, self.device)
         shared = [StepShared() for _ in chunks]
         state = ForwardState(no_logits(cfg.vocab_size, self.device))
         taps = []
         for i, layer in enumerate(model.layers):
+            mask = None if is_image is None else is_image[rows].view(1, -1)  # the rows h holds
             if layer.engram is not None:
-                h = layer.engram(h, hashes[:, rows, layer.role.engram_index])
+                h = layer.engram(h, hashes[:, rows, layer.role.engram_index], None if mask is None else ~mask)
             if self.kv.dspark_swa and layer.role.is_dspark_tap:
                 taps.append(h.mean(dim=2))  # [1,R,D]: the layer's input stream, mean over copies (spec 4.9)
             keep, out_segs = None, segs
@@ -205,7 +226,7 @@ class ModelRunner:
             decoder = i >= cfg.ced_cut
             attend = (lambda x, a=layer.attn, si=segs, so=out_segs, d=decoder:
                       self._attention(a, x, chunks, si, so, shared, d, state.groups))
-            h, pre_mix = layer(h, pre_mix, attend, 0 if keep is None else keep)
+            h, pre_mix = layer(h, pre_mix, attend, 0 if keep is None else keep, mask)
             if keep is not None:
                 rows, segs = rows[keep], out_segs
         state.segs = segs
@@ -218,6 +239,26 @@ class ModelRunner:
         return state
 
     # ---- pieces -------------------------------------------------------------------------------------
+    def _image_rows(self, chunks: list[ChunkPlan]) -> torch.Tensor:
+        """bf16 [image positions, D]: the span rows of every chunk's image positions, in stream order."""
+        out = []
+        for c in chunks:
+            for im in c.images:
+                lo, hi = max(im.start, c.start), min(im.end, c.end)
+                if lo < hi:
+                    out.append(self._span_rows(im)[lo - im.start:hi - im.start])
+        return torch.cat(out)
+
+    def _span_rows(self, im: ImageInput) -> torch.Tensor:
+        rows = self._spans.pop(im.key, None)
+        if rows is None:
+            patches = torch.frombuffer(bytearray(im.patches), dtype=torch.bfloat16).view(im.grid.num_patches, -1)
+            rows = self.model.span_rows(patches.to(self.device), im.grid)
+        self._spans[im.key] = rows  # most recently used last
+        while len(self._spans) > MAX_KEPT_SPANS:
+            self._spans.popitem(last=False)
+        return rows
+
     def _attention(self, attn: Attention, x: torch.Tensor, chunks, segs_in: list[Segment], segs_out: list[Segment],
                    shared: list[StepShared], decoder: bool,
                    groups: dict[tuple[int, int], CompressorRows]) -> torch.Tensor:

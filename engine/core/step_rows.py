@@ -12,6 +12,7 @@ from engine.core.plan import ENGRAM_LOOKBACK, ChunkPlan, StepPlan
 from engine.core.sampler import SampleOutput, sample_specs
 from engine.core.speculative import Verified
 from engine.engram_tables import EngramTables, hash_ngrams, initial_history, next_history
+from engine.vision.inputs import image_mask
 
 
 @dataclass(slots=True)
@@ -76,17 +77,23 @@ def decoder_rows(chunks: list[ChunkPlan], segs: list[Segment]) -> tuple[list[Seg
 def engram_hashes(tables: EngramTables | None, chunks: list[ChunkPlan], segs: list[Segment],
                   ids: torch.Tensor) -> torch.Tensor | None:
     """Hash ids of every stream row [1, T, engram layers, cols], each chunk continuing its request's
-    look-back (plan.prev_ids); None without Engram."""
+    look-back (plan.prev_ids); image-span positions (plan.images), in the chunk or its look-back, are DEAD.
+    None without Engram."""
     if tables is None:
         return None
     out = []
     K = tables.max_ngram_size - 1
     assert K <= ENGRAM_LOOKBACK, f"Engram n-grams of {K + 1} need more look-back than plans carry"
     for c, s in zip(chunks, segs):
-        before = torch.tensor([c.prev_ids[len(c.prev_ids) - min(K, len(c.prev_ids)):]], dtype=torch.long,
-                              device=ids.device)
-        history = next_history(tables, initial_history(tables, 1, ids.device), before)
-        out.append(hash_ngrams(tables, ids[s.offset:s.offset + s.rows].view(1, -1), history, c.start))
+        prev = c.prev_ids[len(c.prev_ids) - min(K, len(c.prev_ids)):]
+        before = torch.tensor([prev], dtype=torch.long, device=ids.device).view(1, -1)
+        before_text = text = None  # Engram's token_mask: False in image spans
+        if c.images:
+            before_text = ~torch.tensor([image_mask(c.start - len(prev), c.start, c.images)], dtype=torch.bool,
+                                        device=ids.device).view(1, -1)
+            text = ~torch.tensor([image_mask(s.start, s.end, c.images)], dtype=torch.bool, device=ids.device)
+        history = next_history(tables, initial_history(tables, 1, ids.device), before, before_text)
+        out.append(hash_ngrams(tables, ids[s.offset:s.offset + s.rows].view(1, -1), history, c.start, text))
     return torch.cat(out, dim=1)
 
 

@@ -37,17 +37,19 @@ class Block(nn.Module):
         return hc_mixes(x, getattr(self, f"hc_{part}_fn"), getattr(self, f"hc_{part}_scale"),
                         getattr(self, f"hc_{part}_base"), c.hc_mult, c.hc_sinkhorn_iters, c.hc_eps, c.norm_eps)
 
-    def forward(self, X: torch.Tensor, pre_mix: torch.Tensor, attend,
-                q_from: int | torch.Tensor = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward(self, X: torch.Tensor, pre_mix: torch.Tensor, attend, q_from: int | torch.Tensor = 0,
+                image_mask: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """X [B,S,hc,D], pre_mix [B,S,hc] (the previous sublayer's pre) -> (X' [B,R,hc,D], ffn pre).
 
         `attend(x_normed [B,S,D]) -> [B,R,D]` is the attention call; the stream keeps only the rows
         from q_from on, or the rows listed in a q_from index tensor (bounded replay's cut layer writes
-        KV for all rows, continues on the tail)."""
+        KV for all rows, continues on the tail). image_mask bool [B,S]: image-span rows (the router's bias_vl)."""
         y = attend(self.attn_norm(hc_pre(X, pre_mix)))
         R = X[:, q_from:] if isinstance(q_from, int) else X[:, q_from]
+        if image_mask is not None:
+            image_mask = image_mask[:, q_from:] if isinstance(q_from, int) else image_mask[:, q_from]
         a_pre, a_post, a_comb = self.mixes(R, "attn")
         X = hc_post(y, R, a_post, a_comb)
         f_pre, f_post, f_comb = self.mixes(X, "ffn")
-        y = self.ffn(self.ffn_norm(hc_pre(X, a_pre)))  # the FFN collapses with the attention sublayer's pre
+        y = self.ffn(self.ffn_norm(hc_pre(X, a_pre)), image_mask)  # the FFN collapses with the attention sublayer's pre
         return hc_post(y, X, f_post, f_comb), f_pre

@@ -19,7 +19,8 @@ from engine.quant import round_product
 
 class Gate(nn.Module):
     """Scores from the bf16 weight (the reference's fp32 math, in float64); the bias only selects,
-    the weights come from the raw scores."""
+    the weights come from the raw scores. With a vision tower the gate also holds `bias_vl`, the bias image
+    tokens select with (spec 4.5)."""
 
     def __init__(self, cfg: ModelConfig, n_experts: int, topk: int):
         super().__init__()
@@ -27,9 +28,12 @@ class Gate(nn.Module):
         self.norm_topk, self.route_scale = cfg.norm_topk_prob, cfg.route_scale
         register(self, "weight", (n_experts, cfg.dim), torch.bfloat16)
         register(self, "bias", (n_experts,), torch.float32)
+        if cfg.has_vision:
+            register(self, "bias_vl", (n_experts,), torch.float32)
 
-    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """x [T,D] -> (weights float64 [T,k], expert ids [T,k])."""
+    def forward(self, x: torch.Tensor, image_mask: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """x [T,D], image_mask bool [T] (True: an image-span token, which selects with bias_vl)
+        -> (weights float64 [T,k], expert ids [T,k])."""
         scores = (x.double() @ self.weight.double().T) / self.temp
         if self.score_func == "sqrtsoftplus":
             scores = F.softplus(scores).sqrt()
@@ -37,7 +41,10 @@ class Gate(nn.Module):
             scores = scores.sigmoid()
         else:
             scores = scores.softmax(dim=-1)
-        ids = (scores + self.bias).topk(self.topk, dim=-1).indices
+        bias = self.bias
+        if image_mask is not None:
+            bias = torch.where(image_mask[:, None], self.bias_vl, self.bias)  # [T, n_experts]
+        ids = (scores + bias).topk(self.topk, dim=-1).indices
         weights = scores.gather(1, ids)
         if self.norm_topk and self.topk > 1:
             weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
@@ -92,13 +99,13 @@ class MoE(nn.Module):
         self.shared_experts = Expert(cfg.dim, cfg.moe_inter_dim, "fp8" if cfg.dtype == "fp8" else "bf16",
                                      cfg.swiglu_limit, shard)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """x [...,D] bf16 -> [...,D] bf16: the routed outputs (each bf16) summed in float64, plus the shared
-        expert's output rounded to bf16, rounded once. Sums of bf16 values in float64 are exact here, so the
-        ranks' split of the experts changes no bit."""
+    def forward(self, x: torch.Tensor, image_mask: torch.Tensor | None = None) -> torch.Tensor:
+        """x [...,D] bf16 (image_mask bool [...]: image-span tokens) -> [...,D] bf16: the routed outputs (each
+        bf16) summed in float64, plus the shared expert's output rounded to bf16, rounded once. Sums of bf16
+        values in float64 are exact here, so the ranks' split of the experts changes no bit."""
         shape = x.shape
         x = x.reshape(-1, shape[-1])
-        weights, ids = self.gate(x)
+        weights, ids = self.gate(x, None if image_mask is None else image_mask.reshape(-1))
         y = torch.zeros_like(x, dtype=torch.float64)
         for e in torch.unique(ids).tolist():
             if e not in self.local_experts:

@@ -26,9 +26,11 @@ from engine.engram_tables import EngramTables, hash_ngrams, initial_history, nex
 from engine.model.block import Block
 from engine.model.cache import ModelCache, StepShared
 from engine.model.dspark import DSparkStage, DraftOutput, sample
-from engine.model.layers import Embedding, ParallelHead, RMSNorm
+from engine.model.layers import Embedding, ParallelHead, RMSNorm, register
 from engine.model.mhc import hc_pre, identity_pre_mix
+from engine.model.vision import Aligner, ViT, encode_image
 from engine.parallel import SINGLE, ShardSpec
+from engine.vision.layout import ImageGrid
 
 
 @dataclass(slots=True)
@@ -39,7 +41,8 @@ class ForwardOutput:
 
 
 class Transformer(nn.Module):
-    """Attribute paths are the checkpoint's tensor names (embed, layers.N.*, norm, head, mtp.S.*).
+    """Attribute paths are the checkpoint's tensor names (embed, layers.N.*, norm, head, mtp.S.*; with a vision
+    tower vision.*, aligner.*, image_start / image_end / image_newline).
 
     `shard`: this process's rank among the model's shards (engine/parallel.py); the layers hold their
     slices (layers.py's parallel classes, Attention's heads, MoE's experts) and everything else is whole."""
@@ -56,6 +59,11 @@ class Transformer(nn.Module):
         self.head = ParallelHead(cfg.vocab_size, cfg.dim, shard)
         n_stages = cfg.n_mtp_layers if with_mtp else 0
         self.mtp = nn.ModuleList(DSparkStage(cfg, cfg.layer_role(cfg.n_layers + s), s, shard) for s in range(n_stages))
+        if cfg.has_vision:  # whole on every rank (engine/model/vision.py)
+            self.vision = ViT(cfg)
+            self.aligner = Aligner(cfg)
+            for name in ("image_start", "image_end", "image_newline"):  # the span delimiters' rows
+                register(self, name, (cfg.dim,), torch.bfloat16)
 
     def new_cache(self, batch: int, max_seq_len: int, device: torch.device | str | None = None) -> ModelCache:
         device = device if device is not None else self.embed.weight.device
@@ -65,9 +73,26 @@ class Transformer(nn.Module):
         return cache
 
     @torch.inference_mode()
+    def span_rows(self, patches: torch.Tensor, grid: ImageGrid) -> torch.Tensor:
+        """One image's span in the LLM's stream, bf16 [grid.num_tokens, dim]: image_start, then per aligner
+        row its n_llm_w tower rows and image_newline, then image_end (spec 4.10)."""
+        if not self.cfg.has_vision:
+            raise ValueError("this model has no vision tower")
+        rows = encode_image(self.vision, self.aligner, patches, grid.n_vit_h, grid.n_vit_w)  # [n_llm_h*n_llm_w, D]
+        grid_rows = rows.view(grid.n_llm_h, grid.n_llm_w, -1)
+        newline = self.image_newline.view(1, 1, -1).expand(grid.n_llm_h, 1, -1)
+        body = torch.cat([grid_rows, newline], dim=1).flatten(0, 1)  # [n_llm_h*(n_llm_w+1), D]
+        return torch.cat([self.image_start[None], body, self.image_end[None]])
+
+    @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, start_pos: int, cache: ModelCache, *, bounded_replay: bool = False,
-                full_logits: bool = False, swa_floor: int = 0, global_from: int | None = None) -> ForwardOutput:
+                full_logits: bool = False, swa_floor: int = 0, global_from: int | None = None,
+                image_mask: torch.Tensor | None = None, image_rows: torch.Tensor | None = None) -> ForwardOutput:
         """input_ids [B,S] at positions start_pos.. (must equal cache.seq_len).
+
+        Images (spec 4.10): image_mask bool [B,S] marks the image-span positions, image_rows bf16 [N,D] (N =
+        image_mask.sum(), row-major order; `span_rows` gives a whole span's) overwrite their embedding rows;
+        those positions take no part in Engram's n-grams (DEAD) and get its gate 0, and route with bias_vl.
 
         Encoder SWA bounded replay (spec 4.8, a prefix-cache hit at h without its SWA state) is the call
         with start_pos = swa_floor = h - window and global_from = h: every layer's queries see window KV
@@ -83,10 +108,15 @@ class Transformer(nn.Module):
         if start_pos + S > cache.max_seq_len:
             raise ValueError(f"positions up to {start_pos + S} exceed the cache's max_seq_len {cache.max_seq_len}")
         hashes = None
+        text_mask = None if image_mask is None else ~image_mask  # Engram's token_mask: False in image spans
         if self.engram_tables is not None:
-            hashes = hash_ngrams(self.engram_tables, input_ids, cache.engram_history, start_pos)
-            cache.engram_history = next_history(self.engram_tables, cache.engram_history, input_ids)
-        h = self.embed(input_ids).unsqueeze(2).repeat(1, 1, cfg.hc_mult, 1)  # [B,S,hc,D]
+            hashes = hash_ngrams(self.engram_tables, input_ids, cache.engram_history, start_pos, text_mask)
+            cache.engram_history = next_history(self.engram_tables, cache.engram_history, input_ids, text_mask)
+        x = self.embed(input_ids)  # [B,S,D]
+        if image_mask is not None:
+            assert image_rows is not None and image_rows.size(0) == int(image_mask.sum()), "one row per image position"
+            x[image_mask] = image_rows.to(x.dtype)
+        h = x.unsqueeze(2).repeat(1, 1, cfg.hc_mult, 1)  # [B,S,hc,D]
         pre_mix = identity_pre_mix(B, S, cfg.hc_mult, h.device)
         shared = StepShared()
         replay = bounded_replay and S > cfg.window_size
@@ -94,8 +124,9 @@ class Transformer(nn.Module):
         floor = swa_floor
         taps = []
         for i, layer in enumerate(self.layers):
+            mask = None if image_mask is None else image_mask[:, -h.size(1):]  # the rows h still holds
             if layer.engram is not None:
-                h = layer.engram(h, hashes[:, -h.size(1):, layer.role.engram_index])
+                h = layer.engram(h, hashes[:, -h.size(1):, layer.role.engram_index], None if mask is None else ~mask)
             if layer.role.is_dspark_tap:
                 taps.append(h.mean(dim=2))
             q_from = 0
@@ -103,7 +134,7 @@ class Transformer(nn.Module):
                 q_from, floor = S - cfg.window_size, max(swa_floor, start_pos + S - cfg.window_size)
             attend = (lambda x, l=layer, p=row_pos, q=q_from, f=floor:
                       l.attn(x, p, cache, shared, q_from=q, window_floor=f, global_from=global_from))
-            h, pre_mix = layer(h, pre_mix, attend, q_from)
+            h, pre_mix = layer(h, pre_mix, attend, q_from, mask)
             row_pos += q_from
         x = self.norm(hc_pre(h, pre_mix))  # final collapse with the last block's FFN pre (no hc_head in V4.1)
         logits = self.head(x if full_logits else x[:, -1])

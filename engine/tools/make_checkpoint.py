@@ -14,6 +14,8 @@ on the release): embedding RMS 0.12; norm weights with per-owner means (attn_nor
 q_norm 0.97, kv_norm 0.4, compressor.norm 0.6, k_norm 0.5, else 1) and 10% spread; projections
 N(0, gain^2/fan_in) with per-name gains; other matrices N(0, 1/fan_in); 1-D tensors (attn_sink, mHC bases
 and scales) N(0, 0.25); Engram tables N(0, 1). One deviation: router biases N(0, 0.05^2) (ROUTER_BIAS_STD).
+A vision tower (`--preset tiny-vision`), which testing.py lacks: its matrices as projections, its linear
+biases N(0, 0.02^2), the image span's delimiter rows `image_*` like the embedding.
 Weights are then quantised with the checkpoint's own formats (engine.quant): FP8/E8M0 32x32 blocks,
 FP4/E8M0 per 32 for routed experts, FP8 rows with E8M0 per 32 for Engram tables.
 
@@ -52,6 +54,7 @@ VECTOR_STD = 0.5
 # router's scores (~0.15), so every token would pick the same experts. Small biases keep routing
 # token-dependent while still exercising the bias path.
 ROUTER_BIAS_STD = 0.05
+VISION_BIAS_STD = 0.02  # the tower's and the aligner's linear biases (not in testing.py, which has no tower)
 NORM_SPREAD = 0.1
 NORM_MEAN = {"attn_norm": 0.025, "ffn_norm": 0.2, "q_norm": 0.97, "kv_norm": 0.4, "compressor.norm": 0.6,
              "k_norm": 0.5}
@@ -100,6 +103,10 @@ def unquantized_weight(spec: TensorSpec, seed: int) -> torch.Tensor:
         return x.mul_(shape[-1] ** -0.5 * PROJECTION_GAIN.get(owner.rsplit(".", 1)[-1], 1.0))
     if name.endswith((".gate.bias", ".gate.bias_vl")):
         return x.mul_(ROUTER_BIAS_STD)
+    if name.startswith(("vision.", "aligner.")):  # linear biases
+        return x.mul_(VISION_BIAS_STD)
+    if name.startswith("image_"):  # the image span's delimiter rows sit beside token embeddings
+        return x.mul_(EMBED_STD)
     return x.mul_(VECTOR_STD)
 
 

@@ -444,8 +444,8 @@ def call(call_id: str) -> dict:
             "messages[0].content[0]: must be an object",
         ),
         (
-            {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "u"}}]}]},
-            "messages[0].content[0].type: unsupported content part type 'image_url'",
+            {"messages": [{"role": "system", "content": [{"type": "image_url", "image_url": {"url": "u"}}]}, *HI]},
+            "messages[0].content[0].type: image_url parts are accepted in user messages only",
         ),
         ({"messages": [{"role": "developer", "content": ""}, *HI]}, "messages[0].content: a developer"),
         (

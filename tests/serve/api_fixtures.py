@@ -1,4 +1,5 @@
-"""Fixtures and helpers for the HTTP API tests (`test_api.py`): the real Serve app on the tiny checkpoint,
+"""Fixtures and helpers for the HTTP API tests (`test_api.py`): the real Serve app on the embedded default (the
+tiny-vision checkpoint: the tiny checkpoint's text tensors plus a tiny vision tower),
 deployed once on the session's Ray and Serve (tests/conftest.py), the offline engine that is the
 oracle for what it streams, and the ingress on a MockEngine that plays a scripted completion (reasoning,
 content with emoji split across tokens, a tool call), which the random tiny model never writes.
@@ -29,6 +30,8 @@ API_KEY = "sk-api-test-1234"
 MAX_MODEL_LEN = 320  # small, so that a too-long prompt is cheap to send; a tools prompt is ~270 tokens
 MAX_N = 4
 MAX_BODY_BYTES = 64 << 10
+MAX_IMAGE_BYTES = 16 << 10  # small, so that a too-large image is cheap to send
+MAX_IMAGE_PIXELS = 1000 * 1000
 MAX_IN_FLIGHT = 32  # the ingress answers 429 above this many requests in flight (one replica)
 ERROR_KEYS = {"message", "type", "param", "code"}
 USER = [{"role": "user", "content": "Say hello in three languages."}]
@@ -72,12 +75,13 @@ class Stream:
 
 
 @pytest.fixture(scope="module")
-def api_settings(tiny_checkpoint) -> ServeSettings:
-    return ServeSettings(checkpoint=str(tiny_checkpoint), device="cpu", cache_memory_bytes=16 << 20,
+def api_settings(tiny_vision_checkpoint) -> ServeSettings:
+    return ServeSettings(checkpoint=str(tiny_vision_checkpoint), device="cpu", cache_memory_bytes=16 << 20,
                          max_num_seqs=32, max_num_batched_tokens=512, max_model_len=MAX_MODEL_LEN,
                          api_key=API_KEY, max_n=MAX_N, max_body_bytes=MAX_BODY_BYTES,
                          max_ongoing_requests=MAX_IN_FLIGHT, replica_num_cpus=1,
-                         health_check_period_s=60, graceful_shutdown_timeout_s=1)
+                         health_check_period_s=60, graceful_shutdown_timeout_s=1,
+                         max_image_bytes=MAX_IMAGE_BYTES, max_image_pixels=MAX_IMAGE_PIXELS)
 
 
 @pytest.fixture(scope="module")
@@ -115,9 +119,9 @@ def mock_api(api, api_settings) -> Iterator[str]:
 
 
 @pytest.fixture(scope="module")
-def reference(tiny_checkpoint, api_settings) -> LLMEngine:
+def reference(tiny_vision_checkpoint, api_settings) -> LLMEngine:
     """The offline engine with the app's engine configuration: the oracle for token ids and logprobs."""
-    return LLMEngine.from_checkpoint(tiny_checkpoint, api_settings.to_engine_config())
+    return LLMEngine.from_checkpoint(tiny_vision_checkpoint, api_settings.to_engine_config())
 
 
 @pytest.fixture(scope="module")
@@ -126,6 +130,18 @@ def strings(reference) -> TokenStrings:
 
 
 # ---- requests ---------------------------------------------------------------------------------------------
+def run_replica(settings: ServeSettings, app: str, label: str = "EngineReplica"):
+    """One EngineReplica deployment for settings on Serve as app (no HTTP route), warmed up; its handle."""
+    from ray import serve
+
+    from serve_app.engine_replica import deployment
+
+    t0 = time.monotonic()
+    handle = serve.run(deployment(settings).bind(settings), name=app, route_prefix=None)
+    print(f"{label} deployed and warmed up in {time.monotonic() - t0:.1f} s")
+    return handle
+
+
 def chat_body(**fields) -> dict:
     """A chat request for the served model: USER's message, chat mode (no thinking), 8 tokens; `fields` override."""
     return {"model": "deepseek-v4.1-flash", "messages": USER, "reasoning_effort": "none", "max_tokens": 8,

@@ -411,3 +411,65 @@ def test_openapi_json_has_the_request_body_schemas(api):
     assert served["paths"]["/v1/chat/completions"]["post"]["requestBody"]["content"]["application/json"]["schema"] == {
         "$ref": "#/components/schemas/ChatCompletionBody"}
     assert served["components"]["schemas"]["CompletionBody"]["properties"]["n"]["anyOf"][0]["maximum"] == MAX_N
+
+
+# ---- images (the embedded default has a vision tower) ------------------------------------------------------
+def png(seed: int, side: int = 30, scale: int = 10) -> bytes:
+    """side x side random pixels, each scale x scale: 300 x 300 (58 span tokens) in ~5 KB of PNG."""
+    import io
+
+    import numpy as np
+    from PIL import Image
+
+    pixels = np.random.default_rng(seed).integers(0, 256, (side, side, 3), dtype=np.uint8)
+    buf = io.BytesIO()
+    Image.fromarray(pixels.repeat(scale, 0).repeat(scale, 1)).save(buf, "PNG", optimize=True)
+    return buf.getvalue()
+
+
+def image_body(*urls: str, **fields) -> dict:
+    content = [{"type": "image_url", "image_url": {"url": u}} for u in urls] + [{"type": "text", "text": "Describe."}]
+    return chat_body(messages=[{"role": "user", "content": content}], temperature=0, logprobs=True, **fields)
+
+
+def data_url(data: bytes) -> str:
+    import base64
+
+    return "data:image/png;base64," + base64.b64encode(data).decode()
+
+
+def test_two_images_give_different_greedy_outputs_and_a_repeat_hits_the_cache(api):
+    outs = []
+    for seed in (0, 1):
+        r = api.client.post("/v1/chat/completions", json=image_body(data_url(png(seed))))
+        assert r.status_code == 200, r.text
+        outs.append(r.json())
+    picks = [[(e["token"], e["logprob"]) for e in o["choices"][0]["logprobs"]["content"]] for o in outs]
+    assert picks[0] != picks[1]
+    usage = outs[0]["usage"]
+    assert usage["prompt_tokens"] > 64  # the 58-token span expanded in the engine: one full 64-token block
+    again = api.client.post("/v1/chat/completions", json=image_body(data_url(png(0)))).json()
+    assert again["usage"]["prompt_tokens_details"]["cached_tokens"] >= 64
+    # (its text may differ from the first: a block hit rebuilds the window by encoder replay, spec 4.8)
+    wait_idle(api)
+
+
+def test_bad_images_are_400s(api):
+    url = "messages[0].content[0].image_url.url"
+    r = api.client.post("/v1/chat/completions", json=image_body("https://example.com/cat.png"))
+    assert "does not fetch image URLs" in assert_error(r, 400, url, "image_url_not_supported")["message"]
+    corrupt = png(0)[:200]  # the header, then the pixel data cut off
+    error = assert_error(api.client.post("/v1/chat/completions", json=image_body(data_url(corrupt))), 400)
+    assert error["message"].startswith("image 0: the PNG image cannot be decoded"), error
+    big_bytes = png(3, side=80, scale=1)  # random pixels: ~19 KB, above the app's 16 KiB per image
+    error = assert_error(api.client.post("/v1/chat/completions", json=image_body(data_url(big_bytes))), 400, url,
+                         "image_too_large")
+    assert f"limit of {16 << 10} bytes per image" in error["message"]
+    big_pixels = png(4, side=1, scale=1100)  # 1100 x 1100 pixels of one colour: a few KB, above 1000 x 1000
+    error = assert_error(api.client.post("/v1/chat/completions", json=image_body(data_url(big_pixels))), 400, url,
+                         "image_too_large")  # refused by the ingress from the image's header
+    assert "1100 x 1100 = 1210000 pixels, more than the limit of 1000000" in error["message"], error
+    error = assert_error(api.client.post("/v1/chat/completions", json=image_body(*[data_url(png(0))] * 9)), 400,
+                         "messages")
+    assert "limit of 8 images per request" in error["message"]
+    wait_idle(api)

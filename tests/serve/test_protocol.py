@@ -314,7 +314,8 @@ def test_reasoning_effort_mirrors_render_chat(effort, stored, thinking, line):
 
 
 @pytest.mark.parametrize(("messages", "param"), [
-    ([{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}], "messages[0].content[0].type"),
+    ([{"role": "user", "content": [{"type": "input_audio", "input_audio": {"data": "x"}}]}],
+     "messages[0].content[0].type"),  # image_url parts: tests/serve/test_image_parts.py
     ([{"role": "user", "content": None}], "messages[0].content"),
     ([*USER, {"role": "tool", "tool_call_id": "call_x", "content": "1"}], "messages[1].tool_call_id"),
     ([{"role": "assistant", "content": "x", "tool_calls": [{"type": "function", "function": {"name": ""}}]}],
