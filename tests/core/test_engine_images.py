@@ -13,9 +13,11 @@ import torch
 from PIL import Image
 
 from engine.core.engine import EngineConfig, LLMEngine, RequestError
+from engine.core.plan import chunk_images
 from engine.core.sampling_params import SamplingParams
 from engine.vision.image_processing import prepare_image_prompt, process_image
-from engine.vision.inputs import image_mask
+from engine.vision.inputs import ImageInput, image_mask
+from engine.vision.layout import ImageGrid
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -91,6 +93,19 @@ def test_decode_right_after_an_image_that_ends_the_prompt(vision_model):
     golden = model(torch.tensor([seq]), 0, model.new_cache(1, len(seq) + 1), full_logits=True, image_mask=mask,
                    image_rows=model.span_rows(image.patches, image.grid)).logits[0]
     assert logits.shape == golden.shape and torch.equal(logits, golden)
+
+
+def test_chunks_carry_patches_only_where_they_hold_image_rows():
+    """chunk_images: an image wholly in a chunk's Engram look-back travels without its patches (the decode steps
+    right after it); one the chunk itself overlaps keeps them; one out of reach is not carried."""
+    grid = ImageGrid(112, 112, 8, 8, 3, 3)  # 14 span tokens
+    im = ImageInput(4, grid, b"\x01" * 64, -7)
+    assert im.end == 18
+    [inside] = chunk_images((im,), 0, 10, 3)  # a prefill chunk through the span
+    assert inside is im
+    [behind] = chunk_images((im,), 18, 19, 3)  # the first decode step after it
+    assert (behind.start, behind.grid, behind.key, behind.patches) == (4, grid, -7, b"")
+    assert chunk_images((im,), 21, 22, 3) == ()  # past the look-back
 
 
 def test_two_images_give_different_outputs(vision_model):
