@@ -24,14 +24,15 @@ import torch
 
 from engine.core.engine import EngineConfig, LLMEngine
 from engine.core.sampling_params import SamplingParams
-from tests.parallel.test_shard_group import ids, step_until_done
+from tests.core.conftest import random_prompt
+from tests.parallel.test_shard_group import step_until_done
 
 pytestmark = [pytest.mark.usefixtures("one_torch_thread"), pytest.mark.slow]
 
 LOGIT_TOL = 1e-4
 CONFIG = EngineConfig(runner="kernels", max_num_seqs=2, max_num_batched_tokens=32, enable_prefix_caching=False,
                       max_model_len=512)
-PROMPT, NUM_NEW = ids(4, 21), 3
+PROMPT, NUM_NEW = random_prompt(4, 21), 3
 
 
 def generate(engine: LLMEngine, rid: str, params: SamplingParams, keep_logits: bool = False):
