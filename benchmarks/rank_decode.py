@@ -10,13 +10,15 @@ The model: the released 40-layer config (benchmarks/random_model.py `released_co
 tables, a lookup costs the same), random weights in the checkpoint's formats built on the device, only rank r's
 slices (random_model(shard=...): ~39 GB at N = 8, rank 0). The shard is `solo` (engine/parallel.py), a measurement
 mode that never serves: no other rank exists, each layer's 2 all-reduces (wo_b, the MoE) return their input at no
-cost and the head's all-gather tiles the rank's logits (the gathered bytes, not the values). So the measured step is
-the rank's own work, and the projection adds the collectives as issue 21 states it:
+cost and the draw's two small all-gathers (each rank's maxima, engine/core/sharded_draw.py: greedy rows, the
+benchmark's) tile the rank's values. So the measured step is the rank's own work, and the projection adds the
+collectives as issue 21 states it:
 
     projected step = measured step + 2 * n_layers all-reduces x L,  L = 7 .. 13 us (--allreduce-us: the published
                      one-shot all-reduce latency for decode-sized messages on NVLink)
 
-(the head's all-gather, T * vocab * 4 bytes, is printed beside it: the issue's formula leaves it out). Target: the
+(the draw's all-gathers, 32 bytes per token per rank, are not in the formula; a draw with logprobs or top-k / top-p
+gathers the logits instead, T * vocab * 4 bytes, printed beside it). Target: the
 T = 6 step (DSpark verify) <= 2.7 ms including collectives: >= 2,060 tok/s at 5.6 accepted tokens a step, >= 1,300
 at 3.5. T tokens are T requests of one decode token each (the decode step's batch: a verify step of 6 tokens of one
 request reads the same weights and a sixth of the KV).
@@ -80,7 +82,7 @@ def projection(rows: list[tuple[int, float, float]], cfg: ModelConfig, latencies
     """The projected N-GPU step per T: the measured rank step + 2 * n_layers all-reduces at each latency."""
     n = 2 * cfg.n_layers
     head = [f"+ {n} x {lat:g} us" for lat in latencies]
-    lines = [f"| T | rank step ms | GPU busy ms | {' | '.join(head)} | logits all-gather | tok/s at the slowest |",
+    lines = [f"| T | rank step ms | GPU busy ms | {' | '.join(head)} | logits all-gather (logprobs, top-k/p) | tok/s at the slowest |",
              "|---|---|---|" + "---|" * len(latencies) + "---|---|"]
     for t, step_ms, busy in rows:
         projected = [step_ms + n * lat / 1000 for lat in latencies]

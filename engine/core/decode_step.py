@@ -11,7 +11,9 @@ device with one non-blocking copy; everything else happens on the device, inside
      the context bucket); the completed compressor groups and pending writes (ratio 1 and 2);
   2. the layers, through KernelRunner.layer_forward (the indexer and top-k batched over all rows: one
      RequestRows for the whole batch, each row reading its own entries), the final norm and the head;
-  3. the draw (sampler.sample_device), in a second small graph per (batch, sampling variant, logprobs).
+  3. the draw (sampler.sample_device), in a second small graph per (batch, sampling variant, logprobs); over
+     several shards the head's logits stay vocab-parallel and greedy / plain draws gather only each rank's
+     maxima (sharded_draw.py), other draws the logits.
 
 Then one copy of the drawn ids (and logprobs when asked) back to the host. Rows past a request's context
 are padding: their entries are never read (index_scores_batched stops at each row's visible count) and
@@ -36,9 +38,11 @@ from engine.core.kernel_layers import AttnMeta, GlobalWrite, KernelRunner, Reque
 from engine.core.plan import ENGRAM_LOOKBACK, StepPlan
 from engine.core.sampler import SampleTensors, draw_output, sample_device, sample_row_values, sample_variant
 from engine.core.sampling_params import SamplingParams
+from engine.core.sharded_draw import draws_sharded, sample_sharded
 from engine.core.step_rows import StepOutput
 from engine.kernels.compressor import Ratio2Plan
 from engine.kernels.decode_meta import decode_inputs, decode_meta
+from engine.parallel import all_gather
 
 VARIANTS = ("greedy", "plain", "filtered")
 # the staging record: one int64 row of length max_batch per field (floats as float64 bit patterns)
@@ -86,7 +90,9 @@ class DecodeStep:
         self._copied: list[torch.cuda.Event | None] = [None, None]  # each one's last copy to the device
         self._num_staged = 0
         self.dev = torch.zeros(size, dtype=torch.int64, device=self.device)
-        self.logits = torch.empty(self.max_B, cfg.vocab_size, dtype=torch.float32, device=self.device)
+        # a vocab-parallel head's slice (several shards: the draw gathers only what it needs, sharded_draw.py)
+        self.shard = runner.model.head.shard
+        self.logits = torch.empty(self.max_B, runner.model.head.weight.size(0), dtype=torch.float32, device=self.device)
         self.last_ids = torch.zeros(self.max_B, dtype=torch.int64, device=self.device)  # the last draw's tokens
         L = SamplingParams.MAX_LOGPROBS  # the read-back: ids, then logprob, top logprobs and top ids when asked
         self._results = [torch.empty(self.max_B * (2 + 2 * L), dtype=torch.int64, pin_memory=pinned) for _ in range(2)]
@@ -170,14 +176,20 @@ class DecodeStep:
         # and the Engram hash ids, one launch
         ids, hashes = decode_inputs(f["ids"], f["from_row"], self.last_ids, f["pos"], v.prev, self.engram)
         h, pre_mix = r.run_layers(ids, self.device_step(v), hashes)
-        self.logits[:v.B].copy_(r.head(h, pre_mix))
+        self.logits[:v.B].copy_(r.head(h, pre_mix, gather=False))
 
     def draw(self, v: Views, variant: str, num_logprobs: int):
         """The step's tokens from self.logits[:B]; also kept in self.last_ids for the next step's input."""
         f = v.fields
         t = SampleTensors(f["greedy"].bool(), f["temperature"].float(), f["top_k"], f["top_p"], f["min_p"].float(),
                           f["seed"], f["step"], f["force"])
-        d = sample_device(self.logits[:v.B], t, variant, num_logprobs)
+        logits = self.logits[:v.B]
+        if self.shard.is_single:
+            d = sample_device(logits, t, variant, num_logprobs)
+        elif draws_sharded(variant, num_logprobs):
+            d = sample_sharded(logits, t, variant, self.shard)
+        else:
+            d = sample_device(all_gather(logits, self.shard, dim=-1), t, variant, num_logprobs)
         self.last_ids[:v.B].copy_(d.token_ids)
         return d
 

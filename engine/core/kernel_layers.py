@@ -210,10 +210,11 @@ class KernelRunner:
                 kept_rows = phase.keep
         return h, pre_mix
 
-    def head(self, h: Tensor, pre_mix: Tensor) -> Tensor:
-        """The final collapse + norm and the head: h [N, hc, D] -> fp32 logits [N, V]."""
+    def head(self, h: Tensor, pre_mix: Tensor, gather: bool = True) -> Tensor:
+        """The final collapse + norm and the head: h [N, hc, D] -> fp32 logits [N, V] (gather False: this rank's
+        vocabulary slice [N, V / shards])."""
         model = self.model
-        return head_logits(OPS.hc_pre_norm(h, pre_mix, model.norm.weight, model.norm.eps), model.head)
+        return head_logits(OPS.hc_pre_norm(h, pre_mix, model.norm.weight, model.norm.eps), model.head, gather)
 
     def _engram_prefetch(self) -> EngramPrefetch:
         if self._prefetch is None:

@@ -232,7 +232,9 @@ def row_parallel(lin: RowParallelLinear, x: Tensor) -> Tensor:
     return all_reduce_sum(part, lin.shard).to(torch.bfloat16)
 
 
-def head_logits(x: Tensor, head: ParallelHead) -> Tensor:
+def head_logits(x: Tensor, head: ParallelHead, gather: bool = True) -> Tensor:
     """The vocab-parallel head: x bf16 [N, D] -> fp32 logits [N, V], this rank's vocabulary rows in fp32 (mm_fp32)
-    and every rank's gathered (one all-gather: each rank then holds every logit, so every rank draws alike)."""
-    return all_gather(mm_fp32(x, head.weight), head.shard, dim=-1)
+    and every rank's gathered (one all-gather: each rank then holds every logit, so every rank draws alike);
+    gather False: this rank's slice only (the decode step's draw gathers what it needs, sharded_draw.py)."""
+    local = mm_fp32(x, head.weight)
+    return all_gather(local, head.shard, dim=-1) if gather else local

@@ -140,11 +140,12 @@ def _row_keys(seed_ptr, step_ptr, row):
 
 
 @triton.jit
-def _tile_noise(k0, k1, s0, s1, tile, BLOCK_J: tl.constexpr):
-    """Token ids [BLOCK_J, 4] (int32) of one tile and their noise [BLOCK_J, 4] (fp32)."""
-    j = tile * BLOCK_J + tl.arange(0, BLOCK_J)  # [BJ] counters; token v = 4 j + lane
+def _tile_noise(k0, k1, s0, s1, tile, j0, BLOCK_J: tl.constexpr):
+    """Token ids [BLOCK_J, 4] (int32, from the slice's first token) of one tile and their noise [BLOCK_J, 4]
+    (fp32); j0: the slice's first counter (its first token's id / 4: token v of the slice is token 4 j0 + v)."""
+    j = tile * BLOCK_J + tl.arange(0, BLOCK_J)  # [BJ] counters within the slice; token v = 4 j + lane
     zero = tl.zeros([BLOCK_J], dtype=tl.uint32)
-    r0, r1, r2, r3 = _philox4x32_10(j.to(tl.uint32), zero, zero + s0, zero + s1, k0, k1)
+    r0, r1, r2, r3 = _philox4x32_10((j + j0).to(tl.uint32), zero, zero + s0, zero + s1, k0, k1)
     lane = tl.arange(0, 4)[None, :]
     h = tl.where(lane == 0, r0[:, None], tl.where(lane == 1, r1[:, None], tl.where(lane == 2, r2[:, None],
                                                                                     r3[:, None])))
@@ -155,13 +156,13 @@ def _tile_noise(k0, k1, s0, s1, tile, BLOCK_J: tl.constexpr):
 def _gumbel_noise_kernel(seed_ptr, step_ptr, out_ptr, V, BLOCK_J: tl.constexpr):
     row = tl.program_id(0)
     k0, k1, s0, s1 = _row_keys(seed_ptr, step_ptr, row)
-    v, g = _tile_noise(k0, k1, s0, s1, tl.program_id(1), BLOCK_J)
+    v, g = _tile_noise(k0, k1, s0, s1, tl.program_id(1), 0, BLOCK_J)
     tl.store(out_ptr + row.to(tl.int64) * V + v, g, mask=v < V)
 
 
 @triton.jit
 def _gumbel_argmax_kernel(x_ptr, seed_ptr, step_ptr, val_ptr, idx_ptr, V, stride_x, num_tiles, tiles_per_split,
-                          num_splits, BLOCK_J: tl.constexpr):
+                          num_splits, j0, BLOCK_J: tl.constexpr):
     """Program (row, split): max over its tiles of x + g and the lowest token id reaching it. Each lane keeps
     its own running (max, id) across tiles (strict >: a later tile has higher ids), reduced once at the end."""
     row = tl.program_id(0)
@@ -172,7 +173,7 @@ def _gumbel_argmax_kernel(x_ptr, seed_ptr, step_ptr, val_ptr, idx_ptr, V, stride
     best_val = tl.full([BLOCK_J, 4], _NEG_INF, tl.float32)
     best_idx = first * BLOCK_J * 4 + tl.arange(0, BLOCK_J)[:, None] * 4 + tl.arange(0, 4)[None, :]  # all -inf: lowest
     for tile in range(first, tl.minimum(first + tiles_per_split, num_tiles)):
-        v, g = _tile_noise(k0, k1, s0, s1, tile, BLOCK_J)
+        v, g = _tile_noise(k0, k1, s0, s1, tile, j0, BLOCK_J)
         y = tl.where(v < V, tl.load(x_row + v, mask=v < V, other=0.0) + g, _NEG_INF)  # [BJ, 4]
         better = y > best_val
         best_idx = tl.where(better, v, best_idx)
@@ -214,14 +215,25 @@ def gumbel_argmax(x: Tensor, seeds: Tensor, steps: Tensor, num_splits: int | Non
     gumbel_argmax_ref. num_splits: programs per row (default: ~4 programs per SM over the batch);
     block_j, num_warps: the launch shape (4 block_j tokens per tile; any choice gives the same tokens).
     """
+    return gumbel_max(x, seeds, steps, 0, num_splits, block_j, num_warps)[1]
+
+
+def gumbel_max(x: Tensor, seeds: Tensor, steps: Tensor, first_id: int = 0, num_splits: int | None = None,
+               block_j: int = BLOCK_J, num_warps: int = 4) -> tuple[Tensor, Tensor]:
+    """gumbel_argmax over a slice of the vocabulary: x fp32 [N, V'] holds tokens first_id .. first_id + V' - 1
+    (first_id a multiple of 4: a Philox counter's 4 tokens stay in one slice), each keyed by its own id.
+    Returns (max_v x[n, v] + g(.., first_id + v), the lowest v reaching it): fp32 [N] and int64 [N] (v counted
+    from the slice's start), bitwise gumbel_max_ref; a row of -inf gives (-inf, 0)."""
     assert x.dtype == torch.float32, f"x must be fp32, got {x.dtype}"
     assert x.dim() == 2 and (x.size(1) <= 1 or x.stride(1) == 1), (
         f"x must be [N, V] with unit stride along V, got shape {tuple(x.shape)} strides {x.stride()}")
     num_rows, vocab_size = x.shape
     _check_keys(seeds, steps, num_rows, x.device)
     assert 0 < vocab_size < 2**31 - 4 * 4 * block_j, f"vocab_size {vocab_size} out of range"
+    assert first_id % 4 == 0 and 0 <= first_id < 2**31 - vocab_size, f"first_id {first_id}: a multiple of 4 in range"
     if num_rows == 0:
-        return torch.empty(0, dtype=torch.int64, device=x.device)
+        return (torch.empty(0, dtype=torch.float32, device=x.device),
+                torch.empty(0, dtype=torch.int64, device=x.device))
     num_tiles = cdiv(vocab_size, 4 * block_j)
     if num_splits is None:
         sms = torch.cuda.get_device_properties(x.device).multi_processor_count if x.is_cuda else 4
@@ -231,11 +243,12 @@ def gumbel_argmax(x: Tensor, seeds: Tensor, steps: Tensor, num_splits: int | Non
     val = torch.empty(num_rows, num_splits, dtype=torch.float32, device=x.device)
     idx = torch.empty(num_rows, num_splits, dtype=torch.int32, device=x.device)
     _gumbel_argmax_kernel[(num_rows, num_splits)](
-        x, seeds, steps, val, idx, vocab_size, x.stride(0), num_tiles, tiles_per_split, num_splits,
+        x, seeds, steps, val, idx, vocab_size, x.stride(0), num_tiles, tiles_per_split, num_splits, first_id // 4,
         BLOCK_J=block_j, num_warps=num_warps, enable_fp_fusion=False)
     if num_splits == 1:
-        return idx[:, 0].long()
-    return idx.gather(1, val.argmax(dim=1, keepdim=True))[:, 0].long()  # first max split: lower ids
+        return val[:, 0], idx[:, 0].long()
+    best = val.argmax(dim=1, keepdim=True)  # first max split: lower ids
+    return val.gather(1, best)[:, 0], idx.gather(1, best)[:, 0].long()
 
 
 # --- torch reference ---------------------------------------------------------------------------------------------
@@ -292,23 +305,32 @@ def gumbel_from_bits_ref(h: Tensor) -> Tensor:
     return 0.0 - _log_parts_ref(fe, ke)  # 0 - x, not -x: +0.0 at g = 0, as the kernel
 
 
-def philox_bits_ref(seeds: Tensor, steps: Tensor, vocab_size: int, stream: int = 0) -> Tensor:
-    """The 32 hash bits of every (row, token): int64 [N, V] holding uint32 values. stream: the counter's second
-    word (0: the sampler's noise; speculative decoding draws its other keyed numbers from streams > 0)."""
-    j = torch.arange(cdiv(vocab_size, 4), dtype=torch.int64, device=seeds.device)[None, :]  # [1, J]
+def philox_bits_ref(seeds: Tensor, steps: Tensor, vocab_size: int, stream: int = 0, first_id: int = 0) -> Tensor:
+    """The 32 hash bits of every (row, token): int64 [N, V] holding uint32 values, tokens first_id .. first_id +
+    V - 1 (first_id a multiple of 4). stream: the counter's second word (0: the sampler's noise; speculative
+    decoding draws its other keyed numbers from streams > 0)."""
+    assert first_id % 4 == 0, f"first_id {first_id} is not a multiple of 4"
+    j = torch.arange(first_id // 4, first_id // 4 + cdiv(vocab_size, 4), dtype=torch.int64,
+                     device=seeds.device)[None, :]  # [1, J]
     counter = (j, torch.full_like(j, stream), (steps & _MASK32)[:, None], ((steps >> 32) & _MASK32)[:, None])
     r = philox4x32_10_ref(counter, (seeds & _MASK32)[:, None], ((seeds >> 32) & _MASK32)[:, None])  # 4 x [N, J]
     r = [t.expand(seeds.size(0), j.size(1)) for t in r]
     return torch.stack(r, dim=-1).reshape(seeds.size(0), 4 * j.size(1))[:, :vocab_size]  # [N, V]: token v = 4 j + lane
 
 
-def gumbel_noise_ref(seeds: Tensor, steps: Tensor, vocab_size: int) -> Tensor:
-    """The oracle: int64 [N] seeds and steps -> fp32 [N, V] Gumbel noise, on the keys' device."""
+def gumbel_noise_ref(seeds: Tensor, steps: Tensor, vocab_size: int, first_id: int = 0) -> Tensor:
+    """The oracle: int64 [N] seeds and steps -> fp32 [N, V] Gumbel noise of tokens first_id .., on the keys' device."""
     _check_keys(seeds, steps, seeds.size(0), seeds.device)
-    return gumbel_from_bits_ref(philox_bits_ref(seeds, steps, vocab_size))
+    return gumbel_from_bits_ref(philox_bits_ref(seeds, steps, vocab_size, first_id=first_id))
 
 
 def gumbel_argmax_ref(x: Tensor, seeds: Tensor, steps: Tensor) -> Tensor:
     """The oracle of gumbel_argmax: fp32 [N, V] -> int64 [N], argmax(x + noise) (first max -> lower id)."""
     assert x.dtype == torch.float32 and x.dim() == 2, f"x must be fp32 [N, V], got {x.dtype} {tuple(x.shape)}"
     return (x + gumbel_noise_ref(seeds, steps, x.size(1))).argmax(dim=-1)
+
+
+def gumbel_max_ref(x: Tensor, seeds: Tensor, steps: Tensor, first_id: int = 0) -> tuple[Tensor, Tensor]:
+    """The oracle of gumbel_max: (max of x + noise over the slice, its first position)."""
+    assert x.dtype == torch.float32 and x.dim() == 2, f"x must be fp32 [N, V], got {x.dtype} {tuple(x.shape)}"
+    return (x + gumbel_noise_ref(seeds, steps, x.size(1), first_id)).max(dim=-1)

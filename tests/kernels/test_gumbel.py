@@ -18,7 +18,8 @@ import triton
 import triton.language as tl
 
 from engine.kernels.gumbel import (gumbel_argmax, gumbel_argmax_ref, gumbel_from_bits, gumbel_from_bits_ref,
-                                   gumbel_noise, gumbel_noise_ref, philox4x32_10_ref, philox_bits_ref)
+                                   gumbel_max, gumbel_max_ref, gumbel_noise, gumbel_noise_ref, philox4x32_10_ref,
+                                   philox_bits_ref)
 
 gpu = pytest.mark.gpu
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
@@ -266,6 +267,11 @@ def test_gpu_noise_and_argmax_match_cpu_reference_at_served_shape():
         tokens_gpu = gumbel_argmax(x.cuda(), seeds.cuda(), steps.cuda(), num_splits=splits).cpu()
         assert tokens_gpu.tolist() == tokens_cpu.tolist(), f"splits={splits}"
     assert torch.equal(gumbel_argmax_ref(x.cuda(), seeds.cuda(), steps.cuda()).cpu(), tokens_cpu)
+    width = SERVED_VOCAB // 8  # rank 3 of 8's slice of a vocab-parallel head (engine/core/sharded_draw.py)
+    part = x[:, 3 * width:4 * width].contiguous()
+    val_cpu, at_cpu = gumbel_max_ref(part, seeds, steps, 3 * width)
+    val_gpu, at_gpu = gumbel_max(part.cuda(), seeds.cuda(), steps.cuda(), 3 * width)
+    assert at_gpu.cpu().tolist() == at_cpu.tolist() and torch.equal(val_gpu.cpu(), val_cpu)
 
 
 @gpu

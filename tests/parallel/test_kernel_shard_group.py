@@ -33,6 +33,7 @@ LOGIT_TOL = 1e-4
 CONFIG = EngineConfig(runner="kernels", max_num_seqs=2, max_num_batched_tokens=32, enable_prefix_caching=False,
                       max_model_len=512)
 PROMPT, NUM_NEW = random_prompt(4, 21), 3
+SAMPLED = SamplingParams(max_tokens=NUM_NEW, temperature=1.5, min_p=0.01, seed=7)
 
 
 def generate(engine: LLMEngine, rid: str, params: SamplingParams, keep_logits: bool = False):
@@ -50,11 +51,12 @@ def generate(engine: LLMEngine, rid: str, params: SamplingParams, keep_logits: b
 
 @pytest.fixture(scope="module")
 def one_shard(tiny_checkpoint):
-    """One shard's greedy tokens and every position's logits (the eager kernel path: logits kept)."""
+    """One shard's greedy tokens and every position's logits (the eager kernel path: logits kept), and its seeded
+    sample (SAMPLED: its decode steps draw on the whole vocabulary)."""
     engine = LLMEngine.from_checkpoint(tiny_checkpoint, CONFIG)
     tokens, _, rows = generate(engine, "ref", SamplingParams(max_tokens=NUM_NEW), keep_logits=True)
     assert sorted(rows) == list(range(len(PROMPT) + NUM_NEW - 1))
-    return tokens, rows
+    return tokens, rows, generate(engine, "sampled", SAMPLED)[0]
 
 
 @pytest.fixture(scope="module")
@@ -68,7 +70,7 @@ def two_shards(tiny_checkpoint):
 
 def test_eager_kernel_path_two_shards_give_one_shards_tokens_and_logits(one_shard, two_shards):
     """Prefill and decode steps with logits kept (the eager kernel path): every position's logits."""
-    tokens, rows = one_shard
+    tokens, rows, _ = one_shard
     tok2, _, rows2 = generate(two_shards, "eager", SamplingParams(max_tokens=NUM_NEW), keep_logits=True)
     assert tok2 == tokens
     assert sorted(rows2) == sorted(rows)
@@ -83,7 +85,7 @@ def test_eager_kernel_path_two_shards_give_one_shards_tokens_and_logits(one_shar
 def test_decode_step_two_shards_draw_one_shards_tokens_and_logprobs(one_shard, two_shards):
     """Decode steps through the decode step on device buffers on every rank (rank 0's counted): the same greedy
     tokens, and logprobs (log_softmax of the logits in float64, top 2) of one shard's logits within LOGIT_TOL."""
-    tokens, rows = one_shard
+    tokens, rows, _ = one_shard
     taken = []
     step = two_shards.executor.runner.decode
     execute = step.execute
@@ -101,3 +103,20 @@ def test_decode_step_two_shards_draw_one_shards_tokens_and_logprobs(one_shard, t
         got = torch.tensor([lp.logprob] + [v for _, v in lp.top], dtype=torch.float64)
         want = torch.cat([ref[tokens[i]].view(1), top.values])
         assert (got - want).abs().max() <= LOGIT_TOL, f"token {i}: logprobs {got.tolist()} != {want.tolist()}"
+
+
+def test_decode_step_two_shards_sample_without_gathering_the_logits(one_shard, two_shards):
+    """Without logprobs the decode step's plain draws gather each rank's maxima, not the logits
+    (engine/core/sharded_draw.py): one shard's seeded sample (temperature, min_p). (Greedy draws take the same
+    path's first gather: tests/core/test_sharded_draw.py.)"""
+    tokens, _, sampled = one_shard
+    draws = []
+    step = two_shards.executor.runner.decode
+    draw = step.draw
+    step.draw = lambda v, variant, lp: (draws.append((variant, lp)), draw(v, variant, lp))[1]
+    try:
+        assert generate(two_shards, "sampled", SAMPLED)[0] == sampled
+    finally:
+        step.draw = draw
+    assert draws == [("plain", 0)] * (NUM_NEW - 1)
+    assert sampled != tokens  # the seeded draw is not the greedy one (else the plain draw went untested)
