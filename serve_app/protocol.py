@@ -6,13 +6,13 @@ record or raise `APIError` 400 whose message starts with the offending field (`t
 - Unknown top-level fields are accepted and ignored (as vLLM does; OpenAI would answer 400), so
   clients that send vendor extras keep working. Known fields that would change the output in a way
   this server cannot honour are rejected: non-zero presence/frequency penalties, a non-neutral
-  repetition_penalty, a non-empty logit_bias, a completions response_format other than text, echo, suffix,
-  best_of > 1. A null value counts as absent.
+  repetition_penalty, a non-empty logit_bias, echo, suffix, best_of > 1. A null value counts as absent.
 - tool_choice: "none" renders no tools and returns any DSML the model writes anyway as content; "auto" (the
   default when tools are given) renders all tools and parses calls; "required" renders them and constrains the
   output to one or more calls (a grammar, `serve_app/structured.py`); a named function renders only that tool
-  and constrains the output to one call of it (`strict` is accepted, not yet enforced under "auto"). A chat
-  response_format json_object / json_schema constrains the output to JSON.
+  and constrains the output to one call of it. Under "auto" a tool with `strict: true` has its calls' arguments
+  constrained (the rest of the output stays free). response_format json_object / json_schema constrains the
+  output to JSON, on chat and legacy completions alike.
 - reasoning_effort mirrors `engine.chat.render_chat`: null (= "high"), "none" (chat mode), OpenAI's
   "minimal"/"low"/"medium"/"high"/"xhigh" and V4.1's "max" (budgets 50/50/75/75/75/100, `EFFORT_PRESETS`), or an
   integer 1-100, also as a decimal string ("30"); anything else is a 400 listing what is accepted.
@@ -46,7 +46,7 @@ from serve_app.errors import APIError, bad_request, model_not_found
 from serve_app.image_parts import ImagePart, ImagePolicy, chat_images
 from serve_app.json_body import json_kind
 from serve_app.streaming import TokenStrings
-from serve_app.structured import check_strict, output_grammar, response_schema
+from serve_app.structured import OutputGrammar, check_strict, output_grammar, response_schema
 
 # What one request may ask for (docs/reliability.md lists them; each is a 400 naming the field). The server's
 # settings set max_n, max_messages and max_output_tokens; the others are the API's (OpenAI's where it has one).
@@ -91,7 +91,7 @@ class ChatCompletionRequest:
     user: str | None = None
     skip_special_tokens: bool = True  # vLLM's: tokens flagged special are not text
     spaces_between_special_tokens: bool = True  # vLLM's; no effect with this tokenizer (serve_app/streaming.py)
-    grammar: str | None = None  # the output's constraint (serve_app/structured.py), compiled once here
+    grammar: OutputGrammar | None = None  # the output's constraint (serve_app/structured.py), compiled once here
     # the user messages' image_url parts, in prompt order (URL parts are fetched by the ingress: image_parts.py)
     images: tuple[ImagePart, ...] = field(default=(), repr=False)
 
@@ -128,6 +128,7 @@ class CompletionRequest:
     user: str | None = None
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
+    grammar: OutputGrammar | None = None  # response_format json_object / json_schema
 
 
 # --- bodies --------------------------------------------------------------------------------------
@@ -183,9 +184,7 @@ def parse_completion_request(body: dict, *, max_n: int = DEFAULT_MAX_N,
                              max_output_tokens: int | None = None) -> CompletionRequest:
     f = _Fields(body)
     f.check_neutral()
-    if f.get("response_format") not in (None, {"type": "text"}):
-        raise bad_request(f"response_format: only {{\"type\": \"text\"}} is supported by completions (chat takes JSON "
-                          f"formats), got {_show(f.get('response_format'))}", "response_format")
+    grammar = output_grammar(response_schema(f.get("response_format")), None, "none", None)
     if f.boolean("echo", False):
         raise bad_request("echo: not supported (only false)", "echo")
     if f.get("suffix") is not None:
@@ -206,6 +205,7 @@ def parse_completion_request(body: dict, *, max_n: int = DEFAULT_MAX_N,
         stream=stream,
         include_usage=include_usage,
         user=f.string("user"),
+        grammar=grammar,
         **f.detokenize(),
         **f.sampling(),
     )
@@ -272,8 +272,8 @@ def to_sampling_params(
     """The engine's parameters. max_tokens None becomes the rest of the context window (at most
     max_output_tokens); a prompt that leaves no room, or prompt + max_tokens beyond the window, is a 400
     (OpenAI's context_length_exceeded). num_prompt_tokens counts image spans expanded, num_image_tokens of them. Chat logprobs map to top_logprobs alternatives, legacy ones to `logprobs`.
-    A chat grammar constrains the output from its first token in chat mode, and after the `</think>` token
-    (think_end_id) in thinking mode: the reasoning is free."""
+    A grammar constrains the output from its first token, except that in thinking mode one with `after_reasoning`
+    starts after the `</think>` token (think_end_id): the reasoning is free."""
     prompt_param = "messages" if isinstance(req, ChatCompletionRequest) else "prompt"
     room = max_model_len - num_prompt_tokens
     max_tokens = min(room, max_output_tokens or room) if req.max_tokens is None else req.max_tokens
@@ -284,13 +284,12 @@ def to_sampling_params(
             + (f" ({num_image_tokens} of them its images' spans)" if num_image_tokens else "")
             + f" and asks for up to {max_tokens} more",
             prompt_param, "context_length_exceeded")
+    is_chat = isinstance(req, ChatCompletionRequest)
+    logprobs = (req.top_logprobs if req.logprobs else None) if is_chat else req.logprobs
     grammar = None
-    if isinstance(req, ChatCompletionRequest):
-        logprobs = req.top_logprobs if req.logprobs else None
-        if req.grammar is not None:
-            grammar = GrammarSpec(req.grammar, think_end_id if req.thinking else None)
-    else:
-        logprobs = req.logprobs
+    if req.grammar is not None:
+        after_reasoning = is_chat and req.thinking and req.grammar.after_reasoning
+        grammar = GrammarSpec(req.grammar.text, think_end_id if after_reasoning else None)
     params = SamplingParams(
         max_tokens=max_tokens, temperature=req.temperature, top_p=req.top_p, top_k=req.top_k,
         min_p=req.min_p, seed=req.seed, stop_token_ids=req.stop_token_ids, logprobs=logprobs, n=req.n,

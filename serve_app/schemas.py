@@ -106,8 +106,9 @@ class FunctionDefinition(_Open):
     name: Annotated[str, Field(pattern=r"^[A-Za-z0-9_-]{1,64}$")]
     description: str | None = None
     parameters: dict[str, Any] | None = Field(None, description="a JSON schema")
-    strict: bool | None = Field(None, description="accepted; arguments are enforced under tool_choice required or "
-                                                  "named whatever it says, not yet under auto")
+    strict: bool | None = Field(None, description="true: under tool_choice auto this tool's arguments are "
+                                                  "constrained to parameters (under required or named every "
+                                                  "tool's are, whatever it says)")
 
 
 class Tool(_Open):
@@ -172,13 +173,13 @@ class _CommonBody(_Open):
     logit_bias: Annotated[dict[str, Any], Field(max_length=0)] | None = Field(None, description="only {}")
     skip_special_tokens: bool | None = Field(None, description="default true: tokens flagged special are not text")
     spaces_between_special_tokens: bool | None = Field(None, description="default true (vLLM's; no effect here)")
+    response_format: Union[ResponseFormat, JsonObjectFormat, JsonSchemaFormat, None] = Field(
+        None, description="json_object / json_schema: the output is constrained to JSON (the schema enforced)")
 
 
 class ChatCompletionBody(_CommonBody):
     messages: Annotated[list[Message], Field(min_length=1, max_length=DEFAULT_MAX_MESSAGES)] = Field(
         description="at most the server's --max-messages")
-    response_format: Union[ResponseFormat, JsonObjectFormat, JsonSchemaFormat, None] = Field(
-        None, description="json_object / json_schema: the output is constrained to JSON (the schema enforced)")
     tools: list[Tool] | None = None
     tool_choice: Union[Literal["none", "auto", "required"], NamedToolChoice, None] = None
     reasoning_effort: Union[Literal[REASONING_EFFORTS], Annotated[int, Field(ge=1, le=100)],
@@ -200,7 +201,6 @@ class CompletionBody(_CommonBody):
     echo: Literal[False] | None = None
     suffix: None = Field(None, description="not supported")
     best_of: Literal[1] | None = None
-    response_format: ResponseFormat | None = Field(None, description="only text (chat takes the JSON formats)")
 
 
 BODY_MODELS: tuple[type[BaseModel], ...] = (ChatCompletionBody, CompletionBody)

@@ -1,13 +1,14 @@
-"""What a chat request asks its output to be, as a grammar (`engine.chat.constraints`), or a 400 naming the field.
+"""What a request asks its output to be, as a grammar (`engine.chat.constraints`), or a 400 naming the field.
 
 - response_format {"type": "text"} (or none): no grammar. {"type": "json_object"}: one JSON object.
   {"type": "json_schema", "json_schema": {"name", "schema", "strict", "description"}}: one JSON value valid
   against `schema` (strict true or false alike: the schema is enforced either way, as vLLM does; no schema is
-  any JSON object).
+  any JSON object). The same on chat and legacy completions.
 - tool_choice "required": one or more DSML calls of the tools, each call's arguments valid against its tool's
-  parameters; a named function: exactly one call of it. A tool's `strict` is accepted (a boolean) but under
-  "auto" not enforced yet: free content followed by constrained calls needs a content lexeme that excludes the
-  calls tag and still lets the output end, which llguidance 1.9.1's negated lexemes do not (they refuse the end).
+  parameters; a named function: exactly one call of it. Under "auto", tools with `strict: true` make a grammar
+  of the whole output: free text (the reasoning included), then optionally one calls block in which a strict
+  tool's arguments follow its parameters and another tool's are free (`constraints.auto_tools_grammar`). Under
+  "auto" without a strict tool there is no grammar (no mask to compute per token).
 - response_format json_* cannot be combined with tool_choice "required" or a named function (a 400).
 A grammar llguidance cannot compile is a 400 whose message is llguidance's, naming the keyword (e.g.
 `response_format.json_schema.schema: cannot be enforced: Unimplemented keys: ["uniqueItems"]`).
@@ -17,7 +18,7 @@ from __future__ import annotations
 
 import json
 import re
-from typing import Any
+from typing import Any, NamedTuple
 
 from engine.chat import constraints
 from serve_app.errors import bad_request
@@ -25,6 +26,14 @@ from serve_app.errors import bad_request
 _SCHEMA_NAME = re.compile(r"^[A-Za-z0-9_-]{1,64}$")  # OpenAI's rule for json_schema.name
 FORMAT_KEYS = {"text": {"type"}, "json_object": {"type"}, "json_schema": {"type", "json_schema"}}
 JSON_SCHEMA_KEYS = {"name", "schema", "strict", "description"}
+
+
+class OutputGrammar(NamedTuple):
+    """A request's output constraint: llguidance grammar text, and whether in thinking mode it starts after `</think>`
+    (the reasoning free) or constrains the whole output (reasoning included)."""
+
+    text: str
+    after_reasoning: bool
 
 
 def _show(value: object) -> str:
@@ -67,23 +76,34 @@ def check_strict(tools: list[dict] | None) -> None:
                               f"tools[{i}].function.strict")
 
 
-def output_grammar(schema: dict | None, tools: list[dict] | None, tool_choice: str, name: str | None) -> str | None:
-    """The grammar of a chat request's output (None: unconstrained); raises a 400 naming what cannot compile."""
+def output_grammar(schema: dict | None, tools: list[dict] | None, tool_choice: str,
+                   name: str | None) -> OutputGrammar | None:
+    """The grammar of a request's output (None: unconstrained); raises a 400 naming what cannot compile."""
     if schema is not None:
         if tool_choice in ("required", "function"):
             raise bad_request("response_format: a JSON response_format cannot be combined with tool_choice "
                               f"{'required' if tool_choice == 'required' else 'naming a function'}", "response_format")
-        return _compiled(constraints.json_grammar(schema), "response_format.json_schema.schema")
+        return OutputGrammar(_compiled(constraints.json_grammar(schema), "response_format.json_schema.schema"), True)
     if not tools or tool_choice == "none":
         return None
-    if tool_choice not in ("required", "function"):
-        return None
+    if tool_choice == "auto":
+        strict = [i for i, t in enumerate(tools) if t["function"].get("strict") is True]
+        if not strict:
+            return None
+        # the parser reads a calls block in the reasoning too, so this grammar spans the whole output
+        return OutputGrammar(_tools_compiled(constraints.auto_tools_grammar(tools), tools, strict), False)
+    chosen = [i for i, t in enumerate(tools) if tool_choice == "required" or t["function"]["name"] == name]
     grammar = constraints.tool_calls_grammar(tools, name if tool_choice == "function" else None)
+    return OutputGrammar(_tools_compiled(grammar, tools, chosen), True)
+
+
+def _tools_compiled(grammar: str, tools: list[dict], constrained: list[int]) -> str:
+    """grammar, compiled; else a 400 naming the first parameter of a constrained tool that cannot be enforced."""
     try:
         return constraints.check(grammar)
     except constraints.GrammarError as e:
-        for i, tool in enumerate(tools):  # name the parameter that cannot be enforced
-            params = tool["function"].get("parameters") or {}
+        for i in constrained:
+            params = tools[i]["function"].get("parameters") or {}
             for key, prop in (params.get("properties") or {}).items():
                 where = f"tools[{i}].function.parameters.properties.{key}"
                 _compiled(constraints.json_grammar(prop if isinstance(prop, dict) else {}), where)

@@ -9,6 +9,22 @@
   one with no constraint beyond its type, may also be raw text without "<", and a string enum one of its values
   raw, string="true", as the model usually writes strings). A tool without declared properties takes no
   parameters.
+- `auto_tools_grammar(tools)`: tool_choice "auto" with strict tools. The completion is any text (the reasoning,
+  `<think>` and `</think>` included) that never spells the calls tag, then optionally one calls block and nothing
+  after it: a strict tool's invokes as above, another tool's invokes with any parameter text. It spans the whole
+  completion, reasoning included, because the parser (parse.py) opens a calls block at the tag in reasoning as in
+  content: every call the parser can read is inside the block the grammar constrains.
+
+Free text is a lexeme of llguidance's regex intersection and complement (`/(.|\n)+/ & ~/(.|\n)*TAG(.|\n)*/`), and
+the text before a calls block is one lexeme with the tag at its end (`TEXT_THEN_CALLS`): llguidance's lexer ends a
+lexeme only when the next byte cannot extend it and never goes back, so a text lexeme followed by a separate tag
+literal would swallow the tag's first 14 characters and then fail at its ">". The free text is exactly what the
+parser reads as text, with one restriction: it holds no token llguidance counts as special (it has no bytes a
+regex can match) but `<think>` and `</think>`, which the grammar writes between text lexemes. Special tokens are
+not in the text the parser reads (skip_special_tokens), so letting one split two text lexemes would let
+"<｜DSML｜ ca" + special + "lls>" spell the tag unconstrained. `<think>` and `</think>` are text to the parser, but
+no tag can overlap one: the tag contains neither, begins with no proper suffix and ends with no proper prefix of
+either.
 
 JSON is compact (", " and ": " separators, no other whitespace, as OpenAI's strict mode writes it), so that a
 constrained completion always ends: the grammar leaves no unbounded run of whitespace. `check(grammar)` compiles
@@ -51,18 +67,36 @@ def tool_calls_grammar(tools: Sequence[dict], name: str | None = None) -> str:
     functions = [t["function"] for t in tools if name is None or t["function"]["name"] == name]
     calls = "invoke" if name is not None else "invoke next_invoke*"
     rules = [f"start: {_lit(s.CALLS_SEPARATOR + s.CALLS_OPEN + chr(10))} {calls} {_lit(chr(10) + s.CALLS_CLOSE)}",
-             *_alternatives(len(functions)), "RAW: /[^<]*/"]
+             *_alternatives([f"invoke_{i}" for i in range(len(functions))]), "RAW: /[^<]*/"]
     for i, function in enumerate(functions):
         rules += _invoke_rules(f"invoke_{i}", function)
     return llguidance.LLMatcher.grammar_from_lark("\n".join(rules) + "\n")
 
 
-def _alternatives(num_tools: int) -> list[str]:
+def auto_tools_grammar(tools: Sequence[dict]) -> str:
+    """tools: the request's OpenAI tool definitions, some with `strict: true` (their arguments constrained)."""
+    functions = [t["function"] for t in tools]
+    strict = [i for i, f in enumerate(functions) if f.get("strict") is True]
+    rules = [f"start: (TEXT? think)* (TEXT? | TEXT_THEN_CALLS invoke next_invoke* {_lit(chr(10) + s.CALLS_CLOSE)})",
+             f"think: {s.THINK_START} | {s.THINK_END}",  # special tokens (llguidance's <name> syntax)
+             f"TEXT: /{_ANY}+/ & {_without(s.CALLS_OPEN)}",
+             f"TEXT_THEN_CALLS: (/{_ANY}*/ & {_without(s.CALLS_OPEN)}) {_lit(s.CALLS_OPEN + chr(10))}",
+             f"FREE_ARGS: (/{_ANY}*/ & {_without(s.INVOKE_CLOSE, s.CALLS_CLOSE)}) {_lit(s.INVOKE_CLOSE)}",
+             *_alternatives([f"invoke_{i}" for i in range(len(functions))]), "RAW: /[^<]*/"]
+    for i, function in enumerate(functions):
+        if i in strict:
+            rules += _invoke_rules(f"invoke_{i}", function)
+        else:  # the parser reads a call's parameters up to the invoke's close tag, or the block's
+            head = f'{s.INVOKE_OPEN} name="{function["name"]}">\n'
+            rules += [f"invoke_{i}: {_lit(head)} FREE_ARGS", f"next_invoke_{i}: {_lit(chr(10) + head)} FREE_ARGS"]
+    return llguidance.LLMatcher.grammar_from_lark("\n".join(rules) + "\n")
+
+
+def _alternatives(invokes: list[str]) -> list[str]:
     """`invoke` (the first of a block) and `next_invoke` (a later one: its newline is part of its first literal, so
-    that no literal is a prefix of another where both may come next: llguidance's lexer does not go back)."""
-    first = [f"invoke_{i}" for i in range(num_tools)]
-    later = [f"next_invoke_{i}" for i in range(num_tools)]
-    return [f"invoke: {' | '.join(first)}", f"next_invoke: {' | '.join(later)}"]
+    that no literal is a prefix of another where both may come next: llguidance's lexer does not go back). Each
+    alternative's first literal holds the whole `<｜DSML｜ invoke name="f">`, for the same reason."""
+    return [f"invoke: {' | '.join(invokes)}", f"next_invoke: {' | '.join('next_' + i for i in invokes)}"]
 
 
 def _invoke_rules(rule: str, function: dict) -> list[str]:
@@ -103,4 +137,13 @@ def _param_head(key: str, is_string: bool) -> str:
 def _lit(text: str) -> str:
     """A Lark string literal."""
     return json.dumps(text, ensure_ascii=False)
+
+
+_ANY = "(.|\\n)"  # any character (a regex's "." matches all but the newline)
+
+
+def _without(*tags: str) -> str:
+    """A lexeme expression: the texts in which none of `tags` occurs."""
+    alternatives = "|".join("".join("\\" + c if c in "\\^$.|?*+()[]{}/" else c for c in tag) for tag in tags)
+    return f"~/{_ANY}*({alternatives}){_ANY}*/"
 

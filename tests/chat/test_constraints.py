@@ -1,30 +1,39 @@
 """engine/chat/constraints.py: which completions its grammars accept (llguidance over the real tokenizer), judged
-against the DSML the encoder writes (syntax.render_tool_calls) and JSON as json.dumps writes it."""
+against the DSML the encoder writes (syntax.render_tool_calls) and JSON as json.dumps writes it. The auto-tools
+grammar is also judged by what the parser (parse_completion) reads from what it accepts: every call of a strict
+tool has arguments valid against the tool's parameters (jsonschema)."""
 
 from __future__ import annotations
 
 import json
 
+import jsonschema
 import llguidance
 import pytest
 
-from engine.chat import syntax
-from engine.chat.constraints import GrammarError, check, json_grammar, tool_calls_grammar
+from engine.chat import parse_completion, syntax
+from engine.chat.constraints import GrammarError, auto_tools_grammar, check, json_grammar, tool_calls_grammar
 
 BOOK = {"type": "function", "function": {"name": "book", "parameters": {
     "type": "object", "properties": {"seats": {"type": "integer", "minimum": 1, "maximum": 9},
                                      "meal": {"enum": ["veg", "fish"]}, "note": {"type": "string"}},
     "required": ["seats", "meal"]}}}
 NOW = {"type": "function", "function": {"name": "now", "parameters": {"type": "object", "properties": {}}}}
+STRICT_BOOK = {"type": "function", "function": {**BOOK["function"], "strict": True}}
+# not strict, and named so that the strict tool's name is a prefix of it
+BOOKMARK = {"type": "function", "function": {"name": "bookmark", "strict": False, "parameters": {
+    "type": "object", "properties": {"page": {"type": "integer"}}, "required": ["page"]}}}
 
 
 @pytest.fixture(scope="module")
 def accepts(tok):
+    """accepts(grammar, text or token ids): the grammar takes every token and may end there."""
     llg_tok = llguidance.LLTokenizer(tok.path.read_text(encoding="utf-8"), eos_token=tok.eos_id)
 
-    def run(grammar: str, text: str) -> bool:
+    def run(grammar: str, text: str | list[int]) -> bool:
         matcher = llguidance.LLMatcher(llg_tok, grammar, log_level=0)
-        return matcher.consume_tokens(tok.encode(text)) and matcher.is_accepting()
+        ids = tok.encode(text) if isinstance(text, str) else text
+        return matcher.consume_tokens(ids) and matcher.is_accepting()
     return run
 
 
@@ -58,3 +67,81 @@ def test_check_names_the_keyword():
     with pytest.raises(GrammarError, match="uniqueItems"):
         check(json_grammar({"type": "array", "uniqueItems": True}))
     assert check(json_grammar({"type": "object"}))
+
+
+def invoke(name: str, body: str) -> str:
+    """A calls block with one invoke whose parameter text is `body`, as written (not necessarily DSML)."""
+    return (f"{syntax.CALLS_SEPARATOR}{syntax.CALLS_OPEN}\n{syntax.INVOKE_OPEN} name=\"{name}\">\n{body}"
+            f"{syntax.INVOKE_CLOSE}\n{syntax.CALLS_CLOSE}")
+
+
+def test_auto_tools_free_text_and_reasoning(accepts, tok):
+    g = auto_tools_grammar([STRICT_BOOK, BOOKMARK])
+    think = "Let me think. <b>bold</b> 🦜" + syntax.THINK_END + "Sure, here you go."
+    assert tok.token_to_id(syntax.THINK_END) in tok.encode(think)  # the reasoning's end is its special token
+    outside = "an invoke tag outside a block: " + syntax.INVOKE_OPEN + ' name="x">'
+    for text in ("", "Hello", think, syntax.THINK_START + "again" + syntax.THINK_END, "a partial tag: <｜DSML｜ call",
+                 outside, "\n\n   \n"):
+        assert accepts(g, text), text
+    user = tok.token_to_id("<｜User｜>")
+    assert not accepts(g, tok.encode("Hi") + [user])  # special tokens are not text (see the next test)
+    # a special token skipped when detokenising must not splice "<｜DSML｜ ca" + "lls>" into the calls tag
+    placeholder = tok.token_to_id("<｜place▁holder▁no▁7｜>")
+    call = invoke("book", '<｜DSML｜ parameter name="seats" string="false">99</｜DSML｜ parameter>\n')
+    head, tail = call.split(" calls>", 1)
+    spliced = tok.encode(head + " ca") + [placeholder] + tok.encode("lls>" + tail)
+    assert tok.decode(spliced, skip_special_tokens=True) == call
+    assert not accepts(g, spliced)
+
+
+AUTO_ACCEPTED = [
+    calls(("book", {"seats": 2, "meal": "veg"})),
+    "Booking now." + calls(("book", {"seats": 9, "meal": "fish", "note": "aisle, please"})),
+    invoke("book", '<｜DSML｜ parameter name="seats" string="false">3</｜DSML｜ parameter>\n'
+                   '<｜DSML｜ parameter name="meal" string="true">veg</｜DSML｜ parameter>\n'
+                   '<｜DSML｜ parameter name="note" string="false">"a <b> tag"</｜DSML｜ parameter>\n'),
+    "thinking" + syntax.THINK_END + "Done." + calls(("bookmark", {"page": 3}), ("book", {"seats": 1, "meal": "veg"})),
+    "a call straight from the reasoning" + calls(("book", {"seats": 4, "meal": "fish"})),
+    calls(("book", {"seats": 2, "meal": "veg"})).replace('"meal" string="true">veg', '"meal" string="false">"veg"'),
+    invoke("bookmark", "anything at all, <｜DSML｜ calls> or {not json"),  # a free tool's parameters are free
+    invoke("bookmark", '<｜DSML｜ parameter name="page" string="false">"x"</｜DSML｜ parameter>\n'
+                       '<｜DSML｜ parameter name="other" string="true">y</｜DSML｜ parameter>\n'),
+]
+AUTO_REFUSED = [
+    calls(("book", {"seats": 10, "meal": "veg"})),  # out of range
+    calls(("book", {"seats": 2})),  # a required parameter missing
+    calls(("book", {"seats": 2, "meal": "beef"})),  # not in the enum
+    calls(("book", {"meal": "veg", "seats": 2})),  # out of schema order
+    calls(("book", {"seats": 2, "meal": "veg", "extra": 1})),  # undeclared
+    calls(("bookmark", {"page": 1}), ("book", {"seats": 0, "meal": "veg"})),  # the strict call of two
+    calls(("lookup", {})),  # not a tool
+    invoke(" book", '<｜DSML｜ parameter name="seats" string="false">99</｜DSML｜ parameter>\n'),  # parsed as book
+    calls(("book", {"seats": 2, "meal": "veg"})) + "more text",  # nothing after the block
+    calls(("bookmark", {"page": 1})) + calls(("book", {"seats": 2, "meal": "veg"})),  # one block
+    invoke("bookmark", "x" + syntax.CALLS_CLOSE + "y"),  # would end the block inside the free call
+]
+
+
+@pytest.mark.parametrize("text", AUTO_ACCEPTED)
+def test_auto_tools_accepted_calls_parse_to_valid_strict_arguments(accepts, text):
+    tools = [STRICT_BOOK, BOOKMARK]
+    assert accepts(auto_tools_grammar(tools), text), text
+    for thinking in (False, True):
+        parsed = parse_completion(text, thinking, tools)
+        assert parsed.tool_calls, (thinking, text)
+        for call in parsed.tool_calls:
+            assert call.name in ("book", "bookmark")
+            if call.name == "book":
+                jsonschema.validate(json.loads(call.arguments), BOOK["function"]["parameters"])
+
+
+@pytest.mark.parametrize("text", AUTO_REFUSED)
+def test_auto_tools_refuses_invalid_strict_calls(accepts, text):
+    assert not accepts(auto_tools_grammar([STRICT_BOOK, BOOKMARK]), text), text
+
+
+def test_auto_tools_refusals_are_the_strict_tools_doing(accepts):
+    """With no tool strict the same grammar takes the invalid book calls: the constraint is `strict`'s."""
+    free = auto_tools_grammar([BOOK, BOOKMARK])
+    for text in AUTO_REFUSED[:6]:
+        assert accepts(free, text), text

@@ -7,6 +7,8 @@ random-weight model: only the grammar can make its output valid, so valid output
   and validate (jsonschema; the tool's parameters schema), with async scheduling off and on (the same tokens: a
   constrained request's mask for step k+1 needs its token k, so the engine reads the step in flight first).
 - A grammar that waits for a token (`</think>` in thinking mode) leaves the draws before it free.
+- tool_choice auto with a strict tool: free text; a call the model writes (teacher-forced into the block, which the
+  random model would hardly open by itself) has valid arguments; an invalid forced argument is refused.
 """
 
 from __future__ import annotations
@@ -19,7 +21,8 @@ import pytest
 import torch
 
 from engine.chat import parse_completion
-from engine.chat.constraints import json_grammar, tool_calls_grammar
+from engine.chat import syntax
+from engine.chat.constraints import auto_tools_grammar, json_grammar, tool_calls_grammar
 from engine.core.engine import LLMEngine, RequestError
 from engine.core.grammar import GrammarCompiler
 from engine.core.sampler import SampleRow, allowed_tokens, sample
@@ -157,3 +160,44 @@ def test_compiled_grammars_are_cached(grammars):
     first, second = grammars.matcher(spec), grammars.matcher(spec)
     assert grammars.num_compiled == before + 1 and first is not second
     assert first.mask() == second.mask()
+
+
+def test_strict_tool_calls_under_auto(tiny_model, grammars, tok, llg_tokenizer):
+    """The strict tools' grammar of tool_choice auto, from the first token: forced into a calls block (after content,
+    or straight after the reasoning's </think>) and then left to the random model, the draws complete a call of the
+    strict tool whose arguments validate; a forced argument out of range ends the request with the grammar's error;
+    unforced, the model writes free text with no special token but the think pair (none to splice the calls tag)."""
+    note = {"type": "function", "function": {"name": "note", "parameters": {"type": "object", "properties": {
+        "text": {"type": "string"}}}}}  # not strict
+    tools = [{"type": "function", "function": {**TOOL["function"], "strict": True}}, note]
+    think_end = tok.token_to_id(syntax.THINK_END)
+    head = f"Booking it.{syntax.CALLS_SEPARATOR}{syntax.CALLS_OPEN}\n{syntax.INVOKE_OPEN} name=\"book\">\n"
+    forced = {"content": tok.encode(head), "reasoning": tok.encode("Plan: book.") + [think_end] + tok.encode(head),
+              "bad": tok.encode(head + f'{syntax.PARAM_OPEN} name="seats" string="false">0')}
+
+    def params(seed: int, max_tokens: int = 150) -> SamplingParams:
+        return SamplingParams(max_tokens=max_tokens, temperature=1.0, seed=seed, grammar=GrammarSpec(
+            auto_tools_grammar(tools)))
+
+    script = {0: [("add", rid, random_prompt(8, seed=20 + i), params(30 + i), ids)
+                  for i, (rid, ids) in enumerate(forced.items())]
+              + [("add", "free", random_prompt(8, seed=29), params(39, max_tokens=60))]}
+    out = drive(constrained_engine(tiny_model.model, grammars, False), script)
+    for rid in ("content", "reasoning"):
+        ids, _, reason, _, error = out[rid]
+        text = tok.decode(ids)
+        assert error is None and ids[:len(forced[rid])] == forced[rid], (rid, error)
+        parsed = parse_completion(text, thinking=rid == "reasoning", tools=tools)
+        assert parsed.tool_calls and parsed.tool_calls[0].name == "book", (rid, text)
+        for call in parsed.tool_calls:
+            if call.name == "book":
+                jsonschema.validate(json.loads(call.arguments), TOOL["function"]["parameters"])
+        if reason.value == "stop":  # the grammar completed: the block is closed and nothing follows it
+            assert text.endswith(syntax.CALLS_CLOSE), text
+    ids, _, reason, _, error = out["bad"]
+    assert reason.value == "error" and "grammar does not allow" in error, (reason, error)
+    ids, _, reason, _, error = out["free"]
+    assert error is None and reason.value == "length" and len(ids) == 60, (reason, error)
+    special = {t for t in ids if llg_tokenizer.is_special_token(t)} - {think_end, tok.token_to_id(syntax.THINK_START)}
+    assert not special, special
+

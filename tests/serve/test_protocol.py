@@ -13,8 +13,9 @@ import pytest
 from openai.types import Completion, Model
 from openai.types.chat import ChatCompletion, ChatCompletionChunk
 
+from engine.chat.constraints import auto_tools_grammar, json_grammar, tool_calls_grammar
 from engine.core.request import TokenLogprob
-from engine.core.sampling_params import SamplingParams
+from engine.core.sampling_params import GrammarSpec, SamplingParams
 from serve_app import json_body, protocol as p
 from serve_app.errors import APIError, bad_request, overloaded, rate_limited
 from serve_app.streaming import ChatChoiceStream, TokenStrings
@@ -29,6 +30,14 @@ WEATHER = {
     },
 }
 TIME = {"type": "function", "function": {"name": "get_time", "parameters": {"type": "object", "properties": {}}}}
+UNIQUE = {"type": "function", "function": {"name": "tag", "parameters": {"type": "object", "properties": {
+    "tags": {"type": "array", "uniqueItems": True}}}}}  # llguidance cannot enforce uniqueItems
+UNIQUE_JSON_SCHEMA = {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "array",
+                                                                                      "uniqueItems": True}}}
+
+
+def strict(tool: dict) -> dict:
+    return {**tool, "function": {**tool["function"], "strict": True}}
 
 
 def chat(**fields) -> dict:
@@ -183,10 +192,10 @@ CHAT_REJECTIONS = [
      "response_format.json_schema.schema"),
     ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "strict": "yes"}}},
      "response_format.json_schema.strict"),
-    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "array",
-      "uniqueItems": True}}}}, "response_format.json_schema.schema"),
+    ({"response_format": UNIQUE_JSON_SCHEMA}, "response_format.json_schema.schema"),
     ({"response_format": {"type": "json_object"}, "tools": [WEATHER], "tool_choice": "required"}, "response_format"),
     ({"tools": [{**WEATHER, "function": {**WEATHER["function"], "strict": 1}}]}, "tools[0].function.strict"),
+    ({"tools": [WEATHER, strict(UNIQUE)]}, "tools[1].function.parameters.properties.tags"),  # auto, strict
     ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": {
       "d": {"type": "string", "format": "bogus"}}}}}], "tool_choice": "required"},
      "tools[0].function.parameters.properties.d"),
@@ -358,6 +367,35 @@ def test_tool_choice_controls_the_rendered_tools():
     assert '"get_time"' in prompt and '"get_weather"' not in prompt
 
 
+def test_which_requests_get_a_grammar_and_where_it_starts():
+    """In thinking mode (reasoning_effort null) JSON and forced calls are constrained after </think>, the strict
+    tools' grammar of tool_choice auto from the first token (the parser reads calls in the reasoning too);
+    completions' JSON from the first token. Auto without a strict tool has no grammar (no mask per token)."""
+    think_end = 128822
+
+    def spec(req) -> GrammarSpec | None:
+        return p.to_sampling_params(req, num_prompt_tokens=1, max_model_len=100, think_end_id=think_end).grammar
+
+    for body in (chat(), chat(tools=[WEATHER, UNIQUE]), chat(tools=[strict(WEATHER)], tool_choice="none"),
+                 chat(response_format={"type": "text"})):
+        assert spec(p.parse_chat_request(body)) is None, body
+    tools = [UNIQUE, strict(WEATHER), TIME]  # UNIQUE is not strict: its parameters are free, never compiled
+    auto = p.parse_chat_request(chat(tools=tools))
+    assert spec(auto) == GrammarSpec(auto_tools_grammar(tools), None) and auto.tool_choice == "auto"
+    required = p.parse_chat_request(chat(tools=[WEATHER], tool_choice="required"))
+    assert spec(required) == GrammarSpec(tool_calls_grammar([WEATHER]), think_end)
+    chat_mode = p.parse_chat_request(chat(tools=[WEATHER], tool_choice="required", reasoning_effort="none"))
+    assert spec(chat_mode) == GrammarSpec(tool_calls_grammar([WEATHER]), None)
+    assert spec(p.parse_chat_request(chat(response_format={"type": "json_object"}))) == GrammarSpec(
+        json_grammar({"type": "object"}), think_end)
+    schema = {"type": "object", "properties": {"n": {"type": "integer"}}, "required": ["n"]}
+    fmt = {"type": "json_schema", "json_schema": {"name": "n", "schema": schema, "strict": True}}
+    assert spec(p.parse_completion_request(completion(response_format=fmt))) == GrammarSpec(json_grammar(schema))
+    assert spec(p.parse_completion_request(completion(response_format={"type": "json_object"}))) == GrammarSpec(
+        json_grammar({"type": "object"}))
+    assert spec(p.parse_completion_request(completion(response_format={"type": "text"}))) is None
+
+
 # --- completion request validation ---------------------------------------------------------------
 
 COMPLETION_REJECTIONS = [
@@ -382,6 +420,13 @@ COMPLETION_REJECTIONS = [
     ({"stop": ["a"] * 5}, "stop", "at most 4"),
     ({"model": None}, "model", "non-empty string"),
     ({"presence_penalty": 1}, "presence_penalty", "not supported"),
+    ({"response_format": {"type": "xml"}}, "response_format", '{"type": "json_object"}'),
+    ({"response_format": "json_object"}, "response_format", "must be"),
+    ({"response_format": {"type": "json_object", "schema": {}}}, "response_format", "must be"),
+    ({"response_format": {"type": "json_schema"}}, "response_format.json_schema", "name and schema"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": []}}},
+     "response_format.json_schema.schema", "an object"),
+    ({"response_format": UNIQUE_JSON_SCHEMA}, "response_format.json_schema.schema", "uniqueItems"),
 ]
 
 

@@ -187,7 +187,10 @@ COMPLETION_CASES = [
     {"temperature": 2.5}, {"stop": ["a"] * 5}, {"presence_penalty": 0.5}, {"logit_bias": {"1": 1}},
     {"stream": False, "stream_options": None}, {"unknown_field": "x"}, {"skip_special_tokens": False},
     {"response_format": {"type": "json_object"}}, {"response_format": {"type": "text"}},
-    {"skip_special_tokens": 0},
+    {"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "object"}}}},
+    {"response_format": {"type": "json_schema", "json_schema": {"name": "x", "strict": False}}},
+    {"response_format": {"type": "json_schema"}}, {"response_format": {"type": "xml"}},
+    {"response_format": {"type": "json_object", "x": 1}}, {"skip_special_tokens": 0},
 ]
 
 

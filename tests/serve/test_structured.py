@@ -1,17 +1,19 @@
 """Structured output through the real app (tiny random-weight checkpoint, CPU) with the official openai client:
-response_format json_schema (strict and not) and json_object, tool_choice "required" and a named function. The
-random model writes noise, so output that parses and validates is the grammar's doing. Streamed tool-call
-argument deltas join to the non-streamed arguments (same seed), and a schema that cannot be enforced is a 400
-naming the keyword."""
+response_format json_schema (strict and not) and json_object, on chat and legacy completions, tool_choice "required"
+and a named function, and a strict tool under tool_choice "auto". The random model writes noise, so output that
+parses and validates is the grammar's doing. Streamed tool-call argument deltas join to the non-streamed arguments
+(same seed), and a schema that cannot be enforced is a 400 naming the keyword."""
 
 from __future__ import annotations
 
 import json
 
 import jsonschema
+import llguidance
 import openai
 import pytest
 
+from engine.chat import syntax
 from serve_app.settings import ServeSettings
 from tests.serve.api_fixtures import API_KEY, api  # noqa: F401
 
@@ -117,3 +119,51 @@ def test_a_schema_that_cannot_be_enforced_is_a_400_naming_the_keyword(oai):
     with pytest.raises(openai.BadRequestError) as e:
         chat(oai, response_format={"type": "json_object"}, tools=[BOOK], tool_choice="required")
     assert e.value.body["param"] == "response_format"
+
+
+def test_a_strict_tool_under_auto_constrains_the_whole_output(oai, tok):
+    """tool_choice auto with a strict tool, in thinking mode: the grammar spans the reasoning too. The random model
+    hardly ever opens a calls block by itself (tests/core/test_grammar.py forces one), so the grammar shows here in
+    the free text: the same seeded request without `strict` draws special tokens (placeholders, template markers),
+    with it none (its free text holds no special token but the think pair, so none can splice the calls tag).
+    Any call made validates; streamed text equals unstreamed."""
+    llg = llguidance.LLTokenizer(tok.path.read_text(encoding="utf-8"), eos_token=tok.eos_id)
+    special = {tok.decode([i]) for i in range(tok.vocab_size) if llg.is_special_token(i)}
+    special -= {syntax.THINK_START, syntax.THINK_END, "\ufffd"}  # U+FFFD: the lone byte 0xFF, llguidance's marker
+    strict_book = {"type": "function", "function": {**BOOK["function"], "strict": True}}
+    kw = dict(reasoning_effort="high", seed=11, max_tokens=120, logprobs=True)
+    free = chat(oai, tools=[BOOK, CANCEL], **kw)
+    assert special & {e.token for e in free.choices[0].logprobs.content}, "the seed draws a special token unconstrained"
+    r = chat(oai, tools=[strict_book, CANCEL], **kw)
+    drawn = [e.token for e in r.choices[0].logprobs.content]
+    assert len(drawn) == r.usage.completion_tokens and not special & set(drawn), special & set(drawn)
+    message = r.choices[0].message
+    for call in message.tool_calls or []:
+        if call.function.name == "book":
+            jsonschema.validate(json.loads(call.function.arguments), BOOK["function"]["parameters"])
+    streamed = list(chat(oai, tools=[strict_book, CANCEL], stream=True, **kw))
+    parts = [c.choices[0].delta for c in streamed if c.choices]
+    assert "".join(d.content or "" for d in parts) == (message.content or "")
+    assert "".join(getattr(d, "reasoning_content", None) or "" for d in parts) == message.reasoning_content
+
+
+def test_completions_take_response_format(oai):
+    fmt = {"type": "json_schema", "json_schema": {"name": "thing", "schema": SCHEMA, "strict": True}}
+    kw = dict(model=MODEL, prompt="A thing, as JSON:", max_tokens=200, temperature=1.0, seed=6)
+    r = oai.completions.create(**kw, n=2, extra_body={"response_format": fmt})
+    for choice in r.choices:
+        assert choice.finish_reason == "stop", choice
+        jsonschema.validate(json.loads(choice.text), SCHEMA)
+    streamed = oai.completions.create(**kw, stream=True, extra_body={"response_format": fmt})
+    assert "".join(c.choices[0].text for c in streamed if c.choices) == r.choices[0].text
+    r = oai.completions.create(**kw, extra_body={"response_format": {"type": "json_object"}})
+    assert r.choices[0].text.startswith("{")  # an unbounded object may run out of tokens
+    if r.choices[0].finish_reason == "stop":
+        assert isinstance(json.loads(r.choices[0].text), dict)
+    for bad, param in (({"type": "json_schema"}, "response_format.json_schema"),
+                       ({"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "array",
+                                                                                        "uniqueItems": True}}},
+                        "response_format.json_schema.schema")):
+        with pytest.raises(openai.BadRequestError) as e:
+            oai.completions.create(**kw, extra_body={"response_format": bad})
+        assert e.value.body["param"] == param, e.value.body
