@@ -31,6 +31,7 @@ from engine.core import kv_blocks
 from engine.core.decode_buckets import decode_takes
 from engine.core.engine import capture_decode_graphs
 from engine.core.engine_config import DecodeOptions, RunnerKind, decode_options, kernels_for
+from engine.core.kv_import import BlockImporter, BlockReader
 from engine.core.plan import StepPlan
 from engine.core.shard_group import STEP_TIMEOUT
 from engine.core.shard_lead import ShardGroupFailed, ShardLeader, follow, load_shard
@@ -70,6 +71,7 @@ class ShardWorker:
         self.groups: ProcessGroups | None = None
         self.leader: ShardLeader | None = None  # rank 0 of a group
         self.follow_error: BaseException | None = None  # ranks > 0: why the follow loop ended
+        self.importer: BlockImporter | None = None  # the pinned staging buffer of pulls, made at the first one
 
     def ready(self) -> dict[str, object]:
         """Answers once the weights and pools are in place (and while a step runs); raises once this rank is out
@@ -124,6 +126,30 @@ class ShardWorker:
             self.leader.write_blocks(block_ids, data)
         else:
             kv_blocks.write_blocks(self.kv, block_ids, data)
+
+    @ray.method(concurrency_group="step")
+    def prepare_pulls(self) -> str:
+        """With KV sharing on, at the replica's start: the staging buffer, and this process's NIXL agent with the
+        buffer registered, so that the first pull pays neither (~0.5 s of agent start-up here). Returns the
+        agent's name. (kv_transfer, and so NIXL, is imported only here.)"""
+        from serve_app.kv_transfer import process_agent
+
+        if self.importer is None:
+            self.importer = BlockImporter(self.kv)
+        agent = process_agent()
+        agent.register(self.importer.buffer)
+        return agent.name
+
+    @ray.method(concurrency_group="step")
+    def import_blocks(self, block_ids: list[int], reader: BlockReader) -> None:
+        """Pulled blocks into the pools through this actor's staging buffer (engine/core/kv_import.py): the reader
+        arrives as a small record (a NIXL reader: the owner's metadata and block addresses) and reads the bytes
+        into the buffer here, so they never pass through Ray. A group's leader broadcasts each chunk to the
+        other ranks."""
+        if self.importer is None:
+            self.importer = BlockImporter(self.kv)
+        sink = (lambda ids, rows: self.leader.write_blocks(ids, rows.numpy())) if self._leads() else None
+        self.importer.import_blocks(block_ids, reader, sink)
 
     @ray.method(concurrency_group="step")
     def close(self) -> None:
@@ -195,6 +221,12 @@ class ShardExecutor:
 
     def write_blocks(self, block_ids: list[int], data: np.ndarray) -> None:
         self._wait(self.actors[0].write_blocks.remote(block_ids, data))
+
+    def import_blocks(self, block_ids: list[int], reader: BlockReader) -> None:
+        self._wait(self.actors[0].import_blocks.remote(block_ids, reader))
+
+    def prepare_pulls(self) -> None:
+        self._wait(self.actors[0].prepare_pulls.remote())
 
     async def check(self, timeout_s: float) -> None:
         """Raises if a shard actor is dead, out of its group's lockstep, or does not answer within timeout_s (also

@@ -181,6 +181,11 @@ class KVCacheManager:
         self.global_pool.release(list(reversed(chain)))  # tail first, like a request: the head outlives it
         return out
 
+    def abandon_import(self, block_ids: list[int]) -> None:
+        """The blocks import_prefix returned were not all written (the pull failed part-way): forget them all,
+        before any step can take one as a hit."""
+        self.global_pool.forget(block_ids)
+
     # ---- per-step allocation ----------------------------------------------------------------------
     def allocate(self, req: Request, end: int) -> bool:
         """Own the blocks positions num_computed .. end-1 need (and drop window blocks no query can see

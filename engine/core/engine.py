@@ -29,6 +29,7 @@ from engine.core.engine_config import kernels_for
 from engine.core.grammar import GrammarCompiler, GrammarError
 from engine.core.kv_blocks import ExportedPrefix, PrefixImportError
 from engine.core.kv_cache import PagedKVCache, size_layout
+from engine.core.kv_import import BlockImporter, BlockReader
 from engine.core.overlap import InFlight, can_overlap, from_rows
 from engine.core.plan import DraftPolicy, SampleSpec, StepPlan, VerifySpec, plan_step
 from engine.core.prefix_hash import fingerprint
@@ -99,6 +100,17 @@ class Executor(Protocol):
 
     def write_blocks(self, block_ids: list[int], data: np.ndarray) -> None: ...
 
+    def import_blocks(self, block_ids: list[int], reader: BlockReader) -> None:
+        """Reads reader's blocks into those global blocks through the pools' owner's staging buffer, in
+        overlapped chunks (engine/core/kv_import.py); raises what the reader raised. Executors that serve KV
+        sharing have it (in-process, a shard actor); the others need not."""
+        ...
+
+    def prepare_pulls(self) -> None:
+        """Allocates what import_blocks uses (the staging buffer; a shard actor's transfer agent) ahead of the
+        first pull, whose time would otherwise include it."""
+        ...
+
 
 class LocalExecutor:
     """The model and its paged pools in this process. With decode options on the kernel path, decode steps
@@ -109,6 +121,7 @@ class LocalExecutor:
         self.kv = PagedKVCache(model.cfg, layout, model.embed.weight.device)
         self.runner = ModelRunner(model, self.kv, kernels, decode, drafter)
         self.capture = capture_decode_graphs(self.runner, progress)
+        self.importer: BlockImporter | None = None  # made at the first pull
 
     def execute(self, plan: StepPlan) -> StepOutput:
         return self.runner.execute(plan)
@@ -122,6 +135,14 @@ class LocalExecutor:
 
     def write_blocks(self, block_ids: list[int], data: np.ndarray) -> None:
         kv_blocks.write_blocks(self.kv, block_ids, data)
+
+    def import_blocks(self, block_ids: list[int], reader: BlockReader) -> None:
+        self.prepare_pulls()
+        self.importer.import_blocks(block_ids, reader)
+
+    def prepare_pulls(self) -> None:
+        if self.importer is None:
+            self.importer = BlockImporter(self.kv)
 
 
 def capture_decode_graphs(runner: ModelRunner, progress: bool = False) -> dict[str, float] | None:
@@ -451,14 +472,35 @@ class LLMEngine:
         expected = kv_blocks.block_bytes(self.cfg, self.cache.layout.global_block_size)
         if prefix.data.shape[1] != expected:
             raise PrefixImportError(f"prefix blocks have {prefix.data.shape[1]} bytes, this replica's {expected}")
-        targets = self.cache.import_prefix(prefix.hashes)
+        return self._import(prefix.hashes, lambda ids, fill: self.executor.write_blocks(ids, prefix.data[fill]))
+
+    def import_blocks(self, fingerprint: bytes, hashes: list[bytes], reader: BlockReader) -> int:
+        """import_prefix for blocks another replica holds: hashes[i] names the reader's block i (under the
+        owner's fingerprint); the executor reads only the ones missing here, straight into its staging buffer
+        and pools (engine/core/kv_import.py). Returns the tokens now held. A read that fails leaves none of the
+        blocks registered (they recompute) and raises; PrefixImportError for another fingerprint."""
+        if fingerprint != self.cache.salt:
+            raise PrefixImportError(f"prefix fingerprint {fingerprint.hex()[:16]} is not this replica's "
+                                    f"{self.cache.salt.hex()[:16]} (model, weights or block format differ)")
+        assert reader.num_blocks == len(hashes), f"{reader.num_blocks} blocks for {len(hashes)} hashes"
+        return self._import(hashes, lambda ids, fill: self.executor.import_blocks(ids, reader.select(fill)))
+
+    # ---- internals ----------------------------------------------------------------------------------
+    def _import(self, hashes: list[bytes], write: Callable[[list[int], list[int]], None]) -> int:
+        """Registers free blocks for the missing hashes, then write(block_ids, rows of hashes) fills them; if
+        it raises, the blocks are forgotten before anything can take them as a hit."""
+        targets = self.cache.import_prefix(hashes)
         fill = [i for i, b in enumerate(targets) if b is not None]
         if fill:
-            self.executor.write_blocks([targets[i] for i in fill], prefix.data[fill])
+            block_ids = [targets[i] for i in fill]
+            try:
+                write(block_ids, fill)
+            except BaseException:
+                self.cache.abandon_import(block_ids)
+                raise
             self.stats.num_imported_tokens += len(fill) * self.cache.layout.global_block_size
         return len(targets) * self.cache.layout.global_block_size
 
-    # ---- internals ----------------------------------------------------------------------------------
     def _fail_step(self, out, error: Exception) -> list[RequestOutput]:
         """A step that raised: every request it scheduled (and the n-1 siblings that wait on a first
         choice's first token) ends with ERROR and gives back its cache; the engine steps on. An executor

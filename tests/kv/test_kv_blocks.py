@@ -11,6 +11,9 @@
 from __future__ import annotations
 
 import hashlib
+import importlib.util
+import os
+import pickle
 
 import numpy as np
 import pytest
@@ -155,7 +158,12 @@ def test_a_prefix_from_another_fingerprint_or_format_is_refused(tiny_model):
         assert engine.cache.global_pool.num_cached == 0 and engine.cache.cached_prefix(prompt)[0] == 0
 
 
-def test_the_shard_actor_reads_and_writes_blocks_through_ray(tiny_checkpoint, tiny_cfg, monkeypatch):
+def test_the_shard_actor_reads_writes_and_pulls_blocks(tiny_checkpoint, tiny_cfg, monkeypatch):
+    """Through Ray: block reads and writes, and a pull. For a pull the replica hands the actor a reader of a few
+    hundred bytes (the owner's agent metadata and block addresses); the actor's own NIXL agent reads the blocks
+    from the owner's host store (here: this process) into the actor's staging buffer, so the block bytes never
+    pass through Ray. A corrupted block raises TransferFailed out of the actor, as the replica's fallback
+    expects. (One test: starting the actor is most of its time.)"""
     ray = pytest.importorskip("ray")
     from serve_app.shard_worker import CONCURRENCY_GROUPS, ShardExecutor, ShardWorker
 
@@ -171,7 +179,32 @@ def test_the_shard_actor_reads_and_writes_blocks_through_ray(tiny_checkpoint, ti
         executor.write_blocks([2, 0], data)
         back = executor.read_blocks([0, 2, 1])
         assert np.array_equal(back[:2], data[::-1]) and not back[2].any()
+        if importlib.util.find_spec("nixl_cu13") is not None:
+            pull_into_the_actor(executor, tiny_cfg)
         executor.shutdown()
     finally:
         if started:
             ray.shutdown()
+
+
+def pull_into_the_actor(executor, tiny_cfg) -> None:
+    from serve_app.kv_store import HostKVStore
+    from serve_app.kv_transfer import NixlBlockReader, TransferAgent, TransferFailed
+
+    nbytes = block_bytes(tiny_cfg, 64)
+    store = HostKVStore(b"salt", nbytes, 8 * nbytes)
+    data = np.random.default_rng(4).integers(0, 256, (5, nbytes), dtype=np.uint8)
+    hashes = [bytes([i]) * 32 for i in range(5)]
+    store.put(ExportedPrefix(b"salt", hashes, data))
+    owner = TransferAgent(f"owner-{os.getpid()}-{id(store)}", store)
+    try:
+        executor.prepare_pulls()  # the actor's staging buffer and NIXL agent, before the first pull
+        reader = NixlBlockReader(owner.metadata, store.get_descriptors(hashes), 5.0, agent=owner)
+        assert len(pickle.dumps(reader)) < 2048 < data.nbytes  # what crosses Ray: no block bytes, no agent
+        executor.import_blocks([7, 1, 4], reader.select([0, 3, 4]))
+        assert np.array_equal(executor.read_blocks([7, 1, 4]), data[[0, 3, 4]])
+        store.buffer[1, 5] ^= 1
+        with pytest.raises(TransferFailed, match="checksum mismatch"):
+            executor.import_blocks([2, 3], reader.select([0, 1]))
+    finally:
+        owner.close()
