@@ -46,6 +46,9 @@ class ServeSettings:
     num_replicas: int = 1
     num_shards: int = 1  # model-parallel ranks per replica: a ShardWorker actor each (golden runner only for N > 1)
     device: Device = "cpu"
+    # of one GPU per shard actor (cuda): 0.5 puts two replicas' shard actors on one GPU (each replica then sizes
+    # its KV cache with cache_memory_bytes, so the two budgets plus two copies of the weights must fit the GPU)
+    gpu_fraction: float = 1.0
     # engine (see EngineConfig)
     cache_memory_bytes: int = _DEFAULT_ENGINE.cache_memory_bytes
     max_num_seqs: int = _DEFAULT_ENGINE.max_num_seqs
@@ -99,6 +102,14 @@ class ServeSettings:
         need(self.runner in RUNNER_KINDS, "runner", " or ".join(RUNNER_KINDS))
         need(_is_int(self.speculative_tokens) and self.speculative_tokens >= 0, "speculative_tokens",
              "an integer >= 0 (0 = off; at most the checkpoint's DSpark block, checked when it loads)")
+        need(isinstance(self.gpu_fraction, (int, float)) and not isinstance(self.gpu_fraction, bool)
+             and 0 < self.gpu_fraction <= 1, "gpu_fraction", "a number in (0, 1]")
+        if self.gpu_fraction < 1 and self.device != "cuda":
+            raise SettingsError(f"--gpu-fraction {self.gpu_fraction} with --device {self.device}: a fraction of a GPU "
+                                "applies to --device cuda only")
+        if self.gpu_fraction < 1 and _is_int(self.num_shards) and self.num_shards > 1:
+            raise SettingsError(f"--gpu-fraction {self.gpu_fraction} with --num-shards {self.num_shards}: a sharded "
+                                "replica takes whole GPUs (its ranks' collectives would share one); use one or the other")
         if self.num_shards > 1:
             self._check_shards()
         if self.num_shards > 1 and _is_int(self.speculative_tokens) and self.speculative_tokens > 0:
@@ -191,6 +202,8 @@ def build_parser() -> argparse.ArgumentParser:
                    "attention, expert-parallel MoE; must divide the heads, output groups and experts (golden runner "
                    "only for now)")
     p.add_argument("--device", help="cpu, cuda or auto (default auto)" + env["device"])
+    p.add_argument("--gpu-fraction", help="of one GPU each shard actor asks Ray for, in (0, 1] (default 1; cuda, one "
+                   "shard): 0.5 fits two replicas on one GPU, each within its --cache-memory")
     p.add_argument("--cache-memory", dest="cache_memory_bytes",
                    help="KV cache budget per replica, bytes or e.g. 40GiB" + env["cache_memory_bytes"])
     p.add_argument("--max-num-seqs")
@@ -294,7 +307,7 @@ def _as_text(raw: str, where: str) -> str:
 
 
 _PARSERS: dict[str, Callable[[str, str], object]] = {
-    "num_replicas": parse_int, "num_shards": parse_int, "device": parse_device,
+    "num_replicas": parse_int, "num_shards": parse_int, "device": parse_device, "gpu_fraction": parse_float,
     "cache_memory_bytes": parse_bytes, "max_num_seqs": parse_int, "max_num_batched_tokens": parse_int,
     "max_chunk_tokens": parse_optional_int, "max_model_len": parse_optional_int,
     "bounded_replay": parse_bool, "enable_prefix_caching": parse_bool, "max_n": parse_int, "max_messages": parse_int, "max_output_tokens": parse_optional_int,

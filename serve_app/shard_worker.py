@@ -55,7 +55,7 @@ class ShardWorker:
                  runner: RunnerKind = "auto", decode: DecodeOptions | None = None,
                  step_timeout_s: float = STEP_TIMEOUT.total_seconds()):
         self.shard = ShardSpec(rank, num_shards)
-        # Ray shows each shard actor its own GPU only (num_gpus=1), as cuda:0
+        # Ray shows each shard actor its own GPU only (num_gpus=1, or a fraction of one it shares), as cuda:0
         self.device = torch.device("cuda", 0) if device == "cuda" else torch.device(device)
         kernels = kernels_for(runner)
         if not self.shard.is_single and (kernels or (kernels is None and self.device.type == "cuda")):
@@ -169,8 +169,9 @@ class ShardWorker:
 
 
 def shard_resources(settings: ServeSettings) -> dict[str, float]:
-    """What one shard actor holds: a CPU, and the GPU when the device is cuda (a placement-group bundle)."""
-    return {"CPU": 1.0, "GPU": 1.0} if settings.device == "cuda" else {"CPU": 1.0}
+    """What one shard actor holds: a CPU, and on cuda its GPU, or the fraction --gpu-fraction names (a placement-
+    group bundle; Ray shows every actor that shares a GPU the same device)."""
+    return {"CPU": 1.0, "GPU": settings.gpu_fraction} if settings.device == "cuda" else {"CPU": 1.0}
 
 
 def shard_actor_options(settings: ServeSettings) -> dict[str, object]:
