@@ -13,10 +13,10 @@ connect); the first transfer to a peer pays the connection wire-up (tens to hund
 
 from __future__ import annotations
 
-import logging
 import mmap
 import os
 import socket
+import sys
 import threading
 import time
 from collections.abc import Sequence
@@ -28,7 +28,6 @@ from nixl_cu13 import nixl_agent, nixl_agent_config  # the CUDA 13 build pyproje
 from serve_app.kv_store import BlockRef, HostKVStore, block_checksum
 
 DEFAULT_TIMEOUT_S = 5.0
-logger = logging.getLogger("dsv41.kv")
 
 
 class TransferFailed(RuntimeError):
@@ -45,8 +44,10 @@ class TransferAgent:
         self.name = name
         self._agent = nixl_agent(name, nixl_agent_config(backends=["UCX"]))
         # UCX picks its transports from UCX_TLS (the node's environment: ray_cluster.yaml, k8s/rayservice.yaml);
-        # unset, it uses every transport it finds. UCX_LOG_LEVEL=info logs the lanes it actually chose.
-        logger.info("NIXL agent %s: UCX backend, UCX_TLS=%s", name, os.environ.get("UCX_TLS", "unset (all found)"))
+        # unset, it uses every transport it finds. UCX_LOG_LEVEL=info logs the lanes it actually chose. One line on
+        # stderr (the replica's or shard actor's log), as a shard's memory line is
+        print(f"NIXL agent {name}: UCX backend, UCX_TLS={os.environ.get('UCX_TLS', 'unset (all found)')}",
+              file=sys.stderr, flush=True)
         self._peers: dict[bytes, str] = {}  # agent metadata -> remote agent name
         self._registered: list[tuple[np.ndarray, object]] = []  # (buffer kept alive, its NIXL registration)
         if store is not None:

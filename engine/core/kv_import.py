@@ -9,6 +9,11 @@ locked on CUDA, so a one-sided read (NIXL) can land in it and the host-to-device
 importer's own stream; on the CPU it is plain memory and the import is a synchronous copy. A slot is handed back to
 the reader only once the copy out of it has finished (a CUDA event per slot).
 
+Where it runs: where steps run (the engine's thread, a shard actor's "step" group), so a pull holds up the
+replica's other requests for about the longer of its reads and its imports (before this module the read ran beside
+the steps, and the import, behind a Ray copy of the bytes, did not). Reading outside the step order would need the
+target blocks held unregistered until written, then registered between steps: not done.
+
 Failure: a read that raises stops the pipeline; `import_blocks` waits for the read in flight, then raises. Chunks
 before it may already be in the pools: the caller must not use any of the blocks (LLMEngine.import_blocks forgets
 their hashes, so the request recomputes). After a failed read the buffer is retired and a fresh one allocated,

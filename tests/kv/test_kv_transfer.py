@@ -128,8 +128,7 @@ def test_adjacent_slots_coalesce_into_one_descriptor():
     assert local == [(1000, 30, 0), (1030, 20, 0), (1050, 10, 0)]
 
 
-def test_a_block_reader_reads_chunks_into_a_buffer_it_registers_once_and_travels_without_its_agent(pair, caplog):
-    import logging
+def test_a_block_reader_reads_chunks_into_a_buffer_it_registers_once_and_travels_without_its_agent(pair, capfd):
     import pickle
 
     from serve_app.kv_transfer import NixlBlockReader
@@ -149,6 +148,7 @@ def test_a_block_reader_reads_chunks_into_a_buffer_it_registers_once_and_travels
     assert np.array_equal(staging[0], prefix.data[[4, 0]]) and np.array_equal(staging[1, 0], prefix.data[2])
     travelled = pickle.loads(pickle.dumps(nixl))
     assert travelled.agent is None and travelled.blocks == nixl.blocks and travelled.num_blocks == 3
-    with caplog.at_level(logging.INFO, logger="dsv41.kv"):
-        TransferAgent(f"logged-{os.getpid()}").close()
-    assert f"UCX_TLS={os.environ.get('UCX_TLS', 'unset (all found)')}" in caplog.text
+    capfd.readouterr()
+    TransferAgent(f"logged-{os.getpid()}").close()
+    line = f"NIXL agent logged-{os.getpid()}: UCX backend, UCX_TLS={os.environ.get('UCX_TLS', 'unset (all found)')}"
+    assert line in capfd.readouterr().err
