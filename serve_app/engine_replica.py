@@ -185,7 +185,8 @@ class EngineReplica:
                             prefix_hit_rate=cache.hit_rate, num_global_blocks=cache.layout.num_global_blocks,
                             num_global_blocks_in_use=cache.global_pool.num_in_use,
                             num_global_blocks_cached=cache.global_pool.num_cached,
-                            num_swa_blocks_in_use=cache.swa_pool.num_in_use)
+                            num_swa_blocks_in_use=cache.swa_pool.num_in_use,
+                            vision_config=self.cfg if self.cfg.has_vision else None)
 
     async def check_health(self) -> None:
         """Serve's health hook: raises if a step failed, a shard actor is dead or unresponsive, or the shards'

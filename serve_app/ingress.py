@@ -32,6 +32,7 @@ from ray.exceptions import RayActorError
 from engine.chat.syntax import THINK_END
 from engine.tokenizer import load_tokenizer
 from serve_app.errors import APIError, overloaded, payload_too_large, rate_limited, server_error, unauthorized
+from serve_app.image_parts import fetch_images, image_span_tokens
 from serve_app.json_body import parse_json_body
 from serve_app.metrics_export import scrape_project_metrics
 from serve_app.protocol import (ChatCompletionRequest, CompletionLogprobs, CompletionRequest, chat_chunk,
@@ -260,6 +261,7 @@ class OpenAIIngress:
         self.tokenizer = load_tokenizer(settings.checkpoint)
         self.strings = TokenStrings(self.tokenizer)
         self.max_in_flight = settings.max_ongoing_requests * settings.num_replicas
+        self.image_policy = settings.image_policy
         self.in_flight = 0
         self._status: EngineStatus | None = None
         self._openapi: dict | None = None
@@ -302,17 +304,20 @@ class OpenAIIngress:
     @app.post("/v1/chat/completions", openapi_extra=request_body(ChatCompletionBody))
     async def chat_completions(self, request: Request) -> Response:
         req, prompt_ids = await self._prepare(self._prepare_chat, await self._body(request))
+        images = await fetch_images(req.images, self.image_policy)  # allow-listed URLs; data URLs as they are
         status = await self._engine_status()
-        params = to_sampling_params(req, num_prompt_tokens=len(prompt_ids), max_model_len=status.max_model_len,
-                                    max_output_tokens=self.settings.max_output_tokens,
-                                    think_end_id=self.tokenizer.token_to_id(THINK_END))
+        num_image_tokens = image_span_tokens(images, self.image_policy, status.vision_config)
+        params = to_sampling_params(req, num_prompt_tokens=len(prompt_ids) - len(images) + num_image_tokens,
+                                    max_model_len=status.max_model_len, max_output_tokens=self.settings.max_output_tokens,
+                                    think_end_id=self.tokenizer.token_to_id(THINK_END),
+                                    num_image_tokens=num_image_tokens if status.vision_config else 0)
         rid = f"chatcmpl-{uuid.uuid4().hex}"
         stop_ids = (self.tokenizer.eos_id, *req.stop_token_ids)
         streams = [ChatChoiceStream(self.tokenizer, thinking=req.thinking, tools=req.prompt_tools,
                                     parse_tool_calls=req.tool_choice != "none", stop=req.stop,
                                     stop_token_ids=stop_ids, id_salt=f"{rid}-{i}",
                                     skip_special_tokens=req.skip_special_tokens) for i in range(req.n)]
-        chunks = await self._start(GenerateRequest(rid, prompt_ids, params, images=req.images))
+        chunks = await self._start(GenerateRequest(rid, prompt_ids, params, images=tuple(p.data for p in images)))
         turn = _ChatTurn(rid, int(time.time()), req.model, streams, self.strings, req.logprobs)
         if req.stream:
             return StreamingResponse(self._sse(turn.events(chunks), req.include_usage, turn),
@@ -352,8 +357,7 @@ class OpenAIIngress:
         """On a prepare thread: body bytes -> the validated request and its prompt ids."""
         s = self.settings
         req = parse_chat_request(parse_json_body(raw, s.max_body_bytes), max_n=s.max_n, max_messages=s.max_messages,
-                                 max_output_tokens=s.max_output_tokens, max_images=s.max_images,
-                                 max_image_bytes=s.max_image_bytes)
+                                 max_output_tokens=s.max_output_tokens, image_policy=self.image_policy)
         check_model(req.model, [s.model_name])
         return req, chat_prompt_ids(req, self.tokenizer, max_chars=s.max_prompt_chars)
 

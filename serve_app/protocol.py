@@ -43,7 +43,7 @@ from engine.chat import EFFORT_NAMES, ChatFormatError, PromptPart, is_thinking, 
 from engine.core.request import TokenLogprob
 from engine.core.sampling_params import GrammarSpec, SamplingError, SamplingParams
 from serve_app.errors import APIError, bad_request, model_not_found
-from serve_app.image_parts import chat_images
+from serve_app.image_parts import ImagePart, ImagePolicy, chat_images
 from serve_app.json_body import json_kind
 from serve_app.streaming import TokenStrings
 from serve_app.structured import check_strict, output_grammar, response_schema
@@ -52,8 +52,6 @@ from serve_app.structured import check_strict, output_grammar, response_schema
 # settings set max_n, max_messages and max_output_tokens; the others are the API's (OpenAI's where it has one).
 DEFAULT_MAX_N = 8
 DEFAULT_MAX_MESSAGES = 2048  # OpenAI's limit on a chat request's messages
-DEFAULT_MAX_IMAGES = 8
-DEFAULT_MAX_IMAGE_BYTES = 20 << 20  # OpenAI's 20 MB per image
 MAX_STOP_STRINGS = 4
 MAX_STOP_CHARS = 256  # a stop string's characters: streaming holds back up to this many minus one
 MAX_STOP_TOKEN_IDS = 64  # every generated token is checked against them
@@ -94,7 +92,8 @@ class ChatCompletionRequest:
     skip_special_tokens: bool = True  # vLLM's: tokens flagged special are not text
     spaces_between_special_tokens: bool = True  # vLLM's; no effect with this tokenizer (serve_app/streaming.py)
     grammar: str | None = None  # the output's constraint (serve_app/structured.py), compiled once here
-    images: tuple[bytes, ...] = field(default=(), repr=False)  # the user messages' image_url parts, in prompt order
+    # the user messages' image_url parts, in prompt order (URL parts are fetched by the ingress: image_parts.py)
+    images: tuple[ImagePart, ...] = field(default=(), repr=False)
 
     @property
     def thinking(self) -> bool:
@@ -140,10 +139,10 @@ def check_model(name: str, served_names: Sequence[str]) -> None:
 
 
 def parse_chat_request(body: dict, *, max_n: int = DEFAULT_MAX_N, max_messages: int = DEFAULT_MAX_MESSAGES,
-                       max_output_tokens: int | None = None, max_images: int = DEFAULT_MAX_IMAGES,
-                       max_image_bytes: int = DEFAULT_MAX_IMAGE_BYTES) -> ChatCompletionRequest:
+                       max_output_tokens: int | None = None,
+                       image_policy: ImagePolicy = ImagePolicy()) -> ChatCompletionRequest:
     """max_output_tokens: the most max_tokens / max_completion_tokens may ask for (None: the context window);
-    max_images / max_image_bytes: image_url parts per request and decoded bytes per image (serve_app/image_parts.py)."""
+    image_policy: the image_url parts' limits and URL allow-list (serve_app/image_parts.py)."""
     f = _Fields(body)
     tools = _tools(f)
     choice, choice_name = _tool_choice(f, tools)
@@ -174,7 +173,7 @@ def parse_chat_request(body: dict, *, max_n: int = DEFAULT_MAX_N, max_messages: 
         include_usage=include_usage,
         user=f.string("user"),
         grammar=grammar,
-        images=chat_images(messages, max_images=max_images, max_image_bytes=max_image_bytes),
+        images=chat_images(messages, image_policy),
         **f.detokenize(),
         **f.sampling(),
     )
@@ -268,11 +267,11 @@ def _too_many_chars(param: str, num_chars: int, max_chars: int) -> APIError:
 
 def to_sampling_params(
     req: ChatCompletionRequest | CompletionRequest, *, num_prompt_tokens: int, max_model_len: int,
-    max_output_tokens: int | None = None, think_end_id: int | None = None,
+    max_output_tokens: int | None = None, think_end_id: int | None = None, num_image_tokens: int = 0,
 ) -> SamplingParams:
     """The engine's parameters. max_tokens None becomes the rest of the context window (at most
     max_output_tokens); a prompt that leaves no room, or prompt + max_tokens beyond the window, is a 400
-    (OpenAI's context_length_exceeded). Chat logprobs map to top_logprobs alternatives, legacy ones to `logprobs`.
+    (OpenAI's context_length_exceeded). num_prompt_tokens counts image spans expanded, num_image_tokens of them. Chat logprobs map to top_logprobs alternatives, legacy ones to `logprobs`.
     A chat grammar constrains the output from its first token in chat mode, and after the `</think>` token
     (think_end_id) in thinking mode: the reasoning is free."""
     prompt_param = "messages" if isinstance(req, ChatCompletionRequest) else "prompt"
@@ -281,7 +280,9 @@ def to_sampling_params(
     if room < 1 or max_tokens > room:
         raise bad_request(
             f"{prompt_param}: this model's maximum context length is {max_model_len} tokens; the request "
-            f"has {num_prompt_tokens} prompt tokens and asks for up to {max_tokens} more",
+            f"has {num_prompt_tokens} prompt tokens"
+            + (f" ({num_image_tokens} of them its images' spans)" if num_image_tokens else "")
+            + f" and asks for up to {max_tokens} more",
             prompt_param, "context_length_exceeded")
     grammar = None
     if isinstance(req, ChatCompletionRequest):

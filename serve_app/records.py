@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from engine.config import ModelConfig
 from engine.core.request import TokenLogprob
 from engine.core.sampling_params import SamplingParams
 
@@ -87,3 +88,6 @@ class EngineStatus:
     num_global_blocks_in_use: int = 0  # held by requests or prefix-cache snapshots
     num_global_blocks_cached: int = 0  # free but still indexed by hash (evictable prefix cache)
     num_swa_blocks_in_use: int = 0
+    # the served model's config when it has a vision tower: the ingress sizes image spans with it
+    # (engine/vision/layout.py) to check the context window; None: text only (the replica refuses images)
+    vision_config: ModelConfig | None = None

@@ -17,9 +17,11 @@ from typing import Literal
 from engine.config import ConfigError, load_config
 from engine.core.engine_config import RUNNER_KINDS, EngineConfig, RunnerKind
 from engine.shard_spec import check_shardable
+from serve_app.image_parts import AllowedHost, ImagePolicy
 
 DEFAULT_MODEL_NAME = "deepseek-v4.1-flash"
 _DEFAULT_ENGINE = EngineConfig()
+_DEFAULT_IMAGES = ImagePolicy()
 
 # the env vars read at all: field -> variable (a CLI flag wins over its variable)
 ENV_VARS: dict[str, str] = {
@@ -29,6 +31,7 @@ ENV_VARS: dict[str, str] = {
     "port": "DSV41_PORT",
     "api_key": "DSV41_API_KEY",
     "redis_url": "DSV41_REDIS_URL",
+    "image_url_hosts": "DSV41_IMAGE_URL_HOSTS",
 }
 
 
@@ -68,11 +71,17 @@ class ServeSettings:
     # a prompt's characters (chat: the rendered text) above this are a 400 before tokenising, which costs
     # ~1 s of one core per 1.2 M characters; the default is about the 1M-token window at ~4 characters a token
     max_prompt_chars: int = 4_000_000
-    # images (chat image_url parts, data: URLs only): per request, and per image (bytes decoded; pixels from the
-    # header, before decoding); a model without a vision tower refuses every image
-    max_images: int = 8
-    max_image_bytes: int = 20 << 20  # OpenAI's 20 MB per image
-    max_image_pixels: int = 7680 * 4320  # 8K UHD
+    # images (chat image_url parts; serve_app/image_parts.py): per request, and per image (encoded bytes; pixels
+    # from the header, before decoding); a model without a vision tower refuses every image
+    max_images: int = _DEFAULT_IMAGES.max_images
+    max_image_bytes: int = _DEFAULT_IMAGES.max_image_bytes
+    max_image_pixels: int = _DEFAULT_IMAGES.max_image_pixels
+    max_request_image_bytes: int = _DEFAULT_IMAGES.max_request_image_bytes
+    max_request_image_pixels: int = _DEFAULT_IMAGES.max_request_image_pixels
+    # http(s) image URLs are fetched from these hosts only (AllowedHost: "host[:port]" https, "http://host[:port]"
+    # plain http too); empty: none, every URL is a 400
+    image_url_hosts: tuple[str, ...] = ()
+    image_fetch_timeout_s: float = _DEFAULT_IMAGES.fetch_timeout_s
     host: str = "0.0.0.0"
     port: int = 8000
     # Serve
@@ -96,7 +105,8 @@ class ServeSettings:
         need(bool(self.model_name), "model_name", "a non-empty name")
         for name in ("num_replicas", "num_shards", "max_num_seqs", "max_num_batched_tokens", "cache_memory_bytes",
                      "max_n", "max_messages", "max_body_bytes", "max_prompt_chars", "max_ongoing_requests",
-                     "max_images", "max_image_bytes", "max_image_pixels"):
+                     "max_images", "max_image_bytes", "max_image_pixels", "max_request_image_bytes",
+                     "max_request_image_pixels"):
             need(_is_int(getattr(self, name)) and getattr(self, name) >= 1, name, "an integer >= 1")
         need(self.device in ("cpu", "cuda"), "device", "'cpu' or 'cuda'")
         need(self.runner in RUNNER_KINDS, "runner", " or ".join(RUNNER_KINDS))
@@ -127,6 +137,15 @@ class ServeSettings:
         need(_is_int(self.port) and 1 <= self.port <= 65535, "port", "a port number in [1, 65535]")
         need(self.replica_num_cpus > 0, "replica_num_cpus", "> 0")
         need(self.health_check_period_s > 0, "health_check_period_s", "> 0")
+        need(self.image_fetch_timeout_s > 0, "image_fetch_timeout_s", "> 0")
+        need(isinstance(self.image_url_hosts, (tuple, list)) and all(isinstance(h, str) for h in self.image_url_hosts),
+             "image_url_hosts", "a list of hosts")
+        object.__setattr__(self, "image_url_hosts", tuple(self.image_url_hosts))  # a Serve config's YAML list
+        for entry in self.image_url_hosts:
+            try:
+                AllowedHost.parse(entry)
+            except ValueError as e:
+                raise SettingsError(f"{_flag('image_url_hosts')}: {e}") from None
         need(self.graceful_shutdown_timeout_s >= 0, "graceful_shutdown_timeout_s", ">= 0")
         need(not self.kv_sharing or bool(self.redis_url), "redis_url",
              f"a redis:// URL when KV sharing is on (or set {ENV_VARS['redis_url']})")
@@ -146,6 +165,14 @@ class ServeSettings:
             check_shardable(load_config(self.checkpoint), self.num_shards)
         except (OSError, ConfigError) as e:  # ShardingError is a ConfigError: it names the dimension
             raise SettingsError(f"--num-shards {self.num_shards}: {e}") from None
+
+    @property
+    def image_policy(self) -> ImagePolicy:
+        return ImagePolicy(max_images=self.max_images, max_image_bytes=self.max_image_bytes,
+                           max_image_pixels=self.max_image_pixels, max_request_image_bytes=self.max_request_image_bytes,
+                           max_request_image_pixels=self.max_request_image_pixels,
+                           url_hosts=tuple(AllowedHost.parse(h) for h in self.image_url_hosts),
+                           fetch_timeout_s=self.image_fetch_timeout_s)
 
     def to_engine_config(self) -> EngineConfig:
         return EngineConfig(max_num_seqs=self.max_num_seqs, max_num_batched_tokens=self.max_num_batched_tokens,
@@ -227,6 +254,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-images", help="most images per chat request (default 8)")
     p.add_argument("--max-image-bytes", help="largest image, bytes or e.g. 20MiB (default 20MiB)")
     p.add_argument("--max-image-pixels", help="most pixels per image, from its header (default 7680 x 4320)")
+    p.add_argument("--max-request-image-bytes", help="most image bytes per chat request, all images together, bytes "
+                   "or e.g. 50MiB (default 50MiB)")
+    p.add_argument("--max-request-image-pixels", help="most image pixels per chat request, all images together "
+                   "(default 2 x 7680 x 4320)")
+    p.add_argument("--image-url-hosts", help="comma-separated hosts whose http(s) image URLs the server fetches: "
+                   "host or host:port (https only), http://host[:port] (plain http too); default none: image URLs "
+                   "are refused" + env["image_url_hosts"])
+    p.add_argument("--image-fetch-timeout-s", help="one image URL's fetch, connect to last byte (default 10)")
     p.add_argument("--port", help="HTTP port (default 8000)" + env["port"])
     p.add_argument("--max-ongoing-requests", help="per replica (default 64)")
     p.add_argument("--replica-num-cpus")
@@ -298,6 +333,12 @@ def parse_runner(raw: str, where: str) -> str:
     return value
 
 
+def parse_host_list(raw: str, where: str) -> tuple[str, ...]:
+    """'a.example, http://10.0.0.5:8080' -> ('a.example', 'http://10.0.0.5:8080'); each entry checked by
+    ServeSettings (AllowedHost.parse); empty: none."""
+    return tuple(entry.strip() for entry in raw.split(",") if entry.strip())
+
+
 def parse_optional_path(raw: str, where: str) -> str | None:
     return raw or None
 
@@ -312,7 +353,8 @@ _PARSERS: dict[str, Callable[[str, str], object]] = {
     "max_chunk_tokens": parse_optional_int, "max_model_len": parse_optional_int,
     "bounded_replay": parse_bool, "enable_prefix_caching": parse_bool, "max_n": parse_int, "max_messages": parse_int, "max_output_tokens": parse_optional_int,
     "max_body_bytes": parse_bytes, "max_prompt_chars": parse_int, "max_images": parse_int,
-    "max_image_bytes": parse_bytes, "max_image_pixels": parse_int, "port": parse_int, "max_ongoing_requests": parse_int,
+    "max_image_bytes": parse_bytes, "max_image_pixels": parse_int, "max_request_image_bytes": parse_bytes,
+    "max_request_image_pixels": parse_int, "image_url_hosts": parse_host_list, "image_fetch_timeout_s": parse_float, "port": parse_int, "max_ongoing_requests": parse_int,
     "replica_num_cpus": parse_float, "health_check_period_s": parse_float,
     "graceful_shutdown_timeout_s": parse_float, "request_log_file": parse_optional_path,
     "kv_sharing": parse_bool, "redis_url": parse_optional_path, "host_kv_bytes": parse_bytes,

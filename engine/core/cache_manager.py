@@ -182,8 +182,8 @@ class KVCacheManager:
         return out
 
     def abandon_import(self, block_ids: list[int]) -> None:
-        """The blocks import_prefix returned were not all written (the pull failed part-way): forget them all,
-        before any step can take one as a hit."""
+        """The blocks import_prefix returned were not all written (the pull or the write failed part-way): forget
+        them all, before any step can take one as a hit."""
         self.global_pool.forget(block_ids)
 
     # ---- per-step allocation ----------------------------------------------------------------------

@@ -496,7 +496,7 @@ class LLMEngine:
             try:
                 write(block_ids, fill)
             except BaseException:
-                self.cache.abandon_import(block_ids)
+                self.cache.abandon_import(block_ids)  # registered before the write: no hit may take them now
                 raise
             self.stats.num_imported_tokens += len(fill) * self.cache.layout.global_block_size
         return len(targets) * self.cache.layout.global_block_size

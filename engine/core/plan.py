@@ -92,5 +92,12 @@ def plan_step(out: SchedulerOutput, samples: list[SampleSpec] | None = None, fro
                                 r.ids_between(max(0, c.start - lookback), c.start), c.sample,
                                 r.keep_logits, list(r.global_blocks), dict(r.swa_blocks), r.pending_slot, r.global_from,
                                 r.swa_floor, r.decoder_from, r.decoder_floor, c.num_draft,
-                                tuple(im for im in r.images if im.overlaps(c.start - lookback, c.end))))
+                                chunk_images(r.images, c.start, c.end, lookback)))
     return StepPlan(chunks, list(out.copies), samples or [], from_rows, verifies or [], draft_policy)
+
+
+def chunk_images(images: tuple[ImageInput, ...], start: int, end: int, lookback: int) -> tuple[ImageInput, ...]:
+    """The images a chunk start..end-1 touches, in itself or in its Engram look-back. Those wholly in the look-back
+    travel without their patches (megabytes each; only their positions are read: the decode steps after an image)."""
+    return tuple(im if im.end > start else im.positions_only()
+                 for im in images if im.overlaps(start - lookback, end))

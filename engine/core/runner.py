@@ -206,7 +206,8 @@ class ModelRunner:
         if any(c.images for c in chunks):
             is_image = torch.tensor([m for c in chunks for m in image_mask(c.start, c.end, c.images)],
                                     device=self.device)
-            x[is_image] = self._image_rows(chunks)
+            if bool(is_image.any()):  # a chunk may carry an image only for its Engram look-back (decode after it)
+                x[is_image] = self._image_rows(chunks)
         h = x.view(1, -1, cfg.dim).unsqueeze(2).repeat(1, 1, cfg.hc_mult, 1)  # [1,T,hc,D]
         pre_mix = identity_pre_mix(1, ids.numel(), cfg.hc_mult, self.device)
         shared = [StepShared() for _ in chunks]

@@ -29,10 +29,9 @@ from torch import Tensor
 from engine.core.plan import DraftPolicy, SampleSpec, VerifySpec
 from engine.core.sampler import UNUSABLE_LOGITS, TokenLogprobs, filter_logits, sample_specs, usable_rows
 from engine.core.sampling_params import SamplingParams
-from engine.kernels.gumbel import gumbel_from_bits_ref, philox4x32_10_ref
+from engine.kernels.gumbel import gumbel_from_bits_ref, philox_bits_ref
 
 STREAM_SAMPLE, STREAM_DRAFT, STREAM_ACCEPT = 0, 1, 2
-_MASK32 = 0xFFFFFFFF
 _INT64_MASK = (1 << 64) - 1
 
 
@@ -67,24 +66,14 @@ def accept_drafts(p: Tensor, q: Tensor, draft: Tensor, u: Tensor, g: Tensor) -> 
 
 # ---- keyed draws ------------------------------------------------------------------------------------------------
 
-def keyed_bits(seeds: Tensor, steps: Tensor, stream: int, num: int) -> Tensor:
-    """Philox bits of (seed, step, stream) for items 0..num-1: int64 [N, num] holding uint32 values (the sampler's
-    Gumbel noise is stream 0 of these, item = token id)."""
-    j = torch.arange(-(-num // 4), dtype=torch.int64, device=seeds.device)[None, :]
-    counter = (j, torch.full_like(j, stream), (steps & _MASK32)[:, None], ((steps >> 32) & _MASK32)[:, None])
-    r = philox4x32_10_ref(counter, (seeds & _MASK32)[:, None], ((seeds >> 32) & _MASK32)[:, None])
-    r = [t.expand(seeds.size(0), j.size(1)) for t in r]
-    return torch.stack(r, dim=-1).reshape(seeds.size(0), 4 * j.size(1))[:, :num]
-
-
 def keyed_gumbel(seeds: Tensor, steps: Tensor, stream: int, vocab_size: int) -> Tensor:
     """fp32 [N, V] standard Gumbel noise of (seed, step, stream); stream STREAM_SAMPLE is the sampler's noise."""
-    return gumbel_from_bits_ref(keyed_bits(seeds, steps, stream, vocab_size))
+    return gumbel_from_bits_ref(philox_bits_ref(seeds, steps, vocab_size, stream))
 
 
 def keyed_uniform(seeds: Tensor, steps: Tensor, stream: int) -> Tensor:
     """float64 [N] uniforms in (0, 1) of (seed, step, stream): (h + 1/2) / 2^32 of the first Philox word."""
-    return (keyed_bits(seeds, steps, stream, 1)[:, 0].double() + 0.5) * 2.0**-32
+    return (philox_bits_ref(seeds, steps, 1, stream)[:, 0].double() + 0.5) * 2.0**-32
 
 
 def keys(seed: int, first_step: int, n: int) -> tuple[Tensor, Tensor]:

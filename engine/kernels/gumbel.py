@@ -292,12 +292,12 @@ def gumbel_from_bits_ref(h: Tensor) -> Tensor:
     return 0.0 - _log_parts_ref(fe, ke)  # 0 - x, not -x: +0.0 at g = 0, as the kernel
 
 
-def philox_bits_ref(seeds: Tensor, steps: Tensor, vocab_size: int) -> Tensor:
-    """The 32 hash bits of every (row, token): int64 [N, V] holding uint32 values."""
+def philox_bits_ref(seeds: Tensor, steps: Tensor, vocab_size: int, stream: int = 0) -> Tensor:
+    """The 32 hash bits of every (row, token): int64 [N, V] holding uint32 values. stream: the counter's second
+    word (0: the sampler's noise; speculative decoding draws its other keyed numbers from streams > 0)."""
     j = torch.arange(cdiv(vocab_size, 4), dtype=torch.int64, device=seeds.device)[None, :]  # [1, J]
-    zero = torch.zeros_like(j)
-    r = philox4x32_10_ref((j, zero, (steps & _MASK32)[:, None], ((steps >> 32) & _MASK32)[:, None]),
-                          (seeds & _MASK32)[:, None], ((seeds >> 32) & _MASK32)[:, None])  # 4 x [N, J]
+    counter = (j, torch.full_like(j, stream), (steps & _MASK32)[:, None], ((steps >> 32) & _MASK32)[:, None])
+    r = philox4x32_10_ref(counter, (seeds & _MASK32)[:, None], ((seeds >> 32) & _MASK32)[:, None])  # 4 x [N, J]
     r = [t.expand(seeds.size(0), j.size(1)) for t in r]
     return torch.stack(r, dim=-1).reshape(seeds.size(0), 4 * j.size(1))[:, :vocab_size]  # [N, V]: token v = 4 j + lane
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import hashlib
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from engine.vision.layout import ImageGrid
 
@@ -33,6 +33,10 @@ class ImageInput:
 
     def overlaps(self, start: int, end: int) -> bool:
         return self.start < end and start < self.end
+
+    def positions_only(self) -> "ImageInput":
+        """The image without its patches: what a chunk that only looks back at it needs (its span's positions)."""
+        return replace(self, patches=b"")
 
 
 def image_key(data: bytes) -> int:

@@ -13,9 +13,11 @@ import torch
 from PIL import Image
 
 from engine.core.engine import EngineConfig, LLMEngine, RequestError
+from engine.core.plan import chunk_images
 from engine.core.sampling_params import SamplingParams
 from engine.vision.image_processing import prepare_image_prompt, process_image
-from engine.vision.inputs import image_mask
+from engine.vision.inputs import ImageInput, image_mask
+from engine.vision.layout import ImageGrid
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -73,6 +75,37 @@ def test_runner_equals_the_golden_forward_and_chunks_agree(vision_model):
     assert torch.equal(logits, golden)
     chunked, chunk_rows, _ = run(make(model, max_chunk_tokens=7), "b", ids, images, keep_logits=True)
     assert chunked == tokens and torch.equal(torch.cat([r for _, r in chunk_rows])[:len(ids)], logits)
+
+
+def test_decode_right_after_an_image_that_ends_the_prompt(vision_model):
+    """The image is the prompt's last span, so the decode steps' chunks carry it only for their Engram look-back
+    (no row of theirs is an image row): every row, prompt and decode, equals the golden forward teacher-forced on
+    the prompt + the drawn tokens."""
+    model, cfg = vision_model.model, vision_model.cfg
+    ids, images = prompt_with(cfg, [png(2)], [])
+    assert images[0].end == len(ids)
+    tokens, rows, _ = run(make(model), "e", ids, images, keep_logits=True)
+    assert len(tokens) == NUM_NEW, tokens
+    logits = torch.cat([r for _, r in rows])
+    seq = ids + tokens[:-1]
+    image = process_image(png(2), cfg)
+    mask = torch.tensor([image_mask(0, len(seq), images)])
+    golden = model(torch.tensor([seq]), 0, model.new_cache(1, len(seq) + 1), full_logits=True, image_mask=mask,
+                   image_rows=model.span_rows(image.patches, image.grid)).logits[0]
+    assert logits.shape == golden.shape and torch.equal(logits, golden)
+
+
+def test_chunks_carry_patches_only_where_they_hold_image_rows():
+    """chunk_images: an image wholly in a chunk's Engram look-back travels without its patches (the decode steps
+    right after it); one the chunk itself overlaps keeps them; one out of reach is not carried."""
+    grid = ImageGrid(112, 112, 8, 8, 3, 3)  # 14 span tokens
+    im = ImageInput(4, grid, b"\x01" * 64, -7)
+    assert im.end == 18
+    [inside] = chunk_images((im,), 0, 10, 3)  # a prefill chunk through the span
+    assert inside is im
+    [behind] = chunk_images((im,), 18, 19, 3)  # the first decode step after it
+    assert (behind.start, behind.grid, behind.key, behind.patches) == (4, grid, -7, b"")
+    assert chunk_images((im,), 21, 22, 3) == ()  # past the look-back
 
 
 def test_two_images_give_different_outputs(vision_model):

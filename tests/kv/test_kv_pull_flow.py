@@ -74,3 +74,21 @@ def test_pull_a_conversation_prefix_from_another_replica(tiny_model, redis_serve
     assert b.index.longest_owned_prefix(block_hashes(turn2, 64, b.engine.cache.salt)).num_blocks == 0
     for r in (a, b):
         r.agent.close()
+
+
+def test_a_failed_write_of_import_prefix_leaves_no_block_to_hit(tiny_model, monkeypatch):
+    """import_prefix registers its blocks before the write; a write that raises (a dead shard actor) must not
+    leave them registered, half written, for the next request's prefix lookup."""
+    a, b = make_engine(tiny_model.model), make_engine(tiny_model.model)
+    prompt = random_prompt(150, seed=52)
+    out, _, _ = turn(a, "a1", prompt)
+    exported = a.export_prefix(prompt + out)
+
+    def broken(block_ids, data):
+        raise RuntimeError("the shard actor died")
+
+    monkeypatch.setattr(b.executor, "write_blocks", broken)
+    with pytest.raises(RuntimeError, match="died"):
+        b.import_prefix(ExportedPrefix(exported.fingerprint, exported.hashes, exported.data))
+    assert b.cache.global_pool.num_cached == 0 and b.cache.cached_prefix(prompt + out)[0] == 0
+    b.cache.global_pool.check_integrity()

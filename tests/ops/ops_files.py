@@ -21,6 +21,7 @@ def by_kind(manifests: list[dict], kind: str) -> dict[str, dict]:
 
 # Reserved for the KV-sharing feature (not built yet); the dashboard's panels for them say so.
 KV_SHARING_COUNTERS = {"ray_dsv41_kv_pulls_total", "ray_dsv41_kv_pull_fallbacks_total", "ray_dsv41_kv_pull_bytes_total"}
+SPECULATIVE_SERIES = {"ray_dsv41_spec_accept_length_bucket"}  # observed only with --speculative-tokens K > 0
 SERIES = re.compile(r"\bray_dsv41_[a-z0-9_]+")
 
 
@@ -34,5 +35,7 @@ def panels(dash: dict) -> list[dict]:
 
 
 def dashboard_series(dash: dict) -> set[str]:
-    """The series names the dashboard queries that serve_app exports today (not the KV-sharing ones)."""
-    return {s for p in panels(dash) for t in p["targets"] for s in SERIES.findall(t["expr"])} - KV_SHARING_COUNTERS
+    """The series names the dashboard queries that serve_app exports with its default settings (not the KV-sharing
+    or speculative-decoding ones)."""
+    queried = {s for p in panels(dash) for t in p["targets"] for s in SERIES.findall(t["expr"])}
+    return queried - KV_SHARING_COUNTERS - SPECULATIVE_SERIES

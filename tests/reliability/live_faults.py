@@ -11,6 +11,7 @@ from dataclasses import dataclass
 
 import httpx
 
+from serve_app.settings import ServeSettings
 from tests.kv.sharing_fixtures import wait_for
 from tests.serve.api_fixtures import ERROR_KEYS
 
@@ -24,6 +25,19 @@ RECOVERY_LIMIT_S = 90.0
 class Live:
     base_url: str
     engine: object  # the EngineReplica's handle
+
+
+def start_live(settings: ServeSettings, name: str, port: int, ready_within_s: float) -> Live:
+    """The whole app for settings on Serve at /<name>, once /readyz answers 200 (stop it with serve.delete(name))."""
+    from ray import serve
+
+    from serve_app.app import build_app
+
+    serve.run(build_app(settings), name=name, route_prefix=f"/{name}")
+    base_url = f"http://127.0.0.1:{port}/{name}"
+    wait_for(lambda: httpx.get(base_url + "/readyz", timeout=10).status_code == 200, ready_within_s, "the app is ready",
+             0.2)
+    return Live(base_url, serve.get_deployment_handle("EngineReplica", name))
 
 
 def body(i: int, max_tokens: int, **fields) -> dict:

@@ -24,7 +24,6 @@ import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 
-import httpx
 import pytest
 
 from serve_app.router import KVRouter
@@ -33,7 +32,7 @@ from tests.core.conftest import random_prompt, tiny_model  # noqa: F401  (the fi
 from tests.kv.sharing_fixtures import (LocalReplica, identity, loop, redis, reference_turns,  # noqa: F401 (fixtures)
                                        wait_for)
 from tests.reliability.live_faults import (API_KEY, NUM_STREAMS, Live, assert_ended_with_error_events, ready_again,
-                                           recover, streams_then_fault, summary)
+                                           recover, start_live, streams_then_fault, summary)
 
 pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("one_torch_thread")]
 
@@ -43,14 +42,9 @@ pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("one_torch_thread")]
 def live(serve_session, tiny_checkpoint) -> Iterator[Live]:
     from ray import serve
 
-    from serve_app.app import build_app
-
     settings = ServeSettings(checkpoint=str(tiny_checkpoint), device="cpu", api_key=API_KEY, replica_num_cpus=0.5,
                              health_check_period_s=1, graceful_shutdown_timeout_s=1)
-    serve.run(build_app(settings), name="faults", route_prefix="/faults")
-    base_url = f"http://127.0.0.1:{serve_session}/faults"
-    wait_for(lambda: httpx.get(base_url + "/readyz", timeout=10).status_code == 200, 60, "the app is ready", 0.2)
-    yield Live(base_url, serve.get_deployment_handle("EngineReplica", "faults"))
+    yield start_live(settings, "faults", serve_session, 60)
     serve.delete("faults")
 
 

@@ -11,13 +11,11 @@ import os
 import signal
 from collections.abc import Iterator
 
-import httpx
 import pytest
 
 from serve_app.settings import ServeSettings
-from tests.kv.sharing_fixtures import wait_for
 from tests.reliability.live_faults import (API_KEY, Live, assert_ended_with_error_events, ready_again, recover,
-                                           streams_then_fault, summary)
+                                           start_live, streams_then_fault, summary)
 
 pytestmark = [pytest.mark.slow]
 NUM_STREAMS = 4
@@ -27,14 +25,9 @@ NUM_STREAMS = 4
 def live(serve_session, tiny_checkpoint) -> Iterator[Live]:
     from ray import serve
 
-    from serve_app.app import build_app
-
     settings = ServeSettings(checkpoint=str(tiny_checkpoint), device="cpu", num_shards=2, api_key=API_KEY,
                              replica_num_cpus=0.5, health_check_period_s=1, graceful_shutdown_timeout_s=1)
-    serve.run(build_app(settings), name="shard_faults", route_prefix="/shard_faults")
-    base_url = f"http://127.0.0.1:{serve_session}/shard_faults"
-    wait_for(lambda: httpx.get(base_url + "/readyz", timeout=10).status_code == 200, 90, "the app is ready", 0.2)
-    yield Live(base_url, serve.get_deployment_handle("EngineReplica", "shard_faults"))
+    yield start_live(settings, "shard_faults", serve_session, 90)
     serve.delete("shard_faults")
 
 

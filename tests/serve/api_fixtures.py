@@ -130,6 +130,18 @@ def strings(reference) -> TokenStrings:
 
 
 # ---- requests ---------------------------------------------------------------------------------------------
+def run_replica(settings: ServeSettings, app: str, label: str = "EngineReplica"):
+    """One EngineReplica deployment for settings on Serve as app (no HTTP route), warmed up; its handle."""
+    from ray import serve
+
+    from serve_app.engine_replica import deployment
+
+    t0 = time.monotonic()
+    handle = serve.run(deployment(settings).bind(settings), name=app, route_prefix=None)
+    print(f"{label} deployed and warmed up in {time.monotonic() - t0:.1f} s")
+    return handle
+
+
 def chat_body(**fields) -> dict:
     """A chat request for the served model: USER's message, chat mode (no thinking), 8 tokens; `fields` override."""
     return {"model": "deepseek-v4.1-flash", "messages": USER, "reasoning_effort": "none", "max_tokens": 8,

@@ -17,6 +17,7 @@ from engine.core.engine import LLMEngine
 from engine.core.sampling_params import SamplingParams
 from serve_app.records import EngineRejected, GenerateChunk, GenerateRequest
 from serve_app.settings import ServeSettings, SettingsError
+from tests.serve.api_fixtures import run_replica
 
 APP = "engine_replica_test"
 GREEDY = SamplingParams(max_tokens=6, ignore_eos=True)
@@ -38,12 +39,7 @@ def settings(tiny_checkpoint, tmp_path_factory) -> ServeSettings:
 def handle(serve_session, settings):
     from ray import serve
 
-    from serve_app.engine_replica import deployment
-
-    t0 = time.monotonic()
-    h = serve.run(deployment(settings).bind(settings), name=APP, route_prefix=None)
-    print(f"EngineReplica deployed and warmed up in {time.monotonic() - t0:.1f} s")
-    yield h
+    yield run_replica(settings, APP)
     serve.delete(APP)
 
 

@@ -5,7 +5,6 @@ length reaches its request_end line and the dsv41_spec_accept_length histogram."
 from __future__ import annotations
 
 import json
-import time
 
 import pytest
 
@@ -13,6 +12,7 @@ from engine.core.engine import EngineConfig, LLMEngine
 from engine.core.sampling_params import SamplingParams
 from serve_app.records import GenerateRequest
 from serve_app.settings import ServeSettings
+from tests.serve.api_fixtures import run_replica
 
 APP = "engine_replica_spec_test"
 K = 2
@@ -30,12 +30,7 @@ def settings(tiny_checkpoint, tmp_path_factory) -> ServeSettings:
 def handle(serve_session, settings):
     from ray import serve
 
-    from serve_app.engine_replica import deployment
-
-    t0 = time.monotonic()
-    h = serve.run(deployment(settings).bind(settings), name=APP, route_prefix=None)
-    print(f"EngineReplica (speculative) deployed and warmed up in {time.monotonic() - t0:.1f} s")
-    yield h
+    yield run_replica(settings, APP, "EngineReplica (speculative)")
     serve.delete(APP)
 
 

@@ -1,5 +1,5 @@
 """What starting the server imports: the HTTP ingress and the plain-data modules it is built from import neither
-torch nor Triton (style.md: "The HTTP ingress imports no torch"), and with KV sharing off neither
+torch nor Triton (style.md: "The HTTP ingress imports no torch"), nor Pillow (images are decoded in the replica), and with KV sharing off neither
 serve_app.kv_transfer nor NIXL (its UCX libraries load with it). Each check runs in a fresh interpreter, since this
 one may have imported anything."""
 
@@ -15,7 +15,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[2]
 KV_MODULES = {"serve_app.kv_transfer", "serve_app.kv_sharing"}
 TORCH_FREE = ("serve_app.ingress", "serve_app.settings", "serve_app.protocol", "serve_app.records",
-              "serve_app.streaming")
+              "serve_app.streaming", "serve_app.image_parts")
 
 
 def modules_after(code: str) -> set[str]:
@@ -46,7 +46,7 @@ def test_kv_sharing_imports_nixl():
 
 
 def heavy_modules(modules: set[str]) -> set[str]:
-    return {m for m in modules if m.split(".")[0] in ("torch", "triton")}
+    return {m for m in modules if m.split(".")[0] in ("torch", "triton", "PIL")}
 
 
 @pytest.mark.parametrize("module", TORCH_FREE)
@@ -57,5 +57,6 @@ def test_the_ingress_imports_no_torch_or_triton(module):
 
 
 def test_the_torch_check_can_fail():
-    """The other side: the engine itself does bring torch and Triton in."""
+    """The other side: the engine itself does bring torch and Triton in, and the replica's image decoding Pillow."""
     assert {"torch", "triton"} <= heavy_modules(modules_after("import engine.core.engine"))
+    assert "PIL" in heavy_modules(modules_after("import engine.vision.image_processing"))
