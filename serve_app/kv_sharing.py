@@ -7,10 +7,12 @@ prompt, pull the blocks another replica owns.
 - Receiver side (`prefetch`, before the engine sees the prompt), given the router's KVHint: first the
   prompt's blocks this replica's own host store still holds (its device cache may have dropped blocks it
   exported), then, if the hint says pull, the owner's: looked up in Redis, then imported under the owner's
-  fingerprint by the engine's executor, which reads them over NIXL (every block's checksum verified) into the
-  staging buffer of whoever owns the pools (the shard actor: the bytes never pass through Ray), chunk by
-  chunk, each chunk's read overlapped with the previous one's import (engine/core/kv_import.py). The engine
-  then admits the prompt as after a local prefix hit (block hit + encoder replay of the last window).
+  fingerprint (AsyncEngine.import_blocks): the engine holds target blocks between two steps, unpublished; the
+  executor reads the blocks over NIXL (every block's checksum verified) into the staging buffer of whoever owns
+  the pools (the shard actor: the bytes never pass through Ray), chunk by chunk, each chunk's read overlapped with
+  the previous one's import (engine/core/kv_import.py), while the engine keeps stepping the other requests; then
+  the engine publishes the blocks between two steps and admits the prompt as after a local prefix hit (block hit +
+  encoder replay of the last window).
 - Any failure is a fallback to recomputation: the response is the same, only slower;
   `dsv41_kv_pull_fallbacks_total{reason}` counts it and the request_end line names it. `prefetch` never
   raises for a sharing failure.
@@ -18,7 +20,7 @@ prompt, pull the blocks another replica owns.
 Threads: engine calls run on the AsyncEngine's worker thread (between steps); Redis, the host store and
 this agent's set-up and shutdown (none of them thread-safe as used here) on this module's single I/O thread;
 a pull's reads on the importer's reader thread, in the shard actor (its own agent) or, with the engine in
-this process, with this agent while the prefetch that started them waits; the event loop awaits.
+this process, with this agent, beside the steps; the event loop awaits.
 """
 
 from __future__ import annotations
@@ -36,6 +38,7 @@ import numpy as np
 
 from engine.core.async_engine import AsyncEngine, EngineShutdownError
 from engine.core.kv_blocks import ExportedPrefix, PrefixImportError, block_bytes
+from engine.core.kv_import import ArrayReader
 from engine.core.prefix_hash import block_hashes
 from serve_app.kv_metrics import KVMetrics
 from serve_app.kv_store import HostKVStore
@@ -142,8 +145,7 @@ class KVSharing:
         refs = [b.ref() for b in blocks[num_local:num_owned]]
         reader = NixlBlockReader(owner.agent_metadata, refs, self.pull_timeout_s, self.agent)
         try:
-            num_pulled = await self.aengine.call(self.engine.import_blocks, owner.fingerprint,
-                                                 hashes[num_local:num_owned], reader)
+            num_pulled = await self.aengine.import_blocks(owner.fingerprint, hashes[num_local:num_owned], reader)
         except TransferFailed as e:
             return self._fallback(_transfer_reason(e), outcome, t0, e)
         except PrefixImportError as e:
@@ -206,7 +208,9 @@ class KVSharing:
         stored = await self._run(self.store.read, hashes[num_local:])
         if stored.num_blocks == 0:
             return num_local
-        return num_local + await self.aengine.call(self.engine.import_prefix, stored) // self.block_size
+        # as a pull, beside the steps (to a shard actor the records travel as a Ray argument: host memory here)
+        held = await self.aengine.import_blocks(self.salt, stored.hashes, ArrayReader(stored.data))
+        return num_local + held // self.block_size
 
     def _fallback(self, reason: FallbackReason, outcome: PullOutcome, t0: float, why: object) -> PullOutcome:
         self.metrics.observe_fallback(reason)

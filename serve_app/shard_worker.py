@@ -10,7 +10,8 @@ loads its shard (mapping the node's one shared copy of the Engram tables), then 
 ranks 1.. run their follow loop in their own concurrency group ("follow"), so that `ready` still answers. Per
 step the replica makes one Ray call, to rank 0, which broadcasts the plan to the others and runs it; steps
 launched ahead run there one at a time in the order sent ("step" group). Rank 0 answers block reads; a block
-write reaches every rank through it.
+write reaches every rank through it. A KV pull runs in its own group ("pull"), beside the steps: it writes only
+blocks the engine holds for it, unpublished, so no step reads them (engine/core/async_engine.py).
 """
 
 from __future__ import annotations
@@ -40,8 +41,9 @@ from engine.parallel import GroupAddress, ProcessGroups, Rendezvous, ShardingErr
 from serve_app.settings import ServeSettings
 
 # a ShardWorker actor's: steps, block reads/writes and `close` one at a time in the order sent ("step"); the follow
-# loop of ranks > 0 ("follow"); `ready` (health pings) in the default group, answering while the others run
-CONCURRENCY_GROUPS = {"step": 1, "follow": 1}
+# loop of ranks > 0 ("follow"); KV pulls into the staging buffer, one at a time beside the steps ("pull"); `ready`
+# (health pings) in the default group, answering while the others run
+CONCURRENCY_GROUPS = {"step": 1, "follow": 1, "pull": 1}
 CLOSE_TIMEOUT_S = 5.0  # shutdown: how long the actors get to stop the group and give up the shared tables
 
 
@@ -128,6 +130,10 @@ class ShardWorker:
             kv_blocks.write_blocks(self.kv, block_ids, data)
 
     @ray.method(concurrency_group="step")
+    def barrier(self) -> None:
+        """Returns once every step-group call sent before it has run (ShardExecutor.import_blocks' fence)."""
+
+    @ray.method(concurrency_group="pull")
     def prepare_pulls(self) -> str:
         """With KV sharing on, at the replica's start: the staging buffer, and this process's NIXL agent with the
         buffer registered, so that the first pull pays neither (~0.5 s of agent start-up here). Returns the
@@ -140,12 +146,14 @@ class ShardWorker:
         agent.register(self.importer.buffer)
         return agent.name
 
-    @ray.method(concurrency_group="step")
+    @ray.method(concurrency_group="pull")
     def import_blocks(self, block_ids: list[int], reader: BlockReader) -> None:
         """Pulled blocks into the pools through this actor's staging buffer (engine/core/kv_import.py): the reader
         arrives as a small record (a NIXL reader: the owner's metadata and block addresses) and reads the bytes
-        into the buffer here, so they never pass through Ray. A group's leader broadcasts each chunk to the
-        other ranks."""
+        into the buffer here, so they never pass through Ray. Runs in the "pull" group while steps run in theirs:
+        the engine holds block_ids for it, unpublished, so no step reads or writes them; on CUDA the copies run
+        on the importer's stream and have ended when this returns. A group's leader broadcasts each chunk to the
+        other ranks between two steps (ShardLeader runs one command at a time)."""
         if self.importer is None:
             self.importer = BlockImporter(self.kv)
         sink = (lambda ids, rows: self.leader.write_blocks(ids, rows.numpy())) if self._leads() else None
@@ -224,6 +232,10 @@ class ShardExecutor:
         self._wait(self.actors[0].write_blocks.remote(block_ids, data))
 
     def import_blocks(self, block_ids: list[int], reader: BlockReader) -> None:
+        """Called on the engine's pull thread while steps go on. First a fence through the step group: a step
+        sent before these blocks were held (a launched step of a request aborted since, whose blocks were freed
+        and are among block_ids now) has run before the import writes them, so it cannot write them after."""
+        self._wait(self.actors[0].barrier.remote())
         self._wait(self.actors[0].import_blocks.remote(block_ids, reader))
 
     def prepare_pulls(self) -> None:

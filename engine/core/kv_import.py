@@ -9,14 +9,15 @@ locked on CUDA, so a one-sided read (NIXL) can land in it and the host-to-device
 importer's own stream; on the CPU it is plain memory and the import is a synchronous copy. A slot is handed back to
 the reader only once the copy out of it has finished (a CUDA event per slot).
 
-Where it runs: where steps run (the engine's thread, a shard actor's "step" group), so a pull holds up the
-replica's other requests for about the longer of its reads and its imports (before this module the read ran beside
-the steps, and the import, behind a Ray copy of the bytes, did not). Reading outside the step order would need the
-target blocks held unregistered until written, then registered between steps: not done.
+Where it runs: beside the steps (the AsyncEngine's pull thread in-process, a shard actor's "pull" group), into
+blocks the engine holds for the pull and has not published (LLMEngine.begin_import), so no step reads, reuses or
+hits them while they are written; the engine publishes them between two steps once this returns (end_import).
+The pools' other blocks are read and written by steps meanwhile: on CUDA the copies run on this importer's stream
+(after the work the steps had queued when the import started), and `import_blocks` returns only once they ended.
 
 Failure: a read that raises stops the pipeline; `import_blocks` waits for the read in flight, then raises. Chunks
-before it may already be in the pools: the caller must not use any of the blocks (LLMEngine.import_blocks forgets
-their hashes, so the request recomputes). After a failed read the buffer is retired and a fresh one allocated,
+before it may already be in the pools: the caller must not use any of the blocks (LLMEngine.end_import frees them
+unpublished, so the request recomputes). After a failed read the buffer is retired and a fresh one allocated,
 since a one-sided read that timed out may still land in it later (the reader keeps the old one alive).
 """
 
@@ -83,8 +84,8 @@ BlockSink = Callable[[list[int], torch.Tensor], None]
 
 
 class BlockImporter:
-    """The staging buffer and the pipeline. One import at a time (the engine's thread, or a shard actor's step
-    group); the reader thread is this importer's own."""
+    """The staging buffer and the pipeline. One import at a time (the engine's pull thread, or a shard actor's
+    "pull" group); the reader thread is this importer's own."""
 
     def __init__(self, kv: PagedKVCache, chunk_blocks: int = DEFAULT_CHUNK_BLOCKS):
         assert chunk_blocks >= 1, f"chunk_blocks {chunk_blocks}"
@@ -132,8 +133,8 @@ class BlockImporter:
             reader.open(host.numpy())
             read(0)
 
-        if self.is_cuda:  # the pools' previous writers (a step launched ahead) before this stream's copies
-            self.stream.wait_stream(torch.cuda.current_stream(self.device))
+        if self.is_cuda:  # work queued before the pull (a launched step that may still write a block freed since)
+            self.stream.wait_stream(torch.cuda.current_stream(self.device))  # goes before this stream's copies
         pending: Future = self._reader.submit(opened_then_read)
         try:
             for i, (first, end) in enumerate(chunks):

@@ -16,6 +16,7 @@ import hashlib
 import importlib.util
 import os
 import pickle
+import time
 
 import numpy as np
 import pytest
@@ -29,6 +30,7 @@ from engine.core.kv_cache import PagedKVCache, global_bytes_per_block
 from engine.core.sampling_params import SamplingParams
 from engine.presets import full_config
 from tests.core.conftest import random_prompt, run_engine
+from tests.kv.gated_reader import TIMEOUT_S, FileGatedReader
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -216,12 +218,13 @@ def test_a_prefix_from_another_fingerprint_or_format_is_refused(tiny_model):
         assert engine.cache.global_pool.num_cached == 0 and engine.cache.cached_prefix(prompt)[0] == 0
 
 
-def test_the_shard_actor_reads_writes_and_pulls_blocks(tiny_checkpoint, tiny_cfg, monkeypatch):
-    """Through Ray: block reads and writes, and a pull. For a pull the replica hands the actor a reader of a few
-    hundred bytes (the owner's agent metadata and block addresses); the actor's own NIXL agent reads the blocks
-    from the owner's host store (here: this process) into the actor's staging buffer, so the block bytes never
-    pass through Ray. A corrupted block raises TransferFailed out of the actor, as the replica's fallback
-    expects. (One test: starting the actor is most of its time.)"""
+def test_the_shard_actor_reads_writes_and_pulls_blocks(tiny_checkpoint, tiny_cfg, monkeypatch, tmp_path):
+    """Through Ray: block reads and writes, and a pull. A pull runs in the actor's "pull" group: while its read
+    is held, step-group calls (a block read, the barrier) still answer. For a pull over NIXL the replica hands
+    the actor a reader of a few hundred bytes (the owner's agent metadata and block addresses); the actor's own
+    NIXL agent reads the blocks from the owner's host store (here: this process) into the actor's staging
+    buffer, so the block bytes never pass through Ray. A corrupted block raises TransferFailed out of the actor,
+    as the replica's fallback expects. (One test: starting the actor is most of its time.)"""
     ray = pytest.importorskip("ray")
     from serve_app.shard_worker import CONCURRENCY_GROUPS, ShardExecutor, ShardWorker
 
@@ -237,12 +240,30 @@ def test_the_shard_actor_reads_writes_and_pulls_blocks(tiny_checkpoint, tiny_cfg
         executor.write_blocks([2, 0], data)
         back = executor.read_blocks([0, 2, 1])
         assert np.array_equal(back[:2], data[::-1]) and not back[2].any()
+        pull_beside_a_step_call(ray, actor, executor, data, tmp_path)
         if importlib.util.find_spec("nixl_cu13") is not None:
             pull_into_the_actor(executor, tiny_cfg)
         executor.shutdown()
     finally:
         if started:
             ray.shutdown()
+
+
+def pull_beside_a_step_call(ray, actor, executor, data: np.ndarray, tmp_path) -> None:
+    started, go = tmp_path / "started", tmp_path / "go"
+    pulling = actor.import_blocks.remote([5, 6], FileGatedReader(data, str(started), str(go)))
+    deadline = time.monotonic() + TIMEOUT_S
+    while not started.exists():
+        assert time.monotonic() < deadline, "the pull's read never started"
+        time.sleep(0.05)
+    # the step group answers while the pull's read is held (before the "pull" group it waited for the pull);
+    # well within the gate's own timeout, so that a step call queued behind the pull fails here
+    assert np.array_equal(ray.get(actor.read_blocks.remote([2]), timeout=TIMEOUT_S / 4), data[:1])
+    ray.get(actor.barrier.remote(), timeout=TIMEOUT_S / 4)
+    assert not ray.wait([pulling], timeout=0)[0]
+    go.touch()
+    ray.get(pulling, timeout=TIMEOUT_S)
+    assert np.array_equal(executor.read_blocks([5, 6]), data)
 
 
 def pull_into_the_actor(executor, tiny_cfg) -> None:
