@@ -122,9 +122,6 @@ class ServeSettings:
                                 "replica takes whole GPUs (its ranks' collectives would share one); use one or the other")
         if self.num_shards > 1:
             self._check_shards()
-        if self.num_shards > 1 and _is_int(self.speculative_tokens) and self.speculative_tokens > 0:
-            raise SettingsError(f"--speculative-tokens {self.speculative_tokens} with --num-shards {self.num_shards}: "
-                                "speculative decoding is not split over shards yet; use one or the other")
         for name in ("bounded_replay", "enable_prefix_caching", "kv_sharing"):
             need(isinstance(getattr(self, name), bool), name, "true or false")
         need(self.max_chunk_tokens is None or (_is_int(self.max_chunk_tokens) and self.max_chunk_tokens >= 1),
@@ -155,10 +152,10 @@ class ServeSettings:
         need(bool(self.region), "region", "a non-empty name")
 
     def _check_shards(self) -> None:
-        """A replica split over num_shards: a model the shards can split (the checkpoint's config.json is read
-        here; with one shard nothing is)."""
+        """A replica split over num_shards: a model the shards can split, its DSpark stages too when speculating
+        (the checkpoint's config.json is read here; with one shard nothing is)."""
         try:
-            check_shardable(load_config(self.checkpoint), self.num_shards)
+            check_shardable(load_config(self.checkpoint), self.num_shards, include_mtp=self.speculative_tokens > 0)
         except (OSError, ConfigError) as e:  # ShardingError is a ConfigError: it names the dimension
             raise SettingsError(f"--num-shards {self.num_shards}: {e}") from None
 
@@ -238,7 +235,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--runner", help="auto, kernels or golden (default auto: the kernels on CUDA, the golden "
                    "float64 modules on CPU)")
     p.add_argument("--speculative-tokens", help="speculative decoding: DSpark drafts verified per step, at most the "
-                   "checkpoint's DSpark block (default 0 = off; golden runner only for now)")
+                   "checkpoint's DSpark block (default 0 = off; golden runner only for now; with --num-shards N, N "
+                   "must divide the DSpark experts too)")
     p.add_argument("--api-key", help="require this bearer token" + env["api_key"])
     p.add_argument("--max-n", help="most choices per request (default 8)")
     p.add_argument("--max-messages", help="most messages per chat request (default 2048)")
