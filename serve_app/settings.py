@@ -47,7 +47,7 @@ class ServeSettings:
     checkpoint: str  # folder with config.json, tokenizer files and safetensors shards, readable on every node
     model_name: str = DEFAULT_MODEL_NAME  # the served name (the API's "model")
     num_replicas: int = 1
-    num_shards: int = 1  # model-parallel ranks per replica: a ShardWorker actor each (golden runner only for N > 1)
+    num_shards: int = 1  # model-parallel ranks per replica: a ShardWorker actor each
     device: Device = "cpu"
     # of one GPU per shard actor (cuda): 0.5 puts two replicas' shard actors on one GPU (each replica then sizes
     # its KV cache with cache_memory_bytes, so the two budgets plus two copies of the weights must fit the GPU)
@@ -219,8 +219,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--model-name", help=f"served model name (default {DEFAULT_MODEL_NAME})")
     p.add_argument("--num-replicas", help="engine replicas (default 1)")
     p.add_argument("--num-shards", help="model-parallel ranks per replica (default 1), one device each: tensor-parallel "
-                   "attention, expert-parallel MoE; must divide the heads, output groups and experts (golden runner "
-                   "only for now)")
+                   "attention, expert-parallel MoE; must divide the heads, output groups and experts")
     p.add_argument("--device", help="cpu, cuda or auto (default auto)" + env["device"])
     p.add_argument("--gpu-fraction", help="of one GPU each shard actor asks Ray for, in (0, 1] (default 1; cuda, one "
                    "shard): 0.5 fits two replicas on one GPU, each within its --cache-memory")
