@@ -13,8 +13,9 @@ device, inside the graph:
      the context bucket); the completed compressor groups and pending writes (ratio 1 and 2);
   2. the layers, through KernelRunner.layer_forward (the indexer and top-k batched over all rows: one
      RequestRows for the whole batch, each row reading its own entries), the final norm and the head;
-  3. the draw (sampler.sample_device), in a second small graph per (batch, sampling variant, logprobs); over
-     several shards the head's logits stay vocab-parallel and greedy / plain draws gather only each rank's
+  3. the draw (sampler.sample_device), in a second small graph per (batch, sampling variant, logprobs, grammar
+     masks); a step whose draws have grammar masks stages them too (one bitmask row per request, all ones where
+     a request has none) and the draw applies them first (engine/kernels/token_mask.py); over several shards the head's logits stay vocab-parallel and greedy / plain draws gather only each rank's
      maxima (sharded_draw.py), other draws the logits.
 
 Then one copy of the drawn ids (and logprobs when asked) back to the host. Rows past a request's context
@@ -45,6 +46,7 @@ from engine.core.sharded_draw import draws_sharded, sample_sharded
 from engine.core.step_rows import StepOutput
 from engine.kernels.compressor import Ratio2Plan
 from engine.kernels.decode_meta import decode_inputs, decode_meta
+from engine.kernels.token_mask import token_mask
 from engine.parallel import all_gather
 
 VARIANTS = ("greedy", "plain", "filtered")
@@ -67,6 +69,7 @@ class Views:
     ring: Tensor  # int64 [B, R] window block ids of blocks lo .. lo + R - 1 (lo: the window's first), -1 = none
     gtable: Tensor  # int64 [B, C / global_block_size] global block ids, -1 past the request's (rows of self.tables)
     rows: Tensor  # int64 [B]: 0 .. B - 1 (every row writes its own global entry)
+    mask: Tensor  # int32 [B, mask words]: the draws' grammar bitmasks (staged only for a step that has one)
 
 
 class DecodeStep:
@@ -91,7 +94,10 @@ class DecodeStep:
         self.tables = torch.full((self.max_B, self.max_C // self.G), -1, dtype=torch.int64, device=self.device)
         # two staging buffers, used in turn: step k+1 is staged while step k's copy may not have run yet; after
         # the record, a step's changed table entries: their flat indices, then their values
-        size = rec + 2 * self.table_mirror.capacity
+        # then the grammar bitmasks, a row of 32-bit words per request (an even count: int64 staging)
+        self.mask_words = ((cfg.vocab_size + 31) // 32 + 1) // 2 * 2
+        self.mask_base = rec + 2 * self.table_mirror.capacity
+        size = self.mask_base + self.max_B * self.mask_words // 2
         self.hosts = [torch.zeros(size, dtype=torch.int64, pin_memory=pinned) for _ in range(2)]
         self._hosts_np = [h.numpy() for h in self.hosts]
         self._copied: list[torch.cuda.Event | None] = [None, None]  # each one's last copy to the device
@@ -163,10 +169,27 @@ class DecodeStep:
         self.dev[:n].copy_(host[:n], non_blocking=True)
         if u:
             self.tables.view(-1).index_copy_(0, self.dev[base:base + u], self.dev[base + u:n])
+        if any(s.allowed is not None for s in plan.samples):
+            self._stage_masks(plan, B, host_np, host)
         if self.device.type == "cuda":
             self._copied[which] = torch.cuda.Event()
             self._copied[which].record()
         return self._views_for(B, C)
+
+    def _stage_masks(self, plan: StepPlan, B: int, host_np: np.ndarray, host: Tensor) -> None:
+        """The B rows' bitmasks (llguidance's bytes; all ones for a draw without one) into the staging buffer's mask
+        region and one copy to the device."""
+        row_bytes = 4 * self.mask_words
+        need = (self.cfg.vocab_size + 31) // 32 * 4
+        region = host_np[self.mask_base:self.mask_base + B * self.mask_words // 2].view(np.uint8).reshape(B, row_bytes)
+        region.fill(0xFF)
+        for b, spec in enumerate(plan.samples):
+            if spec.allowed is not None:
+                assert len(spec.allowed) >= need, f"a bitmask of {len(spec.allowed)} bytes, {need} needed"
+                n = min(len(spec.allowed), row_bytes)
+                region[b, :n] = np.frombuffer(spec.allowed, dtype=np.uint8, count=n)
+        end = self.mask_base + B * self.mask_words // 2
+        self.dev[self.mask_base:end].copy_(host[self.mask_base:end], non_blocking=True)
 
     def _views_for(self, B: int, C: int) -> Views:
         v = self._views.get((B, C))
@@ -175,8 +198,9 @@ class DecodeStep:
             fields = {f: (rec.view(torch.float64) if f in FLOAT_FIELDS else rec)[i, :B] for i, f in enumerate(FIELDS)}
             prev0, ring0 = len(FIELDS), len(FIELDS) + ENGRAM_LOOKBACK
             gtable = self.tables[:B, :C // self.G]
+            mask = self.dev[self.mask_base:self.mask_base + B * self.mask_words // 2].view(torch.int32)
             v = self._views[(B, C)] = Views(B, C, fields, rec[prev0:ring0, :B].t(), rec[ring0:ring0 + self.R, :B].t(),
-                                            gtable, torch.arange(B, device=self.device))
+                                            gtable, torch.arange(B, device=self.device), mask.view(B, self.mask_words))
         return v
 
     # ---- device: the step (graph body) ------------------------------------------------------------------------
@@ -189,18 +213,23 @@ class DecodeStep:
         h, pre_mix = r.run_layers(ids, self.device_step(v), hashes)
         self.logits[:v.B].copy_(r.head(h, pre_mix, gather=False))
 
-    def draw(self, v: Views, variant: str, num_logprobs: int):
-        """The step's tokens from self.logits[:B]; also kept in self.last_ids for the next step's input."""
+    def draw(self, v: Views, variant: str, num_logprobs: int, masked: bool = False):
+        """The step's tokens from self.logits[:B] (masked: drawn from a copy with the staged grammar bitmasks
+        applied); also kept in self.last_ids for the next step's input."""
         f = v.fields
         t = SampleTensors(f["greedy"].bool(), f["temperature"].float(), f["top_k"], f["top_p"], f["min_p"].float(),
                           f["seed"], f["step"], f["force"])
-        logits = self.logits[:v.B]
+        logits = drawn = self.logits[:v.B]
+        if masked:  # the draw takes only allowed tokens; logprobs stay the model's (sampler.sample's raw logprobs)
+            drawn = logits.clone()
+            token_mask(drawn, v.mask, self.shard.rank * logits.size(1))
         if self.shard.is_single:
-            d = sample_device(logits, t, variant, num_logprobs)
+            d = sample_device(drawn, t, variant, num_logprobs, logits if masked else None)
         elif draws_sharded(variant, num_logprobs):
-            d = sample_sharded(logits, t, variant, self.shard)
+            d = sample_sharded(drawn, t, variant, self.shard)
         else:
-            d = sample_device(all_gather(logits, self.shard, dim=-1), t, variant, num_logprobs)
+            raw = all_gather(logits, self.shard, dim=-1) if masked and num_logprobs else None
+            d = sample_device(all_gather(drawn, self.shard, dim=-1), t, variant, num_logprobs, raw)
         self.last_ids[:v.B].copy_(d.token_ids)
         return d
 
@@ -249,7 +278,8 @@ class DecodeStep:
         mem0, t0 = torch.cuda.memory_reserved(self.device), time.monotonic()
         self._pool = torch.cuda.graph_pool_handle()
         work = [("model", B, C) for B, C in self.buckets()]
-        work += [("draw", B, (variant, lp)) for B in self.batches for variant in VARIANTS for lp in (0, SamplingParams.MAX_LOGPROBS)]
+        work += [("draw", B, (variant, lp, masked)) for B in self.batches for variant in VARIANTS
+                 for lp in (0, SamplingParams.MAX_LOGPROBS) for masked in (False, True)]
         for kind, B, key in tqdm(work, desc="capturing decode graphs", disable=not progress):
             v = self._views_for(B, key if kind == "model" else self.contexts[0])
             run = (lambda: self.forward(v)) if kind == "model" else (lambda: self.draw(v, *key))
@@ -275,7 +305,7 @@ class DecodeStep:
             v.fields[name].fill_(value)
         for name, value in (("temperature", 1.0), ("top_p", 1.0), ("min_p", -float("inf"))):
             v.fields[name].fill_(value)
-        v.prev.fill_(-1), v.ring.fill_(-1)
+        v.prev.fill_(-1), v.ring.fill_(-1), v.mask.fill_(-1)
         self.tables.fill_(-1)
         self.table_mirror.reset()
 
@@ -296,12 +326,13 @@ class DecodeStep:
             graph.replay()
         else:
             self.forward(v)
-        drawn = self._draws.get((v.B, variant, num_lp))
+        masked = any(s.allowed is not None for s in plan.samples)
+        drawn = self._draws.get((v.B, variant, num_lp, masked))
         if drawn is not None:
             drawn[0].replay()
             d = drawn[1]
         else:
-            d = self.draw(v, variant, num_lp)
+            d = self.draw(v, variant, num_lp, masked)
         n = len(plan.chunks)
         parts = [d.token_ids[:n]] + ([] if num_lp == 0 else [d.logprob[:n].view(torch.int64),
                                                             d.top_logprobs[:n].view(torch.int64).flatten(),

@@ -247,3 +247,28 @@ def test_forced_calls_in_thinking_mode_span_the_reasoning(tiny_model, grammars, 
     special = {t for t in ids if llg_tokenizer.is_special_token(t)} - {think_end, tok.token_to_id(syntax.THINK_START)}
     assert not special and syntax.CALLS_OPEN not in tok.decode(ids[:ids.index(think_end)] if think_end in ids
                                                                 else ids), special
+
+
+def test_the_decode_step_applies_grammar_masks_as_the_eager_step(tiny_model, grammars):
+    """Constrained decode steps run through the decode step (its draw applies the staged bitmasks,
+    engine/kernels/token_mask.py), beside an unconstrained request: the same tokens and logprobs as the kernel
+    path's eager step, whose host sampler applies the masks."""
+    from tests.core.test_decode_step import assert_same_draws, kernel_engine, run
+
+    spec = GrammarSpec(json_grammar(SCHEMA))
+    arrivals = {"greedy": (random_prompt(8, seed=7), SamplingParams(max_tokens=5, grammar=spec, logprobs=1), 0),
+                "sampled": (random_prompt(6, seed=8), SamplingParams(max_tokens=5, temperature=1.0, seed=9,
+                                                                     grammar=spec), 0),
+                "free": (random_prompt(5, seed=10), SamplingParams(max_tokens=4), 1)}
+
+    def with_grammars(e: LLMEngine) -> LLMEngine:
+        e.grammars = grammars
+        return e
+
+    legacy = run(with_grammars(kernel_engine(tiny_model.model, decode_step=False)), arrivals)
+    e = with_grammars(kernel_engine(tiny_model.model, decode_step=True))
+    step, masked = e.executor.runner.decode, []
+    launch = step.launch
+    step.launch = lambda plan: (masked.append(sum(s.allowed is not None for s in plan.samples)), launch(plan))[1]
+    assert_same_draws(run(e, arrivals), legacy)
+    assert max(masked) == 2  # masked draws went through the decode step
