@@ -74,7 +74,7 @@ def top_kernels(trace: torch.profiler.profile, steps: int, n: int) -> str:
 
 def layer_sum(engine: LLMEngine, plan) -> tuple[list[float], float, float]:
     """(each layer's graph us, the head's, the step's model graph us) for a decode plan, on its own metadata."""
-    from benchmarks.gpu_timing import graph_time_us
+    from benchmarks.gpu_timing import graph_time_us, replay_time_us
     from engine.core.kernel_ops import OPS, engram_rows
     from engine.kernels.decode_meta import decode_inputs
 
@@ -101,7 +101,7 @@ def layer_sum(engine: LLMEngine, plan) -> tuple[list[float], float, float]:
             h, pre = call()
         head = graph_time_us([lambda: kr.head(h, pre)])
         graph = step._graphs[(v.B, v.C)]
-        whole = graph_time_us([graph.replay])
+        whole = replay_time_us(graph)  # a graph cannot be replayed inside another's capture
     return times, head, whole
 
 
