@@ -16,6 +16,7 @@ of rank r, not its numbers. Two groups are made at start-up:
 
 from __future__ import annotations
 
+import hashlib
 import pickle
 from dataclasses import dataclass
 from datetime import timedelta
@@ -106,3 +107,13 @@ def all_gather(x: torch.Tensor, shard: ShardSpec, dim: int = -1) -> torch.Tensor
     parts = [torch.empty_like(x) for _ in range(shard.world_size)]
     dist.all_gather(parts, x.contiguous())
     return torch.cat(parts, dim=dim)
+
+
+def ranks_differing(data: bytes, shard: ShardSpec, device: torch.device | str = "cpu") -> list[int]:
+    """The ranks whose data differs from rank 0's, known on every rank: one all-gather of an 8-byte digest (device:
+    where the default group's tensors live). [] at world size 1 and solo."""
+    if shard.is_single or shard.solo:
+        return []
+    digest = int.from_bytes(hashlib.blake2b(data, digest_size=8).digest(), "little", signed=True)
+    every = all_gather(torch.tensor([digest], dtype=torch.int64, device=device), shard, dim=0).tolist()
+    return [rank for rank, d in enumerate(every) if d != every[0]]

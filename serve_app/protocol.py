@@ -10,7 +10,8 @@ record or raise `APIError` 400 whose message starts with the offending field (`t
 - tool_choice: "none" renders no tools and returns any DSML the model writes anyway as content; "auto" (the
   default when tools are given) renders all tools and parses calls; "required" renders them and constrains the
   output to one or more calls (a grammar, `serve_app/structured.py`); a named function renders only that tool
-  and constrains the output to one call of it. Under "auto" a tool with `strict: true` has its calls' arguments
+  and constrains the output to one call of it (in thinking mode the reasoning before them can open no calls
+  block). Under "auto" a tool with `strict: true` has its calls' arguments
   constrained (the rest of the output stays free). response_format json_object / json_schema constrains the
   output to JSON, on chat and legacy completions alike.
 - reasoning_effort mirrors `engine.chat.render_chat`: null (= "high"), "none" (chat mode), OpenAI's
@@ -148,7 +149,9 @@ def parse_chat_request(body: dict, *, max_n: int = DEFAULT_MAX_N, max_messages: 
     tools = _tools(f)
     choice, choice_name = _tool_choice(f, tools)
     f.check_neutral()
-    grammar = output_grammar(response_schema(f.get("response_format")), tools, choice, choice_name)
+    reasoning_effort = _reasoning_effort(f)
+    grammar = output_grammar(response_schema(f.get("response_format")), tools, choice, choice_name,
+                             thinking=is_thinking(reasoning_effort))
     max_tokens = f.integer("max_tokens", lo=1, hi=max_output_tokens)
     max_completion_tokens = f.integer("max_completion_tokens", lo=1, hi=max_output_tokens)
     logprobs = f.boolean("logprobs", False)
@@ -163,7 +166,7 @@ def parse_chat_request(body: dict, *, max_n: int = DEFAULT_MAX_N, max_messages: 
         tools=tools,
         tool_choice=choice,
         tool_choice_name=choice_name,
-        reasoning_effort=_reasoning_effort(f),
+        reasoning_effort=reasoning_effort,
         max_tokens=max_tokens if max_completion_tokens is None else max_completion_tokens,
         n=f.integer("n", lo=1, hi=max_n) or 1,
         stop=f.stop(),
@@ -184,7 +187,7 @@ def parse_completion_request(body: dict, *, max_n: int = DEFAULT_MAX_N,
                              max_output_tokens: int | None = None) -> CompletionRequest:
     f = _Fields(body)
     f.check_neutral()
-    grammar = output_grammar(response_schema(f.get("response_format")), None, "none", None)
+    grammar = output_grammar(response_schema(f.get("response_format")), None, "none", None, thinking=False)
     if f.boolean("echo", False):
         raise bad_request("echo: not supported (only false)", "echo")
     if f.get("suffix") is not None:
@@ -273,7 +276,7 @@ def to_sampling_params(
     max_output_tokens); a prompt that leaves no room, or prompt + max_tokens beyond the window, is a 400
     (OpenAI's context_length_exceeded). num_prompt_tokens counts image spans expanded, num_image_tokens of them. Chat logprobs map to top_logprobs alternatives, legacy ones to `logprobs`.
     A grammar constrains the output from its first token, except that in thinking mode one with `after_reasoning`
-    starts after the `</think>` token (think_end_id): the reasoning is free."""
+    (JSON) starts after the `</think>` token (think_end_id): the reasoning is free."""
     prompt_param = "messages" if isinstance(req, ChatCompletionRequest) else "prompt"
     room = max_model_len - num_prompt_tokens
     max_tokens = min(room, max_output_tokens or room) if req.max_tokens is None else req.max_tokens

@@ -47,7 +47,7 @@ class ServeSettings:
     checkpoint: str  # folder with config.json, tokenizer files and safetensors shards, readable on every node
     model_name: str = DEFAULT_MODEL_NAME  # the served name (the API's "model")
     num_replicas: int = 1
-    num_shards: int = 1  # model-parallel ranks per replica: a ShardWorker actor each (golden runner only for N > 1)
+    num_shards: int = 1  # model-parallel ranks per replica: a ShardWorker actor each
     device: Device = "cpu"
     # of one GPU per shard actor (cuda): 0.5 puts two replicas' shard actors on one GPU (each replica then sizes
     # its KV cache with cache_memory_bytes, so the two budgets plus two copies of the weights must fit the GPU)
@@ -122,9 +122,6 @@ class ServeSettings:
                                 "replica takes whole GPUs (its ranks' collectives would share one); use one or the other")
         if self.num_shards > 1:
             self._check_shards()
-        if self.num_shards > 1 and _is_int(self.speculative_tokens) and self.speculative_tokens > 0:
-            raise SettingsError(f"--speculative-tokens {self.speculative_tokens} with --num-shards {self.num_shards}: "
-                                "speculative decoding is not split over shards yet; use one or the other")
         for name in ("bounded_replay", "enable_prefix_caching", "kv_sharing"):
             need(isinstance(getattr(self, name), bool), name, "true or false")
         need(self.max_chunk_tokens is None or (_is_int(self.max_chunk_tokens) and self.max_chunk_tokens >= 1),
@@ -155,10 +152,10 @@ class ServeSettings:
         need(bool(self.region), "region", "a non-empty name")
 
     def _check_shards(self) -> None:
-        """A replica split over num_shards: a model the shards can split (the checkpoint's config.json is read
-        here; with one shard nothing is)."""
+        """A replica split over num_shards: a model the shards can split, its DSpark stages too when speculating
+        (the checkpoint's config.json is read here; with one shard nothing is)."""
         try:
-            check_shardable(load_config(self.checkpoint), self.num_shards)
+            check_shardable(load_config(self.checkpoint), self.num_shards, include_mtp=self.speculative_tokens > 0)
         except (OSError, ConfigError) as e:  # ShardingError is a ConfigError: it names the dimension
             raise SettingsError(f"--num-shards {self.num_shards}: {e}") from None
 
@@ -222,8 +219,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--model-name", help=f"served model name (default {DEFAULT_MODEL_NAME})")
     p.add_argument("--num-replicas", help="engine replicas (default 1)")
     p.add_argument("--num-shards", help="model-parallel ranks per replica (default 1), one device each: tensor-parallel "
-                   "attention, expert-parallel MoE; must divide the heads, output groups and experts (golden runner "
-                   "only for now)")
+                   "attention, expert-parallel MoE; must divide the heads, output groups and experts")
     p.add_argument("--device", help="cpu, cuda or auto (default auto)" + env["device"])
     p.add_argument("--gpu-fraction", help="of one GPU each shard actor asks Ray for, in (0, 1] (default 1; cuda, one "
                    "shard): 0.5 fits two replicas on one GPU, each within its --cache-memory")
@@ -238,7 +234,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--runner", help="auto, kernels or golden (default auto: the kernels on CUDA, the golden "
                    "float64 modules on CPU)")
     p.add_argument("--speculative-tokens", help="speculative decoding: DSpark drafts verified per step, at most the "
-                   "checkpoint's DSpark block (default 0 = off; golden runner only for now)")
+                   "checkpoint's DSpark block (default 0 = off; golden runner only for now; with --num-shards N, N "
+                   "must divide the DSpark experts too)")
     p.add_argument("--api-key", help="require this bearer token" + env["api_key"])
     p.add_argument("--max-n", help="most choices per request (default 8)")
     p.add_argument("--max-messages", help="most messages per chat request (default 2048)")

@@ -48,10 +48,10 @@ CLOSE_TIMEOUT_S = 5.0  # shutdown: how long the actors get to stop the group and
 
 
 class ShardWorker:
-    """One model shard (rank `rank` of `num_shards`): weights (engine.load.load_model; the DSpark stages with
-    speculative decoding, one shard only), its PagedKVCache
-    for `layout`, a ModelRunner. Decorate at the use site with `ray.remote(**shard_actor_options(settings))`.
-    With num_shards > 1: `join` the group once every rank is `ready`, then ranks > 0 `follow`."""
+    """One model shard (rank `rank` of `num_shards`): weights (engine.load.load_model; its slices of the DSpark
+    stages with speculative decoding), its PagedKVCache for `layout`, a ModelRunner. Decorate at the use site with
+    `ray.remote(**shard_actor_options(settings))`. With num_shards > 1: `join` the group once every rank is `ready`,
+    then ranks > 0 `follow`."""
 
     def __init__(self, checkpoint: str, device: str, layout: CacheLayout, rank: int = 0, num_shards: int = 1,
                  runner: RunnerKind = "auto", decode: DecodeOptions | None = None,
@@ -62,9 +62,8 @@ class ShardWorker:
         kernels = kernels_for(runner)
         self.step_timeout = timedelta(seconds=step_timeout_s)
         self.rendezvous = Rendezvous(num_shards, self.step_timeout) if rank == 0 and num_shards > 1 else None
-        # the DSpark stages only when the pools hold their context (speculative decoding on)
-        mine = load_shard(checkpoint, self.device, layout, self.shard, kernels, decode,
-                          with_mtp=layout.num_dspark_layers > 0)  # prints its memory line
+        # with its slices of the DSpark stages when the pools hold their context (speculative decoding on)
+        mine = load_shard(checkpoint, self.device, layout, self.shard, kernels, decode)  # prints its memory line
         self.loaded, self.kv, self.runner, self.memory = mine.loaded, mine.kv, mine.runner, mine.memory
         # the capture's time and memory, logged; a group's ranks capture after the join (collectives inside)
         self.graphs = capture_decode_graphs(self.runner, progress=True) if self.shard.is_single else None

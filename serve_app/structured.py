@@ -5,10 +5,14 @@
   against `schema` (strict true or false alike: the schema is enforced either way, as vLLM does; no schema is
   any JSON object). The same on chat and legacy completions.
 - tool_choice "required": one or more DSML calls of the tools, each call's arguments valid against its tool's
-  parameters; a named function: exactly one call of it. Under "auto", tools with `strict: true` make a grammar
+  parameters; a named function: exactly one call of it. In thinking mode this grammar spans the reasoning too: free
+  text that cannot open a calls block, `</think>`, then the call(s) (the parser reads a calls block in the reasoning
+  as the call, so one written there must be refused). Under "auto", tools with `strict: true` make a grammar
   of the whole output: free text (the reasoning included), then optionally one calls block in which a strict
   tool's arguments follow its parameters and another tool's are free (`constraints.auto_tools_grammar`). Under
   "auto" without a strict tool there is no grammar (no mask to compute per token).
+- response_format json_* in thinking mode starts after `</think>` (the reasoning free): the parser never takes the
+  answer from the reasoning, only the calls, so JSON written there is reasoning text, not the response.
 - response_format json_* cannot be combined with tool_choice "required" or a named function (a 400).
 A grammar llguidance cannot compile is a 400 whose message is llguidance's, naming the keyword (e.g.
 `response_format.json_schema.schema: cannot be enforced: Unimplemented keys: ["uniqueItems"]`).
@@ -30,7 +34,7 @@ JSON_SCHEMA_KEYS = {"name", "schema", "strict", "description"}
 
 class OutputGrammar(NamedTuple):
     """A request's output constraint: llguidance grammar text, and whether in thinking mode it starts after `</think>`
-    (the reasoning free) or constrains the whole output (reasoning included)."""
+    (the reasoning free: JSON) or constrains the whole output (reasoning included: tool calls)."""
 
     text: str
     after_reasoning: bool
@@ -76,9 +80,10 @@ def check_strict(tools: list[dict] | None) -> None:
                               f"tools[{i}].function.strict")
 
 
-def output_grammar(schema: dict | None, tools: list[dict] | None, tool_choice: str,
-                   name: str | None) -> OutputGrammar | None:
-    """The grammar of a request's output (None: unconstrained); raises a 400 naming what cannot compile."""
+def output_grammar(schema: dict | None, tools: list[dict] | None, tool_choice: str, name: str | None, *,
+                   thinking: bool) -> OutputGrammar | None:
+    """The grammar of a request's output (None: unconstrained); thinking: the output opens with the reasoning (chat
+    in thinking mode). Raises a 400 naming what cannot compile."""
     if schema is not None:
         if tool_choice in ("required", "function"):
             raise bad_request("response_format: a JSON response_format cannot be combined with tool_choice "
@@ -93,8 +98,9 @@ def output_grammar(schema: dict | None, tools: list[dict] | None, tool_choice: s
         # the parser reads a calls block in the reasoning too, so this grammar spans the whole output
         return OutputGrammar(_tools_compiled(constraints.auto_tools_grammar(tools), tools, strict), False)
     chosen = [i for i, t in enumerate(tools) if tool_choice == "required" or t["function"]["name"] == name]
-    grammar = constraints.tool_calls_grammar(tools, name if tool_choice == "function" else None)
-    return OutputGrammar(_tools_compiled(grammar, tools, chosen), True)
+    # in thinking mode the grammar covers the reasoning, in which the parser would also read a calls block
+    grammar = constraints.tool_calls_grammar(tools, name if tool_choice == "function" else None, thinking)
+    return OutputGrammar(_tools_compiled(grammar, tools, chosen), False)
 
 
 def _tools_compiled(grammar: str, tools: list[dict], constrained: list[int]) -> str:

@@ -2,13 +2,17 @@
 
 - `json_grammar(schema)`: the completion is one JSON value valid against `schema` (response_format json_schema;
   json_object is the schema {"type": "object"}).
-- `tool_calls_grammar(tools, name)`: the completion is the encoder's "\\n\\n" and one DSML calls block, its
+- `tool_calls_grammar(tools, name, thinking)`: the completion is the encoder's "\\n\\n" and one DSML calls block, its
   invokes calling `name` only (tool_choice naming a function: exactly one call) or any of `tools` (tool_choice
   "required": one or more). Each invoke writes its tool's declared parameters in schema order, the required ones
   always, each value as JSON valid against the parameter's schema (string="false"; a plain string parameter,
   one with no constraint beyond its type, may also be raw text without "<", and a string enum one of its values
   raw, string="true", as the model usually writes strings). A tool without declared properties takes no
-  parameters.
+  parameters. With `thinking` (the prompt ended with `<think>`) the reasoning comes first: free text that cannot open
+  a calls block and never spells `</think>` (`<think>` tokens allowed, as the parser drops them), then the
+  `</think>` token, then the block as above. The grammar spans the reasoning because the parser (parse.py) opens a
+  calls block at the tag in reasoning as in content: a grammar that started after `</think>` would leave a block
+  written inside the reasoning unconstrained, and the parser would return it as the call.
 - `auto_tools_grammar(tools)`: tool_choice "auto" with strict tools. The completion is any text (the reasoning,
   `<think>` and `</think>` included) that never spells the calls tag, then optionally one calls block and nothing
   after it: a strict tool's invokes as above, another tool's invokes with any parameter text. It spans the whole
@@ -25,6 +29,8 @@ not in the text the parser reads (skip_special_tokens), so letting one split two
 "<｜DSML｜ ca" + special + "lls>" spell the tag unconstrained. `<think>` and `</think>` are text to the parser, but
 no tag can overlap one: the tag contains neither, begins with no proper suffix and ends with no proper prefix of
 either.
+A thinking-mode `tool_calls_grammar`'s `REASONING` is free text of the same kind that also never spells `</think>`
+in plain tokens (the parser would end the reasoning there, and the text up to the `</think>` token would be content).
 
 JSON is compact (", " and ": " separators, no other whitespace, as OpenAI's strict mode writes it), so that a
 constrained completion always ends: the grammar leaves no unbounded run of whitespace. `check(grammar)` compiles
@@ -62,11 +68,16 @@ def json_grammar(schema: dict[str, Any]) -> str:
     return llguidance.LLMatcher.grammar_from_json_schema(schema, defaults=JSON_OPTIONS)
 
 
-def tool_calls_grammar(tools: Sequence[dict], name: str | None = None) -> str:
-    """tools: the request's OpenAI tool definitions; name: the one to call (None: any, one or more calls)."""
+def tool_calls_grammar(tools: Sequence[dict], name: str | None = None, thinking: bool = False) -> str:
+    """tools: the request's OpenAI tool definitions; name: the one to call (None: any, one or more calls);
+    thinking: the completion opens with the reasoning (thinking mode), which must end with `</think>`."""
     functions = [t["function"] for t in tools if name is None or t["function"]["name"] == name]
     calls = "invoke" if name is not None else "invoke next_invoke*"
-    rules = [f"start: {_lit(s.CALLS_SEPARATOR + s.CALLS_OPEN + chr(10))} {calls} {_lit(chr(10) + s.CALLS_CLOSE)}",
+    block = f"{_lit(s.CALLS_SEPARATOR + s.CALLS_OPEN + chr(10))} {calls} {_lit(chr(10) + s.CALLS_CLOSE)}"
+    # the reasoning's text ends where the parser's does (at the </think> token) and holds no calls tag
+    reasoning = [f"reasoning: (REASONING? {s.THINK_START})* REASONING? {s.THINK_END}",
+                 f"REASONING: /{_ANY}+/ & {_without(s.CALLS_OPEN, s.THINK_END)}"] if thinking else []
+    rules = [f"start: {'reasoning ' if thinking else ''}{block}", *reasoning,
              *_alternatives([f"invoke_{i}" for i in range(len(functions))]), "RAW: /[^<]*/"]
     for i, function in enumerate(functions):
         rules += _invoke_rules(f"invoke_{i}", function)

@@ -24,7 +24,7 @@ from engine.config import ModelConfig
 from engine.core import kv_blocks
 from engine.core.cache_manager import CacheLayout, KVCacheManager, PendingImport
 from engine.core.drafter import Drafter
-from engine.core.engine_config import DecodeOptions, EngineConfig, EngineConfigError, check_speculative, decode_options
+from engine.core.engine_config import DecodeOptions, EngineConfig, check_speculative, decode_options
 from engine.core.engine_config import kernels_for
 from engine.core.grammar import GrammarCompiler, GrammarError
 from engine.core.kv_blocks import ExportedPrefix, PrefixImportError
@@ -239,20 +239,20 @@ class LLMEngine:
                 step_timeout: timedelta | None = None) -> "LLMEngine":
         """The model split over num_shards local processes, each running the golden modules or the kernel path
         (config.runner; auto: the kernels on CUDA) with its decode step; step_timeout bounds a collective's wait
-        for the other ranks (None: shard_group.STEP_TIMEOUT). A config the shards cannot split raises
-        ShardingError before any process starts."""
+        for the other ranks (None: shard_group.STEP_TIMEOUT). Speculative decoding: every rank loads its slices of
+        the DSpark stages and drafts over its own pools. A config the shards cannot split (the DSpark experts too
+        when speculating) raises ShardingError, and speculative settings the runner cannot run EngineConfigError,
+        before any process starts."""
         from engine.checkpoint.sharding import check_shardable
         from engine.config import load_config
         from engine.core.shard_group import STEP_TIMEOUT, ShardGroupExecutor, default_threads
         from engine.tokenizer import load_tokenizer
 
         kernels = kernels_for(config.runner)
-        if config.is_speculative:
-            raise EngineConfigError(f"--num-shards {num_shards}: speculative decoding is not split over shards yet; "
-                                    "use --speculative-tokens 0 or one shard")
         kernels = device == "cuda" if kernels is None else kernels
         cfg = load_config(ckpt_dir)
-        check_shardable(cfg, num_shards)
+        check_speculative(config, cfg, kernels)  # speculative decoding: the golden runner only, as at one shard
+        check_shardable(cfg, num_shards, include_mtp=config.is_speculative)
         tokenizer = load_tokenizer(ckpt_dir)
         path = str(Path(ckpt_dir).resolve())
         decode = decode_options(config, cfg)

@@ -18,7 +18,9 @@ plan and logits, with Triton kernels and fp32 torch ops reading the paged pools 
 Speculative decoding (the pools hold DSpark context, CacheLayout.num_dspark_layers > 0; golden path only): a step
 drafts for its verify chunks first (engine/core/drafter.py), computes every chunk with the drafts as tokens, lets
 engine/core/speculative.py accept or reject them from the verify rows, rolls back the compressor's pending group
-to the accepted end, and writes the DSpark context KV of every kept position.
+to the accepted end, and writes the DSpark context KV of every kept position. Over N shards every rank drafts
+from its own slices of the DSpark stages and its own pools and verifies the same tokens (the draft and target logits
+are gathered, the noise keyed), which each step checks (_check_lockstep).
 """
 
 from __future__ import annotations
@@ -34,7 +36,7 @@ from engine.core.engine_config import SPECULATIVE_KERNELS, EngineConfigError
 from engine.core.kv_cache import PagedKVCache
 from engine.core.plan import ChunkPlan, StepPlan
 from engine.core.sampler import sample_specs
-from engine.core.speculative import verify, verify_lengths
+from engine.core.speculative import Verified, verify, verify_lengths
 from engine.core.step_rows import (Segment, StepLogits, StepOutput, decoder_rows, engram_hashes, head_rows, no_logits,
                                    sample_step, segments, split_logits)
 from engine.kernels import paged
@@ -42,6 +44,7 @@ from engine.model.attention import Attention, sparse_attn, window_indices
 from engine.model.cache import SourceCache, StepShared
 from engine.model.mhc import hc_pre, identity_pre_mix
 from engine.model.transformer import Transformer
+from engine.parallel import ranks_differing
 from engine.vision.inputs import ImageInput, image_mask
 
 if TYPE_CHECKING:
@@ -146,6 +149,7 @@ class ModelRunner:
         rows = state.logits.rows
         verified = verify([rows[v.chunk][1] for v in plan.verifies], plan.verifies, [d.token_ids for d in drafts],
                           [d.q for d in drafts])
+        self._check_lockstep(drafts, verified)
         ends = {v.chunk: plan.chunks[v.chunk].start + len(r.token_ids) for v, r in zip(plan.verifies, verified)}
         self._roll_back_pending(plan, state.groups, ends)
         if state.main_hidden is not None:
@@ -175,6 +179,16 @@ class ModelRunner:
             c = chunks[v.chunk]
             chunks[v.chunk] = replace(c, end=c.start + 1 + len(d.token_ids), token_ids=c.token_ids + d.token_ids)
         return replace(plan, chunks=chunks), drafts
+
+    def _check_lockstep(self, drafts: list[Draft], verified: list[Verified]) -> None:
+        """Sharded: every rank must have drafted and kept the same tokens. They are drawn from gathered logits and
+        keyed noise, so they are; a rank that differed would store other KV than rank 0's without a sound, so each
+        speculative step checks it (one all-gather of a digest) and raises, failing the group."""
+        tokens = repr([(d.token_ids, v.token_ids) for d, v in zip(drafts, verified)]).encode()
+        differ = ranks_differing(tokens, self.model.shard, self.device)
+        if differ:
+            raise RuntimeError(f"speculative decoding out of lockstep: ranks {differ} drafted or accepted other tokens "
+                               f"than rank 0")
 
     def _roll_back_pending(self, plan: StepPlan, groups: dict[tuple[int, int], CompressorRows],
                            ends: dict[int, int]) -> None:

@@ -112,13 +112,14 @@ class RankShard:
 
 
 def load_shard(checkpoint: str, device: torch.device, layout: CacheLayout, shard: ShardSpec,
-               kernels: bool | None = False, decode: DecodeOptions | None = None, with_mtp: bool = False) -> RankShard:
-    """One rank's shard of the model (the DSpark stages only with_mtp: speculative decoding, one shard; the Engram
-    tables mapped from the node's shared copy), its paged pools and its runner (kernels: None picks by device);
-    prints its memory line on stderr."""
+               kernels: bool | None = False, decode: DecodeOptions | None = None) -> RankShard:
+    """One rank's shard of the model (its slices of the DSpark stages when the pools hold their context, i.e.
+    speculative decoding is on; the Engram tables mapped from the node's shared copy), its paged pools and its
+    runner (kernels: None picks by device); prints its memory line on stderr."""
     if device.type == "cuda" and device.index is not None:
         torch.cuda.set_device(device)
-    loaded = load_model(checkpoint, device, with_mtp=with_mtp, progress=False, shard=shard, shared_engram=True)
+    loaded = load_model(checkpoint, device, with_mtp=layout.num_dspark_layers > 0, progress=False, shard=shard,
+                        shared_engram=True)
     kv = PagedKVCache(loaded.cfg, layout, device)
     memory = RankMemory.measure(loaded, kv, shard)
     print(memory.line(), file=sys.stderr, flush=True)

@@ -145,3 +145,36 @@ def test_auto_tools_refusals_are_the_strict_tools_doing(accepts):
     free = auto_tools_grammar([BOOK, BOOKMARK])
     for text in AUTO_REFUSED[:6]:
         assert accepts(free, text), text
+
+
+def test_forced_calls_in_thinking_mode_span_the_reasoning(accepts, tok):
+    """tool_choice "required" / named in thinking mode: reasoning (free text, `<think>` tokens), `</think>`, then the
+    call(s). A calls block inside the reasoning, which the parser would return as the call, is refused, valid or not;
+    so is a `</think>` spelled in plain tokens (the parser's reasoning would end there) and any other special token."""
+    tools = [BOOK, NOW]
+    think_start, think_end = tok.token_to_id(syntax.THINK_START), tok.token_to_id(syntax.THINK_END)
+    good, bad = calls(("book", {"seats": 2, "meal": "veg"})), calls(("book", {"seats": 10, "meal": "veg"}))
+    spelled_end = tok.encode("</") + tok.encode("think>")
+    assert tok.decode(spelled_end) == syntax.THINK_END and think_end not in spelled_end
+    placeholder = tok.token_to_id("<｜place▁holder▁no▁7｜>")
+    for grammar in (tool_calls_grammar(tools, "book", thinking=True), tool_calls_grammar(tools, thinking=True)):
+        for reasoning in ([], tok.encode("Let me think. <b>bold</b> 🦜 a partial tag: <｜DSML｜ call"),
+                          tok.encode("one") + [think_start] + tok.encode("two"), tok.encode(syntax.INVOKE_OPEN)):
+            ids = reasoning + [think_end] + tok.encode(good)
+            assert accepts(grammar, ids), tok.decode(ids)
+            parsed = parse_completion(tok.decode(ids), True, tools)
+            assert parsed.content == "" and [c.name for c in parsed.tool_calls] == ["book"], parsed
+            jsonschema.validate(json.loads(parsed.tool_calls[0].arguments), BOOK["function"]["parameters"])
+        inside = [tok.encode("Plan." + good), tok.encode("Plan." + bad), tok.encode("Plan." + good) + [think_end]
+                  + tok.encode(good), tok.encode(good)]
+        for ids in inside:
+            assert parse_completion(tok.decode(ids), True, tools).tool_calls  # the parser takes it as a call
+            assert not accepts(grammar, ids), tok.decode(ids)
+        for ids in (tok.encode("x") + spelled_end + tok.encode("y") + [think_end] + tok.encode(good),
+                    tok.encode("x") + [placeholder] + [think_end] + tok.encode(good),
+                    tok.encode("x") + [think_end] + tok.encode("Sure." + good),  # no content, as in chat mode
+                    tok.encode("x") + [think_end] + tok.encode(bad), tok.encode("x") + [think_end]):
+            assert not accepts(grammar, ids), tok.decode(ids)
+    chat_mode = tool_calls_grammar(tools)
+    assert chat_mode == tool_calls_grammar(tools, thinking=False) and accepts(chat_mode, good)
+    assert not accepts(chat_mode, tok.encode("x") + [think_end] + tok.encode(good))

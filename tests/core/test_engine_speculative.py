@@ -223,7 +223,7 @@ def test_stop_inside_accepted_drafts_and_the_next_turn_resume_exactly(tiny_model
 
 # ---- refusals -------------------------------------------------------------------------------------------------
 
-def test_refusals_name_the_block_the_runner_and_the_missing_stages(tiny_model_mtp, tiny_model, tiny_checkpoint):
+def test_refusals_name_the_block_the_runner_and_the_missing_stages(tiny_model_mtp, tiny_model):
     model = tiny_model_mtp.model
     with pytest.raises(EngineConfigError, match="DSpark block of 3 tokens"):
         engine_for(model, 4)
@@ -231,5 +231,3 @@ def test_refusals_name_the_block_the_runner_and_the_missing_stages(tiny_model_mt
         engine_for(model, 2, runner="kernels")
     with pytest.raises(EngineConfigError, match="DSpark stages"):
         engine_for(tiny_model.model, 2)
-    with pytest.raises(EngineConfigError, match="not split over shards"):
-        LLMEngine.sharded(tiny_checkpoint, EngineConfig(speculative_tokens=2), "cpu", 2)

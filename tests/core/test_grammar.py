@@ -7,6 +7,8 @@ random-weight model: only the grammar can make its output valid, so valid output
   and validate (jsonschema; the tool's parameters schema), with async scheduling off and on (the same tokens: a
   constrained request's mask for step k+1 needs its token k, so the engine reads the step in flight first).
 - A grammar that waits for a token (`</think>` in thinking mode) leaves the draws before it free.
+- tool_choice required / named in thinking mode: the grammar spans the reasoning; a calls block forced into it is
+  refused, a call after `</think>` validates.
 - tool_choice auto with a strict tool: free text; a call the model writes (teacher-forced into the block, which the
   random model would hardly open by itself) has valid arguments; an invalid forced argument is refused.
 """
@@ -201,3 +203,47 @@ def test_strict_tool_calls_under_auto(tiny_model, grammars, tok, llg_tokenizer):
     special = {t for t in ids if llg_tokenizer.is_special_token(t)} - {think_end, tok.token_to_id(syntax.THINK_START)}
     assert not special, special
 
+
+
+def test_forced_calls_in_thinking_mode_span_the_reasoning(tiny_model, grammars, tok, llg_tokenizer):
+    """tool_choice named / required in thinking mode, grammar from the first token. Teacher-forced into a calls block
+    inside the reasoning (which the parser would return as the call), the request ends with the grammar's error;
+    forced through the reasoning and `</think>` (and, for required, the block's head), the model's constrained draws
+    complete a call that validates and the request stops at the block's close; unforced, the reasoning holds no
+    special token but the think pair and no calls tag."""
+    cancel = {"type": "function", "function": {"name": "cancel", "parameters": {"type": "object", "properties": {
+        "ref": {"enum": ["A1", "B2"]}}, "required": ["ref"]}}}
+    tools = [TOOL, cancel]
+    named, required = tool_calls_grammar(tools, "book", thinking=True), tool_calls_grammar(tools, thinking=True)
+    think_end = tok.token_to_id(syntax.THINK_END)
+    head = f"{syntax.CALLS_SEPARATOR}{syntax.CALLS_OPEN}\n{syntax.INVOKE_OPEN} name=\"book\">\n"
+    cases = {"inside-named": (named, tok.encode("Plan: book." + head)),
+             "inside-required": (required, tok.encode("Plan: book." + head)),
+             "after-named": (named, tok.encode("Plan: book.") + [think_end]),
+             "after-required": (required, tok.encode("Plan: book.") + [think_end] + tok.encode(head)),
+             "free": (required, [])}
+    script = {0: [("add", rid, random_prompt(8, seed=40 + i),
+                   SamplingParams(max_tokens=60 if rid == "free" else 150, temperature=1.0, seed=50 + i,
+                                  grammar=GrammarSpec(grammar)), ids)
+                  for i, (rid, (grammar, ids)) in enumerate(cases.items())]}
+    out = drive(constrained_engine(tiny_model.model, grammars, False), script)
+    for rid in ("inside-named", "inside-required"):
+        assert parse_completion(tok.decode(cases[rid][1]), thinking=True, tools=tools).tool_calls  # the parser's call
+        ids, _, reason, _, error = out[rid]
+        assert reason.value == "error" and "grammar does not allow" in error, (rid, reason, error)
+    for rid in ("after-named", "after-required"):
+        ids, _, reason, _, error = out[rid]
+        text = tok.decode(ids)
+        assert error is None and ids[:len(cases[rid][1])] == cases[rid][1], (rid, error)
+        # named: one call, then the grammar ends the request; required may add calls up to max_tokens
+        assert reason.value == "stop" if rid == "after-named" else reason.value in ("stop", "length"), (rid, reason)
+        assert text.endswith(syntax.CALLS_CLOSE) or reason.value == "length", text
+        parsed = parse_completion(text, thinking=True, tools=tools)
+        assert parsed.reasoning_content == "Plan: book." and parsed.content == "", parsed
+        assert parsed.tool_calls[0].name == "book" and (len(parsed.tool_calls) == 1 or rid == "after-required"), parsed
+        jsonschema.validate(json.loads(parsed.tool_calls[0].arguments), TOOL["function"]["parameters"])
+    ids, _, reason, _, error = out["free"]
+    assert error is None, error
+    special = {t for t in ids if llg_tokenizer.is_special_token(t)} - {think_end, tok.token_to_id(syntax.THINK_START)}
+    assert not special and syntax.CALLS_OPEN not in tok.decode(ids[:ids.index(think_end)] if think_end in ids
+                                                                else ids), special

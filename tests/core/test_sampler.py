@@ -372,7 +372,8 @@ def test_unusable_rows_fail_alone() -> None:
 # ---------------------------------------------------------------- the device form (the decode step's graph)
 
 
-def _tensors(specs, vocab_size):
+def sample_tensors(specs, vocab_size):
+    """SampleTensors of (params, seed, step, force id) rows, the values the decode step stages (sample_row_values)."""
     from engine.core.sampler import SampleTensors, sample_row_values
 
     cols = list(zip(*(sample_row_values(p, seed, step, force, vocab_size) for p, seed, step, force in specs)))
@@ -408,7 +409,7 @@ def test_sample_device_draws_what_sample_draws() -> None:
                           ([0, 7], "plain")):
         if variant == "plain" and rows == plain:
             assert sample_variant([params[i] for i in rows]) == "plain"
-        t = _tensors([(params[i], 100 + i, 7 * i, forces[i]) for i in rows], V)
+        t = sample_tensors([(params[i], 100 + i, 7 * i, forces[i]) for i in rows], V)
         d = sample_device(logits[rows], t, variant, num_logprobs=SamplingParams.MAX_LOGPROBS)
         got = draw_output(d.token_ids.tolist(), d.logprob.tolist(), d.top_logprobs.tolist(), d.top_ids.tolist(),
                           [params[i].logprobs for i in rows])

@@ -15,7 +15,7 @@ from engine.core.sampling_params import SamplingParams
 from engine.core.sharded_draw import draws_sharded, sample_sharded
 from engine.kernels.gumbel import gumbel_max, gumbel_max_ref, gumbel_noise_ref
 from engine.shard_spec import ShardSpec
-from tests.core.test_sampler import _tensors
+from tests.core.test_sampler import sample_tensors
 
 
 class ThreadGather:
@@ -86,7 +86,7 @@ def test_ranks_draw_the_whole_rows_tokens(n: int, variant: str):
     assert sample_variant(params) == variant
     forces = [None, None, 17, None, None, None, None, 40]
     for step in range(12):  # different noise every step
-        t = _tensors([(p, 1000 + i, step, f) for i, (p, f) in enumerate(zip(params, forces))], V)
+        t = sample_tensors([(p, 1000 + i, step, f) for i, (p, f) in enumerate(zip(params, forces))], V)
         want = sample_device(logits, t, variant, 0).token_ids.tolist()
         got = draw_on_ranks(logits, t, variant, n)
         assert all(g == want for g in got), (step, want, got)
@@ -101,7 +101,7 @@ def test_a_plain_draw_reaches_every_rank():
     logits = torch.zeros(1, V)  # uniform: every id equally likely
     hits = set()
     for step in range(64):
-        t = _tensors([(SamplingParams(temperature=1.0), 3, step, None)], V)
+        t = sample_tensors([(SamplingParams(temperature=1.0), 3, step, None)], V)
         tok = draw_on_ranks(logits, t, "plain", n)[0][0]
         assert tok == sample_device(logits, t, "plain", 0).token_ids.item()
         hits.add(tok // (V // n))

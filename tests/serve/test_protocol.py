@@ -368,9 +368,10 @@ def test_tool_choice_controls_the_rendered_tools():
 
 
 def test_which_requests_get_a_grammar_and_where_it_starts():
-    """In thinking mode (reasoning_effort null) JSON and forced calls are constrained after </think>, the strict
-    tools' grammar of tool_choice auto from the first token (the parser reads calls in the reasoning too);
-    completions' JSON from the first token. Auto without a strict tool has no grammar (no mask per token)."""
+    """In thinking mode (reasoning_effort null) JSON is constrained after </think>; forced calls (required, named)
+    and the strict tools' grammar of tool_choice auto from the first token, their grammars spanning the reasoning
+    (the parser reads calls in the reasoning too); completions' JSON from the first token. Auto without a strict
+    tool has no grammar (no mask per token)."""
     think_end = 128822
 
     def spec(req) -> GrammarSpec | None:
@@ -383,7 +384,10 @@ def test_which_requests_get_a_grammar_and_where_it_starts():
     auto = p.parse_chat_request(chat(tools=tools))
     assert spec(auto) == GrammarSpec(auto_tools_grammar(tools), None) and auto.tool_choice == "auto"
     required = p.parse_chat_request(chat(tools=[WEATHER], tool_choice="required"))
-    assert spec(required) == GrammarSpec(tool_calls_grammar([WEATHER]), think_end)
+    assert spec(required) == GrammarSpec(tool_calls_grammar([WEATHER], thinking=True), None)
+    named = p.parse_chat_request(chat(tools=[WEATHER, TIME], tool_choice={"type": "function", "function": {
+        "name": "get_time"}}, reasoning_effort=30))
+    assert spec(named) == GrammarSpec(tool_calls_grammar([WEATHER, TIME], "get_time", thinking=True), None)
     chat_mode = p.parse_chat_request(chat(tools=[WEATHER], tool_choice="required", reasoning_effort="none"))
     assert spec(chat_mode) == GrammarSpec(tool_calls_grammar([WEATHER]), None)
     assert spec(p.parse_chat_request(chat(response_format={"type": "json_object"}))) == GrammarSpec(

@@ -6,6 +6,7 @@ naming the dimension. (A rank killed under load: tests/reliability/test_shard_fa
 
 from __future__ import annotations
 
+import json
 import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -123,8 +124,22 @@ def test_four_shards_are_refused_when_the_settings_are_built(tiny_checkpoint, ca
                                      environ={})
     assert (kernels.num_shards, kernels.runner) == (2, "kernels")  # either runner splits
     assert ServeSettings.from_cli(["--checkpoint", str(tiny_checkpoint), "--num-shards", "2"], environ={}).num_shards == 2
-    with pytest.raises(SettingsError, match="--speculative-tokens 2 with --num-shards 2: speculative decoding is not"):
-        ServeSettings.from_cli(["--checkpoint", str(tiny_checkpoint), "--num-shards", "2", "--speculative-tokens", "2"],
-                               environ={})
+    speculative = ServeSettings.from_cli(["--checkpoint", str(tiny_checkpoint), "--num-shards", "2",
+                                          "--speculative-tokens", "2"], environ={})
+    assert (speculative.num_shards, speculative.speculative_tokens) == (2, 2)  # the DSpark stages split too
+    # still refused before Ray: speculative decoding on the kernel runner (any shard count)
+    assert serve_main(["--checkpoint", str(tiny_checkpoint), "--num-shards", "2", "--speculative-tokens", "2",
+                       "--runner", "kernels"]) == 2
+    assert "golden runner" in capsys.readouterr().err
     assert serve_main(["--checkpoint", str(tiny_checkpoint), "--num-shards", "4"]) == 2  # make serve: before Ray
     assert "o_groups=2 is not divisible by 4 shards" in capsys.readouterr().err
+
+
+def test_speculating_over_shards_needs_the_dspark_experts_to_split(tiny_checkpoint, tmp_path):
+    config = json.loads((tiny_checkpoint / "config.json").read_text())
+    config["text_config"]["dspark_n_routed_experts"] = 3  # only config.json is read when the settings are built
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    flags = ["--checkpoint", str(tmp_path), "--num-shards", "2"]
+    assert ServeSettings.from_cli(flags, environ={}).num_shards == 2  # no speculation: no DSpark stages loaded
+    with pytest.raises(SettingsError, match="--num-shards 2: dspark_n_routed_experts=3 is not divisible by 2 shards"):
+        ServeSettings.from_cli(flags + ["--speculative-tokens", "2"], environ={})
