@@ -62,10 +62,16 @@ def _min_p_thresholds(ps: Sequence[SamplingParams]) -> torch.Tensor:
     return torch.where(t32.double() < t64, torch.nextafter(t32, torch.tensor(math.inf)), t32)
 
 
+def row_flags(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """bool [N] each: (the row holds a NaN or +inf, the row holds a token above -inf)."""
+    return (logits.isnan() | (logits == math.inf)).any(dim=-1), (logits > -math.inf).any(dim=-1)
+
+
 def usable_rows(logits: torch.Tensor) -> torch.Tensor:
     """bool [N]: the row can be sampled (-inf is a token that cannot be drawn; a NaN, a +inf or no drawable
     token makes the row fail)."""
-    return ~(logits.isnan() | (logits == math.inf)).any(dim=-1) & (logits > -math.inf).any(dim=-1)
+    bad, drawable = row_flags(logits)
+    return ~bad & drawable
 
 
 def _keep_first(x: torch.Tensor, num_keep: torch.Tensor, values: torch.Tensor) -> torch.Tensor:

@@ -326,8 +326,7 @@ def gumbel_noise_ref(seeds: Tensor, steps: Tensor, vocab_size: int, first_id: in
 
 def gumbel_argmax_ref(x: Tensor, seeds: Tensor, steps: Tensor) -> Tensor:
     """The oracle of gumbel_argmax: fp32 [N, V] -> int64 [N], argmax(x + noise) (first max -> lower id)."""
-    assert x.dtype == torch.float32 and x.dim() == 2, f"x must be fp32 [N, V], got {x.dtype} {tuple(x.shape)}"
-    return (x + gumbel_noise_ref(seeds, steps, x.size(1))).argmax(dim=-1)
+    return gumbel_max_ref(x, seeds, steps)[1]
 
 
 def gumbel_max_ref(x: Tensor, seeds: Tensor, steps: Tensor, first_id: int = 0) -> tuple[Tensor, Tensor]:
