@@ -2,8 +2,10 @@
 
 A step in which every chunk is one sampled token (decode) runs here instead of KernelRunner.execute's eager
 path. The host's work is to fill a pinned staging buffer (one of two, in turn) with the step's rows (token id, position, window
-blocks, global block table, floors, pending slot, Engram look-back, sampling parameters) and copy it to the
-device with one non-blocking copy; everything else happens on the device, inside the graph:
+blocks, floors, pending slot, Engram look-back, sampling parameters) and the entries of the global block tables that
+changed since the last step (engine/core/block_table.py: the tables live on the device), copy it to the device with
+one non-blocking copy and write the changed entries (one launch, none in most steps); everything else happens on the
+device, inside the graph:
 
   1. inputs and metadata, two launches (engine/kernels/decode_meta.py): the input ids and the Engram hash ids
      from the ids and their look-back; window write slots and the window each query reads, from a ring of its
@@ -32,6 +34,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from engine.core.block_table import BlockTableMirror
 from engine.core.decode_buckets import batch_buckets, bucket, context_buckets, decode_takes
 from engine.core.engine_config import DecodeOptions
 from engine.core.kernel_layers import AttnMeta, GlobalWrite, KernelRunner, RequestRows, Shared, Step
@@ -62,7 +65,7 @@ class Views:
     fields: dict[str, Tensor]  # [B] each (int64, float64 for FLOAT_FIELDS)
     prev: Tensor  # int64 [B, ENGRAM_LOOKBACK] raw ids before the position, -1 = none (oldest first)
     ring: Tensor  # int64 [B, R] window block ids of blocks lo .. lo + R - 1 (lo: the window's first), -1 = none
-    gtable: Tensor  # int64 [B, C / global_block_size] global block ids, -1 past the request's
+    gtable: Tensor  # int64 [B, C / global_block_size] global block ids, -1 past the request's (rows of self.tables)
     rows: Tensor  # int64 [B]: 0 .. B - 1 (every row writes its own global entry)
 
 
@@ -83,8 +86,12 @@ class DecodeStep:
         self.num_cols = len(FIELDS) + ENGRAM_LOOKBACK + self.R
         rec = self.num_cols * self.max_B
         pinned = self.device.type == "cuda"
-        # two staging buffers, used in turn: step k+1 is staged while step k's copy may not have run yet
-        size = rec + self.max_B * (self.max_C // self.G)
+        # the global block tables, on the device across steps; the host stages the entries that change
+        self.table_mirror = BlockTableMirror(self.max_B, self.max_C // self.G)
+        self.tables = torch.full((self.max_B, self.max_C // self.G), -1, dtype=torch.int64, device=self.device)
+        # two staging buffers, used in turn: step k+1 is staged while step k's copy may not have run yet; after
+        # the record, a step's changed table entries: their flat indices, then their values
+        size = rec + 2 * self.table_mirror.capacity
         self.hosts = [torch.zeros(size, dtype=torch.int64, pin_memory=pinned) for _ in range(2)]
         self._hosts_np = [h.numpy() for h in self.hosts]
         self._copied: list[torch.cuda.Event | None] = [None, None]  # each one's last copy to the device
@@ -120,10 +127,9 @@ class DecodeStep:
         if self._copied[which] is not None:
             self._copied[which].synchronize()  # the device has read this buffer's last contents
         host, host_np = self.hosts[which], self._hosts_np[which]
-        rec = host_np[:self.num_cols * self.max_B].reshape(self.num_cols, self.max_B)
+        base = self.num_cols * self.max_B
+        rec = host_np[:base].reshape(self.num_cols, self.max_B)
         recf = rec.view(np.float64)
-        g = host_np[self.num_cols * self.max_B:][:B * nb].reshape(B, nb)
-        g.fill(-1)
         rec[:, :B] = 0  # padding rows (past the chunks): position 0 of a request that writes nothing
         rec[FIELDS.index("global_from"), :B] = NO_WRITES
         rec[FIELDS.index("pending"), :B] = -1
@@ -149,9 +155,14 @@ class DecodeStep:
                 rec[ring0 - len(c.prev_ids):ring0, b] = c.prev_ids
             lo = max(pos - self.W + 1, 0) // self.S
             rec[ring0:ring0 + self.R, b] = [c.swa_blocks.get(lo + j, -1) for j in range(self.R)]
-            g[b, :len(c.global_blocks)] = c.global_blocks
-        n = self.num_cols * self.max_B + B * nb
+            assert len(c.global_blocks) <= nb, f"row {b}: {len(c.global_blocks)} global blocks past the bucket's {nb}"
+        idx, vals = self.table_mirror.updates([c.global_blocks for c in chunks], B)
+        u = idx.size
+        host_np[base:base + u], host_np[base + u:base + 2 * u] = idx, vals
+        n = base + 2 * u
         self.dev[:n].copy_(host[:n], non_blocking=True)
+        if u:
+            self.tables.view(-1).index_copy_(0, self.dev[base:base + u], self.dev[base + u:n])
         if self.device.type == "cuda":
             self._copied[which] = torch.cuda.Event()
             self._copied[which].record()
@@ -163,7 +174,7 @@ class DecodeStep:
             rec = self.dev[:self.num_cols * self.max_B].view(self.num_cols, self.max_B)
             fields = {f: (rec.view(torch.float64) if f in FLOAT_FIELDS else rec)[i, :B] for i, f in enumerate(FIELDS)}
             prev0, ring0 = len(FIELDS), len(FIELDS) + ENGRAM_LOOKBACK
-            gtable = self.dev[self.num_cols * self.max_B:][:B * (C // self.G)].view(B, C // self.G)
+            gtable = self.tables[:B, :C // self.G]
             v = self._views[(B, C)] = Views(B, C, fields, rec[prev0:ring0, :B].t(), rec[ring0:ring0 + self.R, :B].t(),
                                             gtable, torch.arange(B, device=self.device))
         return v
@@ -270,7 +281,9 @@ class DecodeStep:
             v.fields[name].fill_(value)
         for name, value in (("temperature", 1.0), ("top_p", 1.0), ("min_p", -float("inf"))):
             v.fields[name].fill_(value)
-        v.prev.fill_(-1), v.ring.fill_(-1), v.gtable.fill_(-1)
+        v.prev.fill_(-1), v.ring.fill_(-1)
+        self.tables.fill_(-1)
+        self.table_mirror.reset()
 
     # ---- one step ----------------------------------------------------------------------------------------------
     def execute(self, plan: StepPlan) -> StepOutput:
