@@ -277,6 +277,10 @@ class DecodeStep:
         torch.cuda.synchronize(self.device)
         mem0, t0 = torch.cuda.memory_reserved(self.device), time.monotonic()
         self._pool = torch.cuda.graph_pool_handle()
+        # Warm-ups and captures on one stream: per-stream state (fp8_linear's split-K tickets, cuBLAS workspaces) is
+        # made and zeroed by the warm-up. Made inside a capture instead, the tickets' zeroing would run only when that
+        # one graph replays, and every later-captured graph would start from uninitialised tickets.
+        stream = torch.cuda.Stream(self.device)
         work = [("model", B, C) for B, C in self.buckets()]
         work += [("draw", B, (variant, lp, masked)) for B in self.batches for variant in VARIANTS
                  for lp in (0, SamplingParams.MAX_LOGPROBS) for masked in (False, True)]
@@ -284,11 +288,13 @@ class DecodeStep:
             v = self._views_for(B, key if kind == "model" else self.contexts[0])
             run = (lambda: self.forward(v)) if kind == "model" else (lambda: self.draw(v, *key))
             self._reset_rows(v)
+            stream.wait_stream(torch.cuda.current_stream(self.device))
             with torch.inference_mode():
-                run(), run()  # warm-up: Triton compiles, side streams, cached weights; not in the graph pool
+                with torch.cuda.stream(stream):
+                    run(), run()  # warm-up: Triton compiles, side streams, cached weights; not in the graph pool
                 torch.cuda.synchronize(self.device)
                 graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graph, pool=self._pool):
+                with torch.cuda.graph(graph, pool=self._pool, stream=stream):
                     out = run()
             if kind == "model":
                 self._graphs[(B, key)] = graph

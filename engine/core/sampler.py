@@ -20,6 +20,7 @@ import torch
 from engine.core.plan import SampleSpec
 from engine.core.sampling_params import SamplingParams
 from engine.kernels.gumbel import gumbel_argmax, gumbel_argmax_ref
+from engine.kernels.row_max import row_max, row_max_ref
 
 _TOPK_SELECT_MAX = 1024  # top-k cuts up to this k select the k largest values instead of sorting the row
 _INT64_MASK = (1 << 64) - 1
@@ -276,9 +277,10 @@ def sample_device(logits: torch.Tensor, t: SampleTensors, variant: SampleVariant
     for every drawn row of the variant, a filter that is off keeping its row whole). A forced row takes its token;
     num_logprobs > 0 also returns each row's logprob of its token and its num_logprobs most likely, from raw where
     given (the model's logits, when `logits` had grammar masks applied: sample()'s raw logprobs), else logits."""
-    usable = usable_rows(logits)
-    logits = logits.masked_fill(~usable[:, None], 0.0)
-    ids = logits.argmax(dim=-1)
+    _, ids, bad, drawable = (row_max if logits.is_cuda else row_max_ref)(logits)  # one pass: greedy ids, usability
+    usable = ~bad & drawable
+    if variant != "greedy" or num_logprobs:
+        logits = logits.masked_fill(~usable[:, None], 0.0)
     if variant != "greedy":
         x = logits / t.temperature[:, None]
         if variant == "filtered":
