@@ -106,6 +106,7 @@ class DecodeStep:
         # a vocab-parallel head's slice (several shards: the draw gathers only what it needs, sharded_draw.py)
         self.shard = runner.model.head.shard
         self.logits = torch.empty(self.max_B, runner.model.head.weight.size(0), dtype=torch.float32, device=self.device)
+        self.masked_logits = torch.empty_like(self.logits)  # a masked draw's copy (the logprobs read self.logits)
         self.last_ids = torch.zeros(self.max_B, dtype=torch.int64, device=self.device)  # the last draw's tokens
         L = SamplingParams.MAX_LOGPROBS  # the read-back: ids, then logprob, top logprobs and top ids when asked
         self._results = [torch.empty(self.max_B * (2 + 2 * L), dtype=torch.int64, pin_memory=pinned) for _ in range(2)]
@@ -221,7 +222,8 @@ class DecodeStep:
                           f["seed"], f["step"], f["force"])
         logits = drawn = self.logits[:v.B]
         if masked:  # the draw takes only allowed tokens; logprobs stay the model's (sampler.sample's raw logprobs)
-            drawn = logits.clone()
+            drawn = self.masked_logits[:v.B]
+            drawn.copy_(logits)
             token_mask(drawn, v.mask, self.shard.rank * logits.size(1))
         if self.shard.is_single:
             d = sample_device(drawn, t, variant, num_logprobs, logits if masked else None)
