@@ -19,7 +19,7 @@
   completion, reasoning included, because the parser (parse.py) opens a calls block at the tag in reasoning as in
   content: every call the parser can read is inside the block the grammar constrains.
 
-Free text is a lexeme of llguidance's regex intersection and complement (`/(.|\n)+/ & ~/(.|\n)*TAG(.|\n)*/`), and
+Free text is a lexeme whose regex spells out "no TAG in it" (`text_without`), and
 the text before a calls block is one lexeme with the tag at its end (`TEXT_THEN_CALLS`): llguidance's lexer ends a
 lexeme only when the next byte cannot extend it and never goes back, so a text lexeme followed by a separate tag
 literal would swallow the tag's first 14 characters and then fail at its ">". The free text is exactly what the
@@ -76,7 +76,7 @@ def tool_calls_grammar(tools: Sequence[dict], name: str | None = None, thinking:
     block = f"{_lit(s.CALLS_SEPARATOR + s.CALLS_OPEN + chr(10))} {calls} {_lit(chr(10) + s.CALLS_CLOSE)}"
     # the reasoning's text ends where the parser's does (at the </think> token) and holds no calls tag
     reasoning = [f"reasoning: (REASONING? {s.THINK_START})* REASONING? {s.THINK_END}",
-                 f"REASONING: /{_ANY}+/ & {_without(s.CALLS_OPEN, s.THINK_END)}"] if thinking else []
+                 f"REASONING: {_regex(text_without(s.CALLS_OPEN, s.THINK_END, nonempty=True))}"] if thinking else []
     rules = [f"start: {'reasoning ' if thinking else ''}{block}", *reasoning,
              *_alternatives([f"invoke_{i}" for i in range(len(functions))]), "RAW: /[^<]*/"]
     for i, function in enumerate(functions):
@@ -90,9 +90,9 @@ def auto_tools_grammar(tools: Sequence[dict]) -> str:
     strict = [i for i, f in enumerate(functions) if f.get("strict") is True]
     rules = [f"start: (TEXT? think)* (TEXT? | TEXT_THEN_CALLS invoke next_invoke* {_lit(chr(10) + s.CALLS_CLOSE)})",
              f"think: {s.THINK_START} | {s.THINK_END}",  # special tokens (llguidance's <name> syntax)
-             f"TEXT: /{_ANY}+/ & {_without(s.CALLS_OPEN)}",
-             f"TEXT_THEN_CALLS: (/{_ANY}*/ & {_without(s.CALLS_OPEN)}) {_lit(s.CALLS_OPEN + chr(10))}",
-             f"FREE_ARGS: (/{_ANY}*/ & {_without(s.INVOKE_CLOSE, s.CALLS_CLOSE)}) {_lit(s.INVOKE_CLOSE)}",
+             f"TEXT: {_regex(text_without(s.CALLS_OPEN, nonempty=True))}",
+             f"TEXT_THEN_CALLS: {_regex(text_without(s.CALLS_OPEN))} {_lit(s.CALLS_OPEN + chr(10))}",
+             f"FREE_ARGS: {_regex(text_without(s.INVOKE_CLOSE, s.CALLS_CLOSE))} {_lit(s.INVOKE_CLOSE)}",
              *_alternatives([f"invoke_{i}" for i in range(len(functions))]), "RAW: /[^<]*/"]
     for i, function in enumerate(functions):
         if i in strict:
@@ -150,11 +150,31 @@ def _lit(text: str) -> str:
     return json.dumps(text, ensure_ascii=False)
 
 
-_ANY = "(.|\\n)"  # any character (a regex's "." matches all but the newline)
+def text_without(*tags: str, nonempty: bool = False) -> str:
+    """A regex of the texts in which none of `tags` occurs (nonempty: and not ""). Each tag starts with "<" and holds
+    no other "<", so one can only begin at a "<" and end before the next: the text is a run without "<", then any
+    number of "<" each followed by a segment without "<" that starts with no tag's rest. Written out, not as
+    llguidance's `/(.|\\n)*/ & ~/(.|\\n)*TAG(.|\\n)*/`: llguidance proves that a token slice (engine/core/grammar.py)
+    may follow a state only for a regex of this shape, and walks the whole vocabulary otherwise."""
+    assert tags and all(t.startswith("<") and "<" not in t[1:] for t in tags), tags
+
+    def segment(rests: list[str]) -> str:  # the texts without "<" that start with none of rests
+        firsts = sorted({r[0] for r in rests})
+        alternatives = [f"[^<{''.join(_escape(c) for c in firsts)}][^<]*"]
+        for c in firsts:
+            longer = [r[1:] for r in rests if r[0] == c]
+            if "" not in longer:  # c ends no tag: what follows c must not complete one
+                alternatives.append(_escape(c) + segment(longer))
+        return f"({'|'.join(alternatives)})?"
+
+    tagged = "<" + segment([t[1:] for t in tags])
+    return f"[^<]+({tagged})*|({tagged})+" if nonempty else f"[^<]*({tagged})*"
 
 
-def _without(*tags: str) -> str:
-    """A lexeme expression: the texts in which none of `tags` occurs."""
-    alternatives = "|".join("".join("\\" + c if c in "\\^$.|?*+()[]{}/" else c for c in tag) for tag in tags)
-    return f"~/{_ANY}*({alternatives}){_ANY}*/"
+def _escape(c: str) -> str:
+    return "\\" + c if c in "\\^$.|?*+()[]{}-" else c
 
+
+def _regex(regex: str) -> str:
+    """A Lark regex literal."""
+    return "/" + regex.replace("/", "\\/") + "/"

@@ -6,13 +6,16 @@ tool has arguments valid against the tool's parameters (jsonschema)."""
 from __future__ import annotations
 
 import json
+import random
+import re
 
 import jsonschema
 import llguidance
 import pytest
 
 from engine.chat import parse_completion, syntax
-from engine.chat.constraints import GrammarError, auto_tools_grammar, check, json_grammar, tool_calls_grammar
+from engine.chat.constraints import (GrammarError, auto_tools_grammar, check, json_grammar, text_without,
+                                     tool_calls_grammar)
 
 BOOK = {"type": "function", "function": {"name": "book", "parameters": {
     "type": "object", "properties": {"seats": {"type": "integer", "minimum": 1, "maximum": 9},
@@ -61,6 +64,21 @@ def test_named_and_required_tool_calls(accepts):
                 calls(("book", {"seats": 2, "meal": "beef"})), calls(("book", {"meal": "veg", "seats": 2})),
                 calls(("book", {"seats": 2, "meal": "veg", "extra": 1})), "Sure." + good, good + "\n"):
         assert not accepts(named, bad), bad
+
+
+@pytest.mark.parametrize("tags", [(syntax.CALLS_OPEN,), (syntax.CALLS_OPEN, syntax.THINK_END),
+                                  (syntax.INVOKE_CLOSE, syntax.CALLS_CLOSE), ("<｜", "</｜", "<think>", "</think>")])
+def test_text_without_matches_exactly_the_texts_without_the_tags(tags):
+    """Random texts built from the tags, their prefixes and other characters (newlines, a lone "<") against the
+    definition: the regex (Python's re reads it as llguidance does) takes a text iff no tag occurs in it."""
+    any_text, nonempty = (re.compile(text_without(*tags, nonempty=n)) for n in (False, True))
+    pieces = [*tags, *(t[:k] for t in tags for k in range(1, len(t))), "x", "\n", "<", "/", "｜", " "]
+    rng = random.Random(0)
+    for _ in range(5000):
+        text = "".join(rng.choice(pieces) for _ in range(rng.randint(0, 7)))
+        free = not any(tag in text for tag in tags)
+        assert bool(any_text.fullmatch(text)) == free, text
+        assert bool(nonempty.fullmatch(text)) == (free and text != ""), text
 
 
 def test_check_names_the_keyword():
