@@ -12,8 +12,16 @@ A GrammarSpec may wait for a token (`after_token`: `</think>` in thinking mode) 
 the reasoning is free, the answer after it constrained. Once the grammar is complete (`is_done`) the request
 ends (finish reason "stop"), as vLLM ends a request whose structured output is terminated.
 
-`GrammarCompiler` builds the tokenizer's llguidance view once (~1.2 s for 129,280 ids) and caches one compiled
-matcher per grammar text (an LRU of `max_cached`); each request gets a copy of the cached matcher.
+`GrammarCompiler` builds the tokenizer's llguidance view once (`llg_tokenizer`, ~1.2 s for 129,280 ids) and caches
+one compiled matcher per grammar text (an LRU of `max_cached`); each request gets a copy of the cached matcher.
+
+A mask is a walk of the vocabulary's token trie through the grammar's lexer, ~1.5-3 ms for 129,280 ids on one CPU
+core, except where llguidance can prove that a whole token slice may follow (then the slice is added at once) or
+the lexer state is the previous mask's (then that mask is reused). `TOKEN_SLICES` are llguidance's JSON slices
+(whitespace runs; runs of JSON string characters of up to 10, 30 or any length) without "<": so they also fit
+the states inside the tool grammars' free text and inside the tag-free JSON strings (engine/chat/constraints.py),
+which refuse only texts that start at a "<"; with "<" in them no slice fits there and every such mask walked the
+whole vocabulary (benchmarks/RESULTS.md, structured output).
 """
 
 from __future__ import annotations
@@ -23,6 +31,14 @@ from collections import OrderedDict
 import llguidance
 
 from engine.core.sampling_params import GrammarSpec
+
+
+TOKEN_SLICES = [r"[\x20\x0A\x0D\x09]+", *(r'[^"\\\x00-\x1F\x7F<]' + n for n in ("{1,10}", "{1,30}", "+"))]
+
+
+def llg_tokenizer(tokenizer_json: str, eos_id: int) -> llguidance.LLTokenizer:
+    """llguidance's view of the tokenizer (tokenizer.json's text), with TOKEN_SLICES."""
+    return llguidance.LLTokenizer(tokenizer_json, eos_token=eos_id, slices=TOKEN_SLICES)
 
 
 class GrammarError(ValueError):
@@ -62,7 +78,7 @@ class GrammarCompiler:
     """tokenizer_json: the tokenizer.json text; eos_id: the end-of-sentence id (allowed once a grammar accepts)."""
 
     def __init__(self, tokenizer_json: str, eos_id: int, max_cached: int = 256) -> None:
-        self._tokenizer = llguidance.LLTokenizer(tokenizer_json, eos_token=eos_id)
+        self._tokenizer = llg_tokenizer(tokenizer_json, eos_id)
         self._cache: OrderedDict[str, llguidance.LLMatcher] = OrderedDict()
         self._max_cached = max_cached
         self.num_compiled = 0
