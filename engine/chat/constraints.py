@@ -33,7 +33,12 @@ A thinking-mode `tool_calls_grammar`'s `REASONING` is free text of the same kind
 in plain tokens (the parser would end the reasoning there, and the text up to the `</think>` token would be content).
 
 JSON is compact (", " and ": " separators, no other whitespace, as OpenAI's strict mode writes it), so that a
-constrained completion always ends: the grammar leaves no unbounded run of whitespace. `check(grammar)` compiles
+constrained completion always ends: the grammar leaves no unbounded run of whitespace. And it is `tag_free`: no
+string in it, object keys included, holds "<｜", "</｜", "<think>" or "</think>" (STRING_TAGS). DSML has no escape
+(the encoder writes a string value raw, any other as json.dumps), and the parser reads tags inside a value as tags,
+as vLLM's parser does: a `</｜DSML｜ parameter>` in a value would end it, a `</｜DSML｜ calls>` the whole block (the
+rest of the call becoming content), a `</think>` in a JSON answer would be dropped from the content. So the
+grammar keeps them out, and what it accepts parses back to the JSON it wrote. `check(grammar)` compiles
 a grammar without a tokenizer and raises GrammarError with llguidance's message, which names the keyword it
 cannot enforce (e.g. `Unimplemented keys: ["uniqueItems"]`).
 """
@@ -65,7 +70,68 @@ def check(grammar: str) -> str:
 
 
 def json_grammar(schema: dict[str, Any]) -> str:
-    return llguidance.LLMatcher.grammar_from_json_schema(schema, defaults=JSON_OPTIONS)
+    return llguidance.LLMatcher.grammar_from_json_schema(tag_free(schema), defaults=JSON_OPTIONS)
+
+
+# The texts the parser reads as tags where a constrained JSON value can be: every DSML tag ("<｜DSML｜ ..." and
+# "</｜DSML｜ ..."; in an argument value the close tags and the next parameter's start end the value) and the
+# end-of-sentence marker's spelling (dropped anywhere) start with "<｜" or "</｜"; "<think>" and "</think>" are tags
+# in content, where a response_format answer is.
+STRING_TAGS = ("<｜", "</｜", s.THINK_START, s.THINK_END)
+_TAG_FREE_ANY = "tag_free_any"  # the $defs entry tag_free adds: any JSON value whose strings (keys too) are tag-free
+_MAY_BE_ANY = {"$ref", "enum", "const", "anyOf", "oneOf", "allOf", "not"}  # keys that narrow an untyped schema
+
+
+def tag_free(schema: dict[str, Any]) -> dict[str, Any]:
+    """`schema` (a root: its $defs / definitions included) narrowed so that no string of a valid value, object keys
+    included, holds one of STRING_TAGS: the encoder escapes no tag text inside a value (strings are written raw or
+    as json.dumps writes them), so the parser would read one there as a tag, cutting the value or the call short.
+
+    Every string schema gets a `pattern` (in `allOf` beside one it has); an object whose keys are not all declared
+    also takes only tag-free keys besides its declared ones; and a value the schema leaves free (`true`, an untyped
+    schema, absent `items` / `additionalProperties`) is `$defs/tag_free_any`. Keys matched by the schema's own
+    patternProperties must also be tag-free."""
+    pattern = f"^({text_without(*STRING_TAGS)})$"
+    free = {"$ref": f"#/$defs/{_TAG_FREE_ANY}"}
+
+    def narrowed(node: Any) -> Any:
+        if node is True:
+            return free
+        if not isinstance(node, dict):
+            return node  # false, or not a schema (llguidance reports it)
+        out = dict(node)
+        for key in ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas"):
+            if isinstance(out.get(key), dict):
+                out[key] = {k: narrowed(v) for k, v in out[key].items()}
+        for key in ("allOf", "anyOf", "oneOf", "prefixItems", "items"):
+            if isinstance(out.get(key), list):
+                out[key] = [narrowed(v) for v in out[key]]
+        for key in ("additionalProperties", "items", "contains", "not", "if", "then", "else"):
+            if key in out and not isinstance(out[key], list):
+                out[key] = narrowed(out[key])
+        if "$ref" in out:
+            return out  # its target is narrowed where it is defined
+        kind = out.get("type")
+        kinds = {kind} if isinstance(kind, str) else set(kind) if isinstance(kind, list) else None
+        is_any = kinds is None and not set(out) & _MAY_BE_ANY
+        if kinds is None or "string" in kinds:
+            if "pattern" in out:
+                out["allOf"] = [*out.get("allOf", []), {"pattern": pattern}]
+            else:
+                out["pattern"] = pattern
+        if is_any or (kinds and "object" in kinds):
+            out.setdefault("additionalProperties", free)
+            if out["additionalProperties"] is not False or out.get("patternProperties"):
+                declared = {k: True for k in out.get("properties") or {}}
+                out["allOf"] = [*out.get("allOf", []), {"properties": declared, "patternProperties": {pattern: True},
+                                                        "additionalProperties": False}]
+        if is_any or (kinds and "array" in kinds):
+            out.setdefault("items", free)
+        return out
+
+    root = narrowed(schema)
+    any_value = {"pattern": pattern, "patternProperties": {pattern: free}, "additionalProperties": False, "items": free}
+    return {**root, "$defs": {**root.get("$defs", {}), _TAG_FREE_ANY: any_value}}
 
 
 def tool_calls_grammar(tools: Sequence[dict], name: str | None = None, thinking: bool = False) -> str:
@@ -119,7 +185,8 @@ def _invoke_rules(rule: str, function: dict) -> list[str]:
     body, rules = [], []
     for j, (key, schema) in enumerate(properties.items()):
         name = f"{rule}_p{j}"
-        value = f"{_lit(_param_head(key, False))} %json{json.dumps({**schema, **defs, 'x-guidance': JSON_OPTIONS})}"
+        value_schema = tag_free({**schema, **defs} if isinstance(schema, dict) else {"allOf": [schema], **defs})
+        value = f"{_lit(_param_head(key, False))} %json{json.dumps({**value_schema, 'x-guidance': JSON_OPTIONS})}"
         if isinstance(schema, dict) and schema.get("type") == "string" and set(schema) <= _PLAIN_STRING_KEYS:
             value = f"{_lit(_param_head(key, True))} RAW | {value}"
         elif isinstance(schema, dict) and _raw_choices(schema):

@@ -14,8 +14,8 @@ import llguidance
 import pytest
 
 from engine.chat import parse_completion, syntax
-from engine.chat.constraints import (GrammarError, auto_tools_grammar, check, json_grammar, text_without,
-                                     tool_calls_grammar)
+from engine.chat.constraints import (STRING_TAGS, GrammarError, auto_tools_grammar, check, json_grammar,
+                                     text_without, tool_calls_grammar)
 
 BOOK = {"type": "function", "function": {"name": "book", "parameters": {
     "type": "object", "properties": {"seats": {"type": "integer", "minimum": 1, "maximum": 9},
@@ -79,6 +79,62 @@ def test_text_without_matches_exactly_the_texts_without_the_tags(tags):
         free = not any(tag in text for tag in tags)
         assert bool(any_text.fullmatch(text)) == free, text
         assert bool(nonempty.fullmatch(text)) == (free and text != ""), text
+
+
+# Text the parser reads as a tag where a JSON value can be (engine/chat/constraints.py: STRING_TAGS), and text that
+# merely looks like one.
+TAGGED = [syntax.PARAM_CLOSE, syntax.INVOKE_CLOSE, syntax.CALLS_CLOSE, syntax.CALLS_OPEN, syntax.EOS,
+          syntax.PARAM_OPEN + ' name="k" string="true">', syntax.THINK_START, syntax.THINK_END]
+UNTAGGED = ["a < b", "a </b> c", "<thin>", "｜DSML｜ calls>", "<｜"[::-1], "<\n｜", "</ ｜"]
+VALUES = {"type": "object", "properties": {"s": {"type": "string"}, "o": {"type": "object"}, "a": {"type": "array"},
+                                           "e": {"enum": ["x", "y" + syntax.PARAM_CLOSE]}, "any": {}}}
+
+
+def test_json_values_hold_no_tag_text_in_strings_or_keys(accepts, tok):
+    """A string anywhere in a constrained JSON value, object keys and free values included, never holds a tag's text
+    (spelled in any tokens: the whole text's, or one character at a time, which also keeps `<think>` out of special
+    tokens, which JSON refuses anyway); text that only resembles a tag passes."""
+    assert all(any(tag in text for tag in STRING_TAGS) for text in TAGGED)
+    grammar = json_grammar(VALUES)
+
+    def values(text: str) -> list[dict]:
+        return [{"s": f"1{text}2"}, {"o": {"k": text}}, {"o": {text: 1}}, {"o": {"k": [{"j": text}]}}, {"a": [text]},
+                {"e": text}, {"any": text}, {"any": {"k": [text]}}, {"any": {text: None}}]
+
+    def spellings(value: dict) -> list[list[int]]:
+        text = json.dumps(value, ensure_ascii=False)
+        return [tok.encode(text), [i for ch in text for i in tok.encode(ch)]]
+
+    for text in TAGGED:
+        for value in values(text):
+            assert not any(accepts(grammar, ids) for ids in spellings(value)), value
+    for text in UNTAGGED:
+        for value in values(text)[:5] + values(text)[6:]:
+            assert all(accepts(grammar, ids) for ids in spellings(value)), value
+    assert accepts(grammar, json.dumps({"e": "x"})) and not accepts(grammar, json.dumps({"e": "y" + syntax.PARAM_CLOSE}))
+
+
+def test_tool_call_values_hold_no_tag_text_and_parse_back(accepts, tok):
+    """The same in a forced call's JSON values (a raw value holds no "<" at all): what the grammar takes, the parser
+    reads back as written, streamed or not; a value cut by a tag the grammar refuses."""
+    tool = {"type": "function", "function": {"name": "w", "parameters": VALUES}}
+    grammar = tool_calls_grammar([tool], "w")
+
+    def written(value: dict) -> str:  # every value as JSON (string="false"), which the grammar always allows
+        text = calls(("w", {k: 0 for k in value}))
+        for k, v in value.items():
+            text = text.replace(f'"{k}" string="false">0', f'"{k}" string="false">' + json.dumps(v, ensure_ascii=False))
+        return text
+
+    for text in UNTAGGED:
+        value = {"s": text, "o": {text: [text]}, "any": text}
+        assert accepts(grammar, written(value)), value
+        [call] = parse_completion(written(value), False, [tool]).tool_calls
+        assert json.loads(call.arguments) == value
+    for text in TAGGED:
+        for value in ({"s": text}, {"o": {"k": text}}, {"o": {text: 1}}, {"any": [text]}):
+            assert not accepts(grammar, written(value)), value
+            assert not accepts(grammar, [i for ch in written(value) for i in tok.encode(ch)]), value
 
 
 def test_check_names_the_keyword():
