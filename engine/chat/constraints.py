@@ -1,7 +1,11 @@
 """Grammars that constrain a V4.1 completion (llguidance's grammar text; `engine/core/grammar.py` enforces them).
 
-- `json_grammar(schema)`: the completion is one JSON value valid against `schema` (response_format json_schema;
-  json_object is the schema {"type": "object"}).
+- `json_grammar(schema, thinking)`: the completion is one JSON value valid against `schema` (response_format
+  json_schema; json_object is the schema {"type": "object"}). With `thinking` the reasoning comes first, as in
+  `tool_calls_grammar`'s (free text that opens no calls block and never spells `</think>`, then the `</think>` token),
+  then the value: the content is exactly the JSON, and the end-of-sentence token cannot come before the value is
+  complete. A grammar that started at the `</think>` token would leave the reasoning free to end the output, to
+  spell `</think>` in plain tokens (where the parser starts the content) or to open a calls block.
 - `tool_calls_grammar(tools, name, thinking)`: the completion is the encoder's "\\n\\n" and one DSML calls block, its
   invokes calling `name` only (tool_choice naming a function: exactly one call) or any of `tools` (tool_choice
   "required": one or more). Each invoke writes its tool's declared parameters in schema order, the required ones
@@ -69,8 +73,13 @@ def check(grammar: str) -> str:
     return grammar
 
 
-def json_grammar(schema: dict[str, Any]) -> str:
-    return llguidance.LLMatcher.grammar_from_json_schema(tag_free(schema), defaults=JSON_OPTIONS)
+def json_grammar(schema: dict[str, Any], thinking: bool = False) -> str:
+    """thinking: the completion opens with the reasoning, which must end with `</think>`; the JSON value is the
+    content after it."""
+    if not thinking:
+        return llguidance.LLMatcher.grammar_from_json_schema(tag_free(schema), defaults=JSON_OPTIONS)
+    answer = f"%json{json.dumps({**tag_free(schema), 'x-guidance': JSON_OPTIONS}, ensure_ascii=False)}"
+    return llguidance.LLMatcher.grammar_from_lark("\n".join(["start: reasoning " + answer, *_reasoning_rules()]) + "\n")
 
 
 # The texts the parser reads as tags where a constrained JSON value can be: every DSML tag ("<｜DSML｜ ..." and
@@ -140,10 +149,7 @@ def tool_calls_grammar(tools: Sequence[dict], name: str | None = None, thinking:
     functions = [t["function"] for t in tools if name is None or t["function"]["name"] == name]
     calls = "invoke" if name is not None else "invoke next_invoke*"
     block = f"{_lit(s.CALLS_SEPARATOR + s.CALLS_OPEN + chr(10))} {calls} {_lit(chr(10) + s.CALLS_CLOSE)}"
-    # the reasoning's text ends where the parser's does (at the </think> token) and holds no calls tag
-    reasoning = [f"reasoning: (REASONING? {s.THINK_START})* REASONING? {s.THINK_END}",
-                 f"REASONING: {_regex(text_without(s.CALLS_OPEN, s.THINK_END, nonempty=True))}"] if thinking else []
-    rules = [f"start: {'reasoning ' if thinking else ''}{block}", *reasoning,
+    rules = [f"start: {'reasoning ' if thinking else ''}{block}", *(_reasoning_rules() if thinking else []),
              *_alternatives([f"invoke_{i}" for i in range(len(functions))]), "RAW: /[^<]*/"]
     for i, function in enumerate(functions):
         rules += _invoke_rules(f"invoke_{i}", function)
@@ -167,6 +173,13 @@ def auto_tools_grammar(tools: Sequence[dict]) -> str:
             head = f'{s.INVOKE_OPEN} name="{function["name"]}">\n'
             rules += [f"invoke_{i}: {_lit(head)} FREE_ARGS", f"next_invoke_{i}: {_lit(chr(10) + head)} FREE_ARGS"]
     return llguidance.LLMatcher.grammar_from_lark("\n".join(rules) + "\n")
+
+
+def _reasoning_rules() -> list[str]:
+    """`reasoning`: free text that opens no calls block and never spells `</think>` (`<think>` tokens between its
+    lexemes), then the `</think>` token: the reasoning's text ends where the parser's does and holds no call."""
+    return [f"reasoning: (REASONING? {s.THINK_START})* REASONING? {s.THINK_END}",
+            f"REASONING: {_regex(text_without(s.CALLS_OPEN, s.THINK_END, nonempty=True))}"]
 
 
 def _alternatives(invokes: list[str]) -> list[str]:

@@ -137,6 +137,31 @@ def test_tool_call_values_hold_no_tag_text_and_parse_back(accepts, tok):
             assert not accepts(grammar, [i for ch in written(value) for i in tok.encode(ch)]), value
 
 
+def test_json_in_thinking_mode_spans_the_reasoning(accepts, tok):
+    """response_format JSON in thinking mode: reasoning (free text, `<think>` tokens), the `</think>` token, then the
+    JSON value, which the parser reads as the whole content. Refused: a `</think>` spelled in plain tokens (the
+    parser's content would start there), a calls block in the reasoning (the parser would read it as a call), any
+    other special token (the end-of-sentence one included: the output cannot end before its answer), text between
+    `</think>` and the JSON, and JSON without the reasoning's end."""
+    schema = {"type": "object", "properties": {"n": {"type": "integer"}}, "required": ["n"]}
+    grammar, answer = json_grammar(schema, thinking=True), json.dumps({"n": 3})
+    think_start, think_end = tok.token_to_id(syntax.THINK_START), tok.token_to_id(syntax.THINK_END)
+    spelled_end = tok.encode("</") + tok.encode("think>")
+    for reasoning in ([], tok.encode("Let me think. <b>bold</b> 🦜 {\"n\": 1} a partial tag: <｜DSML｜ call"),
+                      tok.encode("one") + [think_start] + tok.encode("two")):
+        ids = reasoning + [think_end] + tok.encode(answer)
+        assert accepts(grammar, ids), tok.decode(ids)
+        parsed = parse_completion(tok.decode(ids), True)
+        assert json.loads(parsed.content) == {"n": 3} and not parsed.tool_calls
+    for ids in (tok.encode("x") + spelled_end + tok.encode("y") + [think_end] + tok.encode(answer),
+                tok.encode("x" + calls(("f", {}))) + [think_end] + tok.encode(answer),
+                tok.encode("x") + [tok.token_to_id("<｜place▁holder▁no▁7｜>"), think_end] + tok.encode(answer),
+                tok.encode("x") + [tok.eos_id], tok.encode("x") + [think_end] + tok.encode(" " + answer),
+                tok.encode(answer), tok.encode("x") + [think_end] + tok.encode(json.dumps({"n": "3"}))):
+        assert not accepts(grammar, ids), tok.decode(ids)
+    assert json_grammar(schema) == json_grammar(schema, thinking=False) and accepts(json_grammar(schema), answer)
+
+
 def test_check_names_the_keyword():
     with pytest.raises(GrammarError, match="uniqueItems"):
         check(json_grammar({"type": "array", "uniqueItems": True}))
