@@ -33,18 +33,19 @@ not in the text the parser reads (skip_special_tokens), so letting one split two
 "<｜DSML｜ ca" + special + "lls>" spell the tag unconstrained. `<think>` and `</think>` are text to the parser, but
 no tag can overlap one: the tag contains neither, begins with no proper suffix and ends with no proper prefix of
 either.
-A thinking-mode `tool_calls_grammar`'s `REASONING` is free text of the same kind that also never spells `</think>`
-in plain tokens (the parser would end the reasoning there, and the text up to the `</think>` token would be content).
+The thinking-mode `REASONING` (of `tool_calls_grammar` and `json_grammar`) is free text of the same kind that also
+never spells `</think>` in plain tokens (the parser would end the reasoning there, and the text up to the `</think>`
+token would be content).
 
 JSON is compact (", " and ": " separators, no other whitespace, as OpenAI's strict mode writes it), so that a
 constrained completion always ends: the grammar leaves no unbounded run of whitespace. And it is `tag_free`: no
-string in it, object keys included, holds "<｜", "</｜", "<think>" or "</think>" (STRING_TAGS). DSML has no escape
-(the encoder writes a string value raw, any other as json.dumps), and the parser reads tags inside a value as tags,
-as vLLM's parser does: a `</｜DSML｜ parameter>` in a value would end it, a `</｜DSML｜ calls>` the whole block (the
-rest of the call becoming content), a `</think>` in a JSON answer would be dropped from the content. So the
-grammar keeps them out, and what it accepts parses back to the JSON it wrote. `check(grammar)` compiles
-a grammar without a tokenizer and raises GrammarError with llguidance's message, which names the keyword it
-cannot enforce (e.g. `Unimplemented keys: ["uniqueItems"]`).
+free-form string in it, object keys included, holds "<｜", "</｜", "<think>" or "</think>" (STRING_TAGS). DSML has no
+escape (the encoder writes a string value raw, any other as json.dumps), and the parser reads tags inside a value as
+tags, as vLLM's parser does: a `</｜DSML｜ parameter>` in a value would end it, a `</｜DSML｜ calls>` the whole block
+(the rest of the call becoming content), a `</think>` in a JSON answer would be dropped from the content. So the
+grammar keeps them out, and what it accepts parses back to the JSON it wrote. `check(grammar)` compiles a grammar
+without a tokenizer and raises GrammarError with llguidance's message, which names the keyword it cannot enforce
+(e.g. `Unimplemented keys: ["uniqueItems"]`).
 """
 
 from __future__ import annotations
@@ -88,7 +89,8 @@ def json_grammar(schema: dict[str, Any], thinking: bool = False) -> str:
 # in content, where a response_format answer is.
 STRING_TAGS = ("<｜", "</｜", s.THINK_START, s.THINK_END)
 _TAG_FREE_ANY = "tag_free_any"  # the $defs entry tag_free adds: any JSON value whose strings (keys too) are tag-free
-_MAY_BE_ANY = {"$ref", "enum", "const", "anyOf", "oneOf", "allOf", "not"}  # keys that narrow an untyped schema
+_COMBINED = {"$ref", "anyOf", "oneOf", "allOf", "not"}  # an untyped schema narrowed by others (narrowed themselves)
+_SHAPED = {"pattern", "format", "minLength", "maxLength"}  # a string's own shape, left as the schema gives it
 
 
 def tag_free(schema: dict[str, Any]) -> dict[str, Any]:
@@ -96,10 +98,13 @@ def tag_free(schema: dict[str, Any]) -> dict[str, Any]:
     included, holds one of STRING_TAGS: the encoder escapes no tag text inside a value (strings are written raw or
     as json.dumps writes them), so the parser would read one there as a tag, cutting the value or the call short.
 
-    Every string schema gets a `pattern` (in `allOf` beside one it has); an object whose keys are not all declared
-    also takes only tag-free keys besides its declared ones; and a value the schema leaves free (`true`, an untyped
-    schema, absent `items` / `additionalProperties`) is `$defs/tag_free_any`. Keys matched by the schema's own
-    patternProperties must also be tag-free."""
+    A free-form string schema gets a `pattern`; an object whose keys are not all declared also takes only tag-free
+    keys besides its declared ones (keys matched by its own patternProperties too); a value the schema leaves free
+    (`true`, an untyped schema, absent `items` / `additionalProperties`) is `$defs/tag_free_any`. A string with its
+    own pattern, format or length bounds keeps exactly those: llguidance would lex it as the intersection of two
+    regexes, which takes no token slice (each mask inside such a string walks the vocabulary, ~8x the cost) and,
+    with a long bound (minLength 100, a pattern `^[a-z]{5000}$`), exhausts the fuel of its emptiness check, a schema
+    that no longer compiles. Such strings are the gap: one may hold a tag (benchmarks/RESULTS.md)."""
     pattern = f"^({text_without(*STRING_TAGS)})$"
     free = {"$ref": f"#/$defs/{_TAG_FREE_ANY}"}
 
@@ -122,12 +127,10 @@ def tag_free(schema: dict[str, Any]) -> dict[str, Any]:
             return out  # its target is narrowed where it is defined
         kind = out.get("type")
         kinds = {kind} if isinstance(kind, str) else set(kind) if isinstance(kind, list) else None
-        is_any = kinds is None and not set(out) & _MAY_BE_ANY
-        if kinds is None or "string" in kinds:
-            if "pattern" in out:
-                out["allOf"] = [*out.get("allOf", []), {"pattern": pattern}]
-            else:
-                out["pattern"] = pattern
+        is_any = kinds is None and not set(out) & (_COMBINED | {"enum", "const"})
+        may_be_string = "string" in kinds if kinds is not None else not set(out) & _COMBINED
+        if may_be_string and not set(out) & _SHAPED:
+            out["pattern"] = pattern  # (an enum's values it refuses are left out)
         if is_any or (kinds and "object" in kinds):
             out.setdefault("additionalProperties", free)
             if out["additionalProperties"] is not False or out.get("patternProperties"):
