@@ -23,16 +23,15 @@
   completion, reasoning included, because the parser (parse.py) opens a calls block at the tag in reasoning as in
   content: every call the parser can read is inside the block the grammar constrains.
 
-Free text is a lexeme whose regex spells out "no TAG in it" (`text_without`), and
-the text before a calls block is one lexeme with the tag at its end (`TEXT_THEN_CALLS`): llguidance's lexer ends a
-lexeme only when the next byte cannot extend it and never goes back, so a text lexeme followed by a separate tag
-literal would swallow the tag's first 14 characters and then fail at its ">". The free text is exactly what the
-parser reads as text, with one restriction: it holds no token llguidance counts as special (it has no bytes a
-regex can match) but `<think>` and `</think>`, which the grammar writes between text lexemes. Special tokens are
-not in the text the parser reads (skip_special_tokens), so letting one split two text lexemes would let
-"<｜DSML｜ ca" + special + "lls>" spell the tag unconstrained. `<think>` and `</think>` are text to the parser, but
-no tag can overlap one: the tag contains neither, begins with no proper suffix and ends with no proper prefix of
-either.
+Free text is a lexeme whose regex spells out "no TAG in it" (`text_without`), and the text before a calls block is
+one lexeme with the tag at its end (`TEXT_THEN_CALLS`): llguidance's lexer ends a lexeme only when the next byte
+cannot extend it and never goes back, so a text lexeme followed by a separate tag literal would swallow the tag's
+first 14 characters and then fail at its ">". The free text is exactly what the parser reads as text, with one
+restriction: it holds no token llguidance counts as special (it has no bytes a regex can match) but `<think>` and
+`</think>`, which the grammar writes between text lexemes. Special tokens are not in the text the parser reads
+(skip_special_tokens), so letting one split two text lexemes would let "<｜DSML｜ ca" + special + "lls>" spell the tag
+unconstrained. `<think>` and `</think>` are text to the parser, but no tag can overlap one: the tag contains
+neither, begins with no proper suffix and ends with no proper prefix of either.
 The thinking-mode `REASONING` (of `tool_calls_grammar` and `json_grammar`) is free text of the same kind that also
 never spells `</think>` in plain tokens (the parser would end the reasoning there, and the text up to the `</think>`
 token would be content).
