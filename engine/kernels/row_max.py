@@ -18,7 +18,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from engine.kernels.triton_common import cdiv
+from engine.kernels.triton_common import cdiv, row_splits
 
 BLOCK = 2048  # tokens per tile
 _PROGRAMS_PER_SM = 4
@@ -67,11 +67,7 @@ def row_max(x: Tensor, num_splits: int | None = None) -> tuple[Tensor, Tensor, T
         empty = torch.empty(0, device=x.device)
         return empty.float(), empty.long(), empty.bool(), empty.bool()
     num_tiles = cdiv(vocab, BLOCK)
-    if num_splits is None:
-        sms = torch.cuda.get_device_properties(x.device).multi_processor_count if x.is_cuda else 4
-        num_splits = cdiv(_PROGRAMS_PER_SM * sms, num_rows)
-    tiles_per_split = cdiv(num_tiles, max(1, min(num_splits, num_tiles)))
-    num_splits = cdiv(num_tiles, tiles_per_split)
+    num_splits, tiles_per_split = row_splits(num_rows, num_tiles, x.device, num_splits, _PROGRAMS_PER_SM)
     val = torch.empty(num_rows, num_splits, dtype=torch.float32, device=x.device)
     idx = torch.empty(num_rows, num_splits, dtype=torch.int32, device=x.device)
     flags = torch.empty(num_rows, num_splits, dtype=torch.int32, device=x.device)
