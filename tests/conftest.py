@@ -10,6 +10,11 @@ RAY_AUTH_MODE=disabled (set before ray.init). Serve's HTTP proxy listens on 127.
 import os
 
 os.environ.setdefault("TRITON_INTERPRET", "1")
+# torch on one intra-op thread, here and in the processes the tests start (the CLI, subprocess checks): on a
+# busy 2-core machine the thread barrier makes the tiny model's many small CPU ops 5-15x slower (measured 2026-12-06:
+# `python -m engine.run` on a 27-token prompt and 11 forced ids, 34 s on torch's default 2 threads, 7 s on 1, the
+# dumped logits identical). Set before torch is imported; a value already in the environment is kept.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 import socket  # noqa: E402
 from pathlib import Path  # noqa: E402
@@ -47,8 +52,8 @@ def tok(tmp_path_factory):
 
 @pytest.fixture
 def one_torch_thread():
-    """torch on one intra-op thread for the test: on a busy 2-core machine the thread barrier makes
-    thousands of small CPU ops ~10x slower. Use with `pytest.mark.usefixtures("one_torch_thread")`."""
+    """torch on one intra-op thread for the test, whatever OMP_NUM_THREADS says: on a busy 2-core machine the thread
+    barrier makes thousands of small CPU ops ~10x slower. Use with `pytest.mark.usefixtures("one_torch_thread")`."""
     import torch
 
     prev = torch.get_num_threads()

@@ -17,7 +17,6 @@ from safetensors.torch import load_file
 from engine.load import load_model
 from engine.presets import tiny_config
 from engine.run import main
-from engine.tools.make_checkpoint import make_checkpoint
 
 PROMPT = [0, 128803, 791, 3625, 11, 1002, 4571, 304, 2204, 5, 17, 400, 9001, 12, 13, 14, 15, 16, 17, 18, 19, 20,
           21, 22, 23, 24, 25]  # 27 ids: longer than the tiny window (16), so ratio-2 groups and top-k all engage
@@ -33,8 +32,8 @@ GOLDEN_TOL = 1e-5
 
 
 @pytest.fixture(scope="module")
-def ckpt(tmp_path_factory) -> Path:
-    return make_checkpoint(tmp_path_factory.mktemp("tiny") / "ckpt", tiny_config(), seed=0)
+def ckpt(tiny_checkpoint) -> Path:
+    return tiny_checkpoint  # tests/conftest.py: the tiny preset, seed 0
 
 
 @dataclass(frozen=True)

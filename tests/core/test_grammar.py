@@ -112,8 +112,10 @@ def test_constrained_json_and_tool_calls_validate_with_and_without_async_schedul
     model = tiny_model.model
     json_spec = GrammarSpec(json_grammar(SCHEMA))
     calls_spec = GrammarSpec(tool_calls_grammar([TOOL]))
+    # "free" outlives the constrained requests (json stops after 37 and 43 tokens, calls after 72, at step 74), so the
+    # steps after theirs overlap
     script = {
-        0: [("add", "free", random_prompt(9, seed=1), SamplingParams(max_tokens=150, temperature=1.0, seed=2)),
+        0: [("add", "free", random_prompt(9, seed=1), SamplingParams(max_tokens=100, temperature=1.0, seed=2)),
             ("add", "json", random_prompt(11, seed=3), SamplingParams(max_tokens=80, temperature=1.0, seed=4,
                                                                        grammar=json_spec, n=2))],
         2: [("add", "calls", random_prompt(7, seed=5), SamplingParams(max_tokens=150, temperature=1.0, seed=6,
@@ -242,8 +244,9 @@ def test_forced_calls_in_thinking_mode_span_the_reasoning(tiny_model, grammars, 
              "after-named": (named, tok.encode("Plan: book.") + [think_end]),
              "after-required": (required, tok.encode("Plan: book.") + [think_end] + tok.encode(head)),
              "free": (required, [])}
+    # 90 tokens: after-named's call stops at 63; after-required's first call completes before its length limit
     script = {0: [("add", rid, random_prompt(8, seed=40 + i),
-                   SamplingParams(max_tokens=60 if rid == "free" else 150, temperature=1.0, seed=50 + i,
+                   SamplingParams(max_tokens=60 if rid == "free" else 90, temperature=1.0, seed=50 + i,
                                   grammar=GrammarSpec(grammar)), ids)
                   for i, (rid, (grammar, ids)) in enumerate(cases.items())]}
     out = drive(constrained_engine(tiny_model.model, grammars, False), script)

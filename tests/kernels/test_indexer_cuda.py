@@ -40,15 +40,16 @@ CUDA_INVALID_VALUE = 1  # cudaErrorInvalidValue
 PERM8 = [0, 4, 1, 5, 2, 6, 3, 7]  # element stored at each position of an 8-group
 
 
-def _lib(tmp_path) -> ctypes.CDLL:
-    return declare(ctypes.CDLL(str(cuda_build.build("indexer_scan", tmp_path))))
+@pytest.fixture(scope="module")
+def lib(tmp_path_factory) -> ctypes.CDLL:
+    """The launcher library, built once for the module's tests (nvcc takes most of their time)."""
+    return declare(ctypes.CDLL(str(cuda_build.build("indexer_scan", tmp_path_factory.mktemp("indexer_scan")))))
 
 
 # ------------------------------------------------------------------------------------------------ CPU: launcher
 
 @needs_nvcc
-def test_launcher_rejects_parameters_outside_the_contract(tmp_path):
-    lib = _lib(tmp_path)
+def test_launcher_rejects_parameters_outside_the_contract(lib):
     ok = dict(q=0, pool=0, slots=0, s64=0, out=0, m=2, h=32, t=1000, wp=8, gr=2, st=4, grid=10, pdl=1)
 
     def call(a):
@@ -68,8 +69,7 @@ def test_launcher_rejects_parameters_outside_the_contract(tmp_path):
 
 
 @needs_nvcc
-def test_shared_memory_model_matches_the_launcher(tmp_path):
-    lib = _lib(tmp_path)
+def test_shared_memory_model_matches_the_launcher(lib):
     for m, h in ((1, 32), (2, 32), (6, 32), (8, 32), (1, 16), (5, 48), (3, 64)):
         for p in (ScanParams(8, 2, 4), ScanParams(8, 4, 3), ScanParams(1, 1, 2), ScanParams(4, 4, 6),
                   ScanParams(8, 4, 6)):

@@ -25,13 +25,14 @@ CUDA_INVALID_VALUE = 1  # cudaErrorInvalidValue
 PERM8 = [0, 4, 1, 5, 2, 6, 3, 7]  # element stored at each position of an 8-group (position s holds PERM8[s])
 
 
-def _lib(tmp_path) -> ctypes.CDLL:
-    return declare(ctypes.CDLL(str(cuda_build.build("moe_fp4", tmp_path))))
+@pytest.fixture(scope="module")
+def lib(tmp_path_factory) -> ctypes.CDLL:
+    """The launcher library, built once for the module's tests (nvcc takes most of their time)."""
+    return declare(ctypes.CDLL(str(cuda_build.build("moe_fp4", tmp_path_factory.mktemp("moe_fp4")))))
 
 
 @needs_nvcc
-def test_launchers_reject_parameters_outside_the_contract(tmp_path):
-    lib = _lib(tmp_path)
+def test_launchers_reject_parameters_outside_the_contract(lib):
     ok = dict(up=1, tiles=6, n=2304, k=5120, kc=2560, x_rows=1, wn=8, wk=1, s=2, st=2)
     assert lib.dsv41_moe_fp4_smem(ok["kc"], 1, 8, 1, 2) > 0
     bad = [dict(kc=2500), dict(x_rows=0), dict(x_rows=9), dict(wn=8, wk=2), dict(st=1), dict(st=5), dict(s=9),
@@ -60,8 +61,7 @@ def test_launchers_reject_parameters_outside_the_contract(tmp_path):
 
 
 @needs_nvcc
-def test_shared_memory_model_matches_the_launcher(tmp_path):
-    lib = _lib(tmp_path)
+def test_shared_memory_model_matches_the_launcher(lib):
     for k in (5120, 2304, 256, 128):
         for x_rows in (1, 3, 8):
             for p in (Fp4Params(8, 1, 2, 2), Fp4Params(2, 2, 1, 6), Fp4Params(4, 2, 3, 3), Fp4Params(1, 1, 1, 8)):

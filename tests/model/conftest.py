@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import copy
 from dataclasses import dataclass
-from pathlib import Path
 
 import pytest
 import torch
@@ -24,19 +23,12 @@ MAX_SEQ_LEN = 96
 
 
 @pytest.fixture(scope="session")
-def model_ckpt_dir(tmp_path_factory) -> Path:
-    from engine.presets import tiny_config
-    from engine.tools.make_checkpoint import make_checkpoint
-
-    return make_checkpoint(tmp_path_factory.mktemp("model_tiny_ckpt"), tiny_config(), seed=0)
-
-
-@pytest.fixture(scope="session")
-def golden(model_ckpt_dir):
-    """engine.load.LoadedModel (cfg, tokenizer, model) of the tiny checkpoint, with the DSpark stages."""
+def golden(tiny_checkpoint):
+    """engine.load.LoadedModel (cfg, tokenizer, model) of the tiny checkpoint (tests/conftest.py: tiny preset, seed 0),
+    with the DSpark stages."""
     from engine.load import load_model
 
-    return load_model(model_ckpt_dir, progress=False)
+    return load_model(tiny_checkpoint, progress=False)
 
 
 @pytest.fixture(scope="session")

@@ -20,15 +20,15 @@ from engine.checkpoint.loader import CheckpointError, load_checkpoint
 from engine.load import load_model
 from engine.model.vision import encode_image
 from engine.presets import tiny_config, tiny_vision_config
-from engine.tools.make_checkpoint import INDEX_FILE, make_checkpoint
+from engine.tools.make_checkpoint import INDEX_FILE
 from engine.vision.image_processing import process_image
 
 CFG = tiny_vision_config()
 
 
 @pytest.fixture(scope="module")
-def vision_ckpt(tmp_path_factory) -> Path:
-    return make_checkpoint(tmp_path_factory.mktemp("tiny_vision_ckpt"), CFG, seed=0)
+def vision_ckpt(tiny_vision_checkpoint) -> Path:
+    return tiny_vision_checkpoint  # tests/conftest.py: the tiny-vision preset (CFG), seed 0
 
 
 @pytest.fixture(scope="module")
