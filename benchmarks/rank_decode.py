@@ -113,6 +113,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--allreduce-us", default="7,13", help="all-reduce latencies (us) for the projection")
     p.add_argument("--layer-sum", action="store_true", help="time each layer's graph at every T (CUDA)")
     p.add_argument("--top-kernels", type=int, default=0, help="print the N most costly kernels of each T")
+    p.add_argument("--profile-host", type=int, default=0, help="print cProfile's N most costly functions of each T")
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args(argv)
     tokens = [int(t) for t in args.tokens.split(",")]

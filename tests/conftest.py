@@ -10,6 +10,10 @@ RAY_AUTH_MODE=disabled (set before ray.init). Serve's HTTP proxy listens on 127.
 import os
 
 os.environ.setdefault("TRITON_INTERPRET", "1")
+# Serve's proxy actor must answer its readiness check within 5 s, three times, or the controller kills it and
+# serve.start raises (seen under load on a 2-core machine: ActorDiedError "killed by ray.kill" at setup); the
+# tests' Ray (started by this process, so its workers inherit the environment) gives it a minute
+os.environ.setdefault("RAY_SERVE_PROXY_READY_CHECK_TIMEOUT_S", "60")
 # torch on one intra-op thread, here and in the processes the tests start (the CLI, subprocess checks): on a
 # busy 2-core machine the thread barrier makes the tiny model's many small CPU ops 5-15x slower (measured 2026-12-06:
 # `python -m engine.run` on a 27-token prompt and 11 forced ids, 34 s on torch's default 2 threads, 7 s on 1, the
@@ -17,6 +21,7 @@ os.environ.setdefault("TRITON_INTERPRET", "1")
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 import socket  # noqa: E402
+import warnings  # noqa: E402
 from pathlib import Path  # noqa: E402
 
 import pytest  # noqa: E402
@@ -99,6 +104,9 @@ def ray_session():
     """ray.init once (4 logical CPUs, no dashboard); shut down at the end of the session."""
     import ray
 
+    if ray.is_initialized():  # an earlier test's own Ray that it failed to shut down: say so, then start ours
+        warnings.warn("ray_session: a Ray started by an earlier test was still up; shutting it down")
+        ray.shutdown()
     saved = os.environ.get("RAY_AUTH_MODE")
     os.environ["RAY_AUTH_MODE"] = "disabled"
     ray.init(num_cpus=4, include_dashboard=False, namespace="dsv41-tests", configure_logging=False)

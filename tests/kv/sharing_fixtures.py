@@ -113,7 +113,11 @@ class ServeSession:
             os.environ["RAY_AUTH_MODE"] = "disabled"
             ray.init(num_cpus=4, include_dashboard=False, namespace="dsv41-tests", configure_logging=False)
             self.port = free_port()
-            serve.start(http_options={"host": "127.0.0.1", "port": self.port})
+            try:
+                serve.start(http_options={"host": "127.0.0.1", "port": self.port})
+            except BaseException:
+                self.close()  # the Ray started here goes down: a Ray left up fails every later ray.init
+                raise
         else:  # e.g. tests/serve's session fixture ran first: its Serve instance and proxy
             from ray.serve.context import _get_global_client
 
@@ -125,8 +129,10 @@ class ServeSession:
         from ray import serve
 
         if self.started:
-            serve.shutdown()
-            ray.shutdown()
+            try:
+                serve.shutdown()
+            finally:  # Ray goes down even if Serve's shutdown raised: a Ray left up fails every later ray.init
+                ray.shutdown()
             if self.saved_auth is None:
                 os.environ.pop("RAY_AUTH_MODE", None)
             else:

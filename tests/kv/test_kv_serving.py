@@ -236,17 +236,19 @@ def app(redis, tiny_checkpoint, tmp_path_factory):
                              cache_memory_bytes=16 << 20, max_num_batched_tokens=256, health_check_period_s=2,
                              graceful_shutdown_timeout_s=1, request_log_file=str(log), kv_sharing=True,
                              redis_url=redis.url, host_kv_bytes=8 << 20)
-    t0 = time.monotonic()
-    serve.run(build_app(settings), name="kv_serving", route_prefix="/")
     client = httpx.Client(base_url=f"http://127.0.0.1:{session.port}", timeout=60)
-    wait_for(lambda: client.get("/readyz").status_code == 200, 60, "the app is ready")
-    print(f"\ntwo-replica KV-sharing app ready in {time.monotonic() - t0:.1f} s")
-    engine = serve.get_deployment_handle("EngineReplica", "kv_serving")
-    router = serve.get_deployment_handle("KVRouter", "kv_serving")
-    yield {"client": client, "engine": engine, "router": router, "log": log}
-    client.close()
-    serve.delete("kv_serving")
-    session.close()
+    try:  # a setup that fails (the app not ready in time) still shuts down the Ray it started
+        t0 = time.monotonic()
+        serve.run(build_app(settings), name="kv_serving", route_prefix="/")
+        wait_for(lambda: client.get("/readyz").status_code == 200, 120, "the app is ready")
+        print(f"\ntwo-replica KV-sharing app ready in {time.monotonic() - t0:.1f} s")
+        engine = serve.get_deployment_handle("EngineReplica", "kv_serving")
+        router = serve.get_deployment_handle("KVRouter", "kv_serving")
+        yield {"client": client, "engine": engine, "router": router, "log": log}
+        serve.delete("kv_serving")
+    finally:
+        client.close()
+        session.close()
 
 
 def generate(handle, request_id: str, prompt: list[int], hint=None) -> list:

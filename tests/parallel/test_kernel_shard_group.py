@@ -113,10 +113,15 @@ def test_decode_step_two_shards_sample_without_gathering_the_logits(one_shard, t
     draws = []
     step = two_shards.executor.runner.decode
     draw = step.draw
-    step.draw = lambda v, variant, lp: (draws.append((variant, lp)), draw(v, variant, lp))[1]
+
+    def recording_draw(v, variant, lp, masked=False):
+        draws.append((variant, lp, masked))
+        return draw(v, variant, lp, masked)
+
+    step.draw = recording_draw
     try:
         assert generate(two_shards, "sampled", SAMPLED)[0] == sampled
     finally:
         step.draw = draw
-    assert draws == [("plain", 0)] * (NUM_NEW - 1)
+    assert draws == [("plain", 0, False)] * (NUM_NEW - 1)
     assert sampled != tokens  # the seeded draw is not the greedy one (else the plain draw went untested)
