@@ -18,7 +18,11 @@ device, inside the graph:
      a request has none) and the draw applies them first (engine/kernels/token_mask.py); over several shards the head's logits stay vocab-parallel and greedy / plain draws gather only each rank's
      maxima (sharded_draw.py), other draws the logits.
 
-Then one copy of the drawn ids (and logprobs when asked) back to the host. Rows past a request's context
+Then one copy of the drawn ids (and logprobs when asked) back to the host. A step launches in two halves, the same
+code on CUDA and on the CPU: `launch_forward` stages the record and runs 1-2, `PendingForward.draw(masks)` stages the
+grammar masks (into the same staging buffer, its copy behind the forward) and runs 3; `launch` runs both at once.
+The engine calls the halves apart when a constrained request's mask needs the tokens of the step in flight
+(engine/core/overlap.py): the host computes the masks while the device runs the forward. Rows past a request's context
 are padding: their entries are never read (index_scores_batched stops at each row's visible count) and
 their scores are -inf, so the top-k is the per-request top-k with -1 columns after it.
 
