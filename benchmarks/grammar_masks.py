@@ -81,7 +81,8 @@ def text_of(instance: object) -> str:
 def stats_us(samples: list[float]) -> str:
     ordered = sorted(samples)
     p99 = ordered[min(len(ordered) - 1, int(0.99 * len(ordered)))]
-    return f"mean {statistics.fmean(samples) * 1e6:8.1f} us  p99 {p99 * 1e6:8.1f} us"
+    return (f"mean {statistics.fmean(samples) * 1e6:8.1f} us  median {statistics.median(samples) * 1e6:8.1f} us  "
+            f"p99 {p99 * 1e6:8.1f} us")
 
 
 def median_run(follow: Callable[[], list[float]], runs: int) -> list[float]:

@@ -76,7 +76,7 @@ class EngineStats:
     busy_time: float = 0.0  # seconds inside executor.execute
     num_failed_steps: int = 0  # steps whose execute raised (their requests ended with ERROR)
     num_wasted_positions: int = 0  # positions a launched step computed past its request's end (rolled back)
-    num_late_mask_steps: int = 0  # decode steps launched before their grammar masks (drawn once the step before was read)
+    num_late_mask_steps: int = 0  # decode steps launched before their grammar masks (drawn after the step before)
     num_verify_steps: int = 0  # verify chunks run (speculative decoding), all requests together
     num_draft_tokens: int = 0  # drafts they verified
     num_accepted_tokens: int = 0  # drafts accepted
