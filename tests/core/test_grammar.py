@@ -5,7 +5,9 @@ random-weight model: only the grammar can make its output valid, so valid output
 - A masked draw takes only allowed tokens (greedy and sampled); logprobs stay the model's.
 - JSON with enums, booleans, nested objects and bounded arrays, and DSML tool calls, decoded by the engine, parse
   and validate (jsonschema; the tool's parameters schema), with async scheduling off and on (the same tokens: a
-  constrained request's mask for step k+1 needs its token k, so the engine reads the step in flight first).
+  constrained step's forward launches behind the step in flight, its draw once that step's tokens advanced the
+  grammars, and it did so for ~every step).
+- The batched mask fill (llguidance's threads) equals each matcher's own mask bit for bit.
 - JSON in thinking mode: the reasoning is free text up to `</think>`, the content after it the constrained JSON; a
   `</think>` spelled in plain tokens is refused, and a reasoning that never ends stops at max_tokens ("length").
 - tool_choice required / named in thinking mode: the grammar spans the reasoning; a calls block forced into it is

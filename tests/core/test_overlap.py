@@ -4,7 +4,8 @@ stops in the middle of a batch, length limits, errors, arrivals (prefills betwee
 teacher forcing, a second conversation turn from the snapshot, and a cache small enough to preempt.
 
 The executor here launches on the golden runner (fast on the CPU): it substitutes the tokens the plan says are
-still "on the device" (StepPlan.from_rows) from its previous draw, as the decode step does on the GPU
+still "on the device" (StepPlan.from_rows) from its previous draw, and draws a forward launched before its grammar
+masks once the engine hands them over (launch_forward, LateDraw), as the decode step does on the GPU
 (tests/core/test_decode_step.py and tests/gpu/test_decode_graphs.py run the real one)."""
 
 from __future__ import annotations
