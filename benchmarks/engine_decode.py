@@ -3,6 +3,7 @@ per step (the union of the kernels' intervals in a torch.profiler trace), and ou
 
     python benchmarks/engine_decode.py [--ckpt DIR] [--batches 1,16,64] [--prompt-len 100] [--steps 50]
         [--modes graph,device,legacy] [--sampling greedy|top_p] [--device cuda] [--top-kernels N] [--profile-host N]
+        [--grammar off|on|both]
     python benchmarks/engine_decode.py --real-width --batches 1,6,16,64,256 --modes graph --layer-sum 1,6
 
 --real-width: instead of a checkpoint, ten layers of DeepSeek-V4.1-Flash's real widths with every layer role
@@ -17,6 +18,10 @@ CUDA); graph-sync = the same without async scheduling (each step's tokens read b
 device = the same step run eagerly; legacy = the kernel path's eager step with the host sampler (the
 engine before issue 19); shard = graph, with the engine's executor a ShardWorker Ray actor as a serving replica
 drives it (needs Ray; its GPU busy time is not traced: another process). Sampling: greedy, or temperature 0.7 + top_p 0.9 (seeded).
+--grammar on: every request is constrained by STRING_GRAMMAR, the text of a JSON string that never closes (so no
+request ends; its masks take llguidance's token slice, as inside any JSON string: ~126K allowed ids), its masks
+computed by the engine each step (GrammarCompiler.masks, all CPUs) while the device runs the step's forward
+(engine/core/overlap.py); both: each mode without, then with (rows "<mode>+grammar"), target <= 1.05x at batch 64.
 The printed table's columns: mode, batch, step ms (--steps steps back to back: wall / steps), GPU busy ms per
 step, host share of the step ((wall - busy) / wall: the device idle), output tok/s (batch / step).
 """
@@ -39,6 +44,7 @@ from engine.core.sampling_params import SamplingParams  # noqa: E402
 from engine.config import load_config  # noqa: E402
 from engine.load import load_model  # noqa: E402
 
+STRING_GRAMMAR = 'start: "{\\"text\\": \\"" TEXT\nTEXT: /[^"\\\\\\x00-\\x1F\\x7F<]*/\n'  # Lark; never complete
 MODES = {"graph": dict(decode_step=True, cuda_graphs=True),
          "graph-sync": dict(decode_step=True, cuda_graphs=True, async_scheduling=False),
          "device": dict(decode_step=True, cuda_graphs=False),
@@ -199,6 +205,8 @@ def main() -> None:
     p.add_argument("--top-kernels", type=int, default=0, help="print the N most costly kernels of each run")
     p.add_argument("--real-width", action="store_true", help="ten random real-width layers instead of --ckpt")
     p.add_argument("--layer-sum", default="", help="batches at which to time each layer's graph")
+    p.add_argument("--grammar", choices=("off", "on", "both"), default="off",
+                   help="constrain every request by STRING_GRAMMAR (both: measure each mode without and with)")
     p.add_argument("--profile-host", type=int, default=0, help="print cProfile's N most costly functions (own time) "
                    "of --steps more steps per batch")
     args = p.parse_args()
@@ -217,8 +225,25 @@ def main() -> None:
                            progress=False).model
     params = SamplingParams(max_tokens=10**6, ignore_eos=True) if args.sampling == "greedy" else \
         SamplingParams(max_tokens=10**6, ignore_eos=True, temperature=0.7, top_p=0.9, seed=1)
+    grammars = None
+    if args.grammar != "off":
+        import tempfile
+
+        import llguidance
+
+        from engine.core.grammar import GrammarCompiler
+        from engine.core.sampling_params import GrammarSpec
+        from engine.tokenizer import load_tokenizer, write_tokenizer_files
+
+        folder = Path(tempfile.mkdtemp())
+        write_tokenizer_files(folder)
+        tok = load_tokenizer(folder)
+        grammars = GrammarCompiler(tok.path.read_text(encoding="utf-8"), tok.eos_id)
+        constrained = replace(params, grammar=GrammarSpec(llguidance.LLMatcher.grammar_from_lark(STRING_GRAMMAR)))
+        print(f"grammar masks on {grammars.num_threads} threads", flush=True)
+    settings = {"off": [False], "on": [True], "both": [False, True]}[args.grammar]
     rows = []
-    for mode in args.modes.split(","):
+    for mode, with_grammar in ((m, g) for m in args.modes.split(",") for g in settings):
         config = EngineConfig(max_num_seqs=max(batches), max_num_batched_tokens=max(512, max(batches)),
                               enable_prefix_caching=False, cache_memory_bytes=args.cache_mib << 20,
                               max_model_len=max_tokens, **MODES[mode])
@@ -227,11 +252,15 @@ def main() -> None:
             engine = shard_engine(args, config)
         else:
             engine = LLMEngine.local(model, config, progress=True, eos_token_id=-1)
-        print(f"{mode}: engine ready in {time.perf_counter() - t0:.1f} s", flush=True)
+        engine.grammars = grammars
+        label = mode + "+grammar" if with_grammar else mode
+        print(f"{label}: engine ready in {time.perf_counter() - t0:.1f} s", flush=True)
         for batch in batches:
-            step_ms, gpu_ms = measure(engine, batch, args, params)
-            rows.append((mode, batch, step_ms, gpu_ms))
-            print(f"{mode} batch {batch}: {step_ms:.3f} ms/step, GPU busy {gpu_ms:.3f} ms", flush=True)
+            step_ms, gpu_ms = measure(engine, batch, args, constrained if with_grammar else params)
+            rows.append((label, batch, step_ms, gpu_ms))
+            print(f"{label} batch {batch}: {step_ms:.3f} ms/step, GPU busy {gpu_ms:.3f} ms", flush=True)
+            if with_grammar:
+                print(f"  {engine.stats.num_late_mask_steps} steps so far drew after their forward (late masks)")
         del engine
         torch.cuda.empty_cache()
     name = torch.cuda.get_device_name() if torch.device(args.device).type == "cuda" else "CPU"

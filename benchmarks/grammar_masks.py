@@ -11,7 +11,13 @@ llguidance also compiles the DSML tool-call grammar (engine/chat/constraints.py)
 a structural tag (not measured), and the grammar of tool_choice auto with a strict tool, followed through reasoning,
 `</think>`, content and a calls block (a free tool's call, then the strict tool's), at batch 1 and 64.
 
-    python benchmarks/grammar_masks.py [--repeat 3] [--runs 5]   # xgrammar optional: pip install xgrammar to include it
+Then the engine's own call (`--engine`): `GrammarCompiler.masks`, what the engine runs once per constrained step for
+all its constrained requests (engine/core/grammar.py; the bytes each row travels as included), at batch 1 and 64,
+one at a time (each matcher's mask() in turn, the engine before the batched fill) and on llguidance's LLExecutor
+with each of `--threads` (comma-separated) threads.
+
+    python benchmarks/grammar_masks.py [--repeat 3] [--runs 5] [--threads 1,2] [--engine-only]
+    # xgrammar optional: pip install xgrammar to include it
 """
 
 from __future__ import annotations
@@ -24,7 +30,8 @@ from collections.abc import Callable
 
 from engine.chat import syntax
 from engine.chat.constraints import JSON_OPTIONS, auto_tools_grammar, json_grammar, tool_calls_grammar
-from engine.core.grammar import llg_tokenizer
+from engine.core.grammar import GrammarCompiler, llg_tokenizer
+from engine.core.sampling_params import GrammarSpec
 from engine.tokenizer import Tokenizer, load_tokenizer, write_tokenizer_files
 
 SCHEMA = {
@@ -74,7 +81,8 @@ def text_of(instance: object) -> str:
 def stats_us(samples: list[float]) -> str:
     ordered = sorted(samples)
     p99 = ordered[min(len(ordered) - 1, int(0.99 * len(ordered)))]
-    return f"mean {statistics.fmean(samples) * 1e6:8.1f} us  p99 {p99 * 1e6:8.1f} us"
+    return (f"mean {statistics.fmean(samples) * 1e6:8.1f} us  median {statistics.median(samples) * 1e6:8.1f} us  "
+            f"p99 {p99 * 1e6:8.1f} us")
 
 
 def median_run(follow: Callable[[], list[float]], runs: int) -> list[float]:
@@ -92,12 +100,12 @@ def timed(fn: Callable[[], object]) -> tuple[float, object]:
 class LLGuidance:
     name = "llguidance"
 
-    def __init__(self, tok: Tokenizer) -> None:
+    def __init__(self, tok: Tokenizer, num_threads: int) -> None:
         import llguidance
 
         self.llg = llguidance
         self.prepare_s, self.tokenizer = timed(lambda: llg_tokenizer(tok.path.read_text(encoding="utf-8"), tok.eos_id))
-        self.executor = llguidance.LLExecutor()
+        self.executor = llguidance.LLExecutor(num_threads=num_threads)  # its default: 80% of the CPUs (1 of 2)
 
     def compile(self, grammar: str):
         matcher = self.llg.LLMatcher(self.tokenizer, grammar, log_level=0)
@@ -166,18 +174,69 @@ class XGrammar:
         return out
 
 
+def engine_masks(grammars: GrammarCompiler, spec: GrammarSpec, ids: list[int], batch: int,
+                 one_at_a_time: bool) -> list[float]:
+    """Seconds per step of the engine's masks for `batch` requests following ids (GrammarCompiler.masks, or each
+    matcher's mask() in turn)."""
+    matchers = [grammars.matcher(spec) for _ in range(batch)]
+    out = []
+    for token_id in ids:
+        t0 = time.perf_counter()
+        if one_at_a_time:
+            masks = [m.mask() for m in matchers]
+        else:
+            masks = grammars.masks(matchers)
+        out.append(time.perf_counter() - t0)
+        assert len(masks) == batch
+        for m in matchers:
+            assert m.accept(token_id), m.error
+    return out
+
+
+def engine_section(tok: Tokenizer, threads: list[int], runs: int) -> None:
+    import os
+
+    print(f"\n== the engine's masks (GrammarCompiler.masks), {len(os.sched_getaffinity(0))} CPUs for this process")
+    calls = syntax.render_tool_calls([("note", {"text": "two seats, veg"}),
+                                      ("book", {"seats": 2, "meal": "veg", "note": "aisle please"})])
+    strict_book = {"type": "function", "function": {**BOOK["function"], "strict": True}}
+    cases = [("api schema", json_grammar(SCHEMA), tok.encode(text_of(INSTANCE)) + [tok.eos_id]),
+             ("auto strict", auto_tools_grammar([strict_book, NOTE]),
+              tok.encode(REASONING) + [tok.token_to_id(syntax.THINK_END)] + tok.encode("Booking now." + calls)
+              + [tok.eos_id])]
+    text = tok.path.read_text(encoding="utf-8")
+    compilers = {n: GrammarCompiler(text, tok.eos_id, num_threads=n) for n in threads}
+    for name, grammar, ids in cases:
+        spec = GrammarSpec(grammar)
+        for batch in (1, BATCH):
+            modes = [("one at a time", compilers[threads[0]], True)]
+            if batch > 1:
+                modes += [(f"LLExecutor, {n} thread{'s' if n > 1 else ''}", compilers[n], False) for n in threads]
+            for mode, grammars, one in modes:
+                per_step = median_run(lambda: engine_masks(grammars, spec, ids, batch, one), runs)
+                print(f"{name:12s} batch {batch:3d} {mode:22s}: {stats_us(per_step)} per step = "
+                      f"{statistics.fmean(per_step) / batch * 1e6:7.1f} us per request ({len(ids)} tokens)")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--repeat", type=int, default=3, help="compile each grammar this many times (min is reported)")
     ap.add_argument("--runs", type=int, default=5, help="follow each output this many times (the median run counts)")
+    ap.add_argument("--threads", default="1,2", help="LLExecutor thread counts (the first is also the library "
+                    "comparison's)")
+    ap.add_argument("--engine-only", action="store_true", help="only the engine's masks")
     args = ap.parse_args()
     import tempfile
     from pathlib import Path
 
+    threads = [int(n) for n in args.threads.split(",")]
     folder = Path(tempfile.mkdtemp())
     write_tokenizer_files(folder)
     tok = load_tokenizer(folder)
-    libraries = [LLGuidance(tok)]
+    if args.engine_only:
+        engine_section(tok, threads, args.runs)
+        return
+    libraries = [LLGuidance(tok, threads[0])]
     try:
         libraries.append(XGrammar(tok))
     except ImportError as e:
@@ -215,6 +274,7 @@ def main() -> None:
             print(f"{'auto strict':12s} compile {compile_s * 1e3:9.2f} ms | batch 1: {stats_us(one)} | batch {BATCH}: "
                   f"{stats_us(many)} per step = {statistics.fmean(many) / BATCH * 1e6:6.1f} us per request "
                   f"({len(ids)} tokens)")
+    engine_section(tok, threads, args.runs)
 
 
 if __name__ == "__main__":

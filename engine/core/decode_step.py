@@ -18,7 +18,11 @@ device, inside the graph:
      a request has none) and the draw applies them first (engine/kernels/token_mask.py); over several shards the head's logits stay vocab-parallel and greedy / plain draws gather only each rank's
      maxima (sharded_draw.py), other draws the logits.
 
-Then one copy of the drawn ids (and logprobs when asked) back to the host. Rows past a request's context
+Then one copy of the drawn ids (and logprobs when asked) back to the host. A step launches in two halves, the same
+code on CUDA and on the CPU: `launch_forward` stages the record and runs 1-2, `PendingForward.draw(masks)` stages the
+grammar masks (into the same staging buffer, its copy behind the forward) and runs 3; `launch` runs both at once.
+The engine calls the halves apart when a constrained request's mask needs the tokens of the step in flight
+(engine/core/overlap.py): the host computes the masks while the device runs the forward. Rows past a request's context
 are padding: their entries are never read (index_scores_batched stops at each row's visible count) and
 their scores are -inf, so the top-k is the per-request top-k with -1 columns after it.
 
@@ -170,27 +174,31 @@ class DecodeStep:
         self.dev[:n].copy_(host[:n], non_blocking=True)
         if u:
             self.tables.view(-1).index_copy_(0, self.dev[base:base + u], self.dev[base + u:n])
-        if any(s.allowed is not None for s in plan.samples):
-            self._stage_masks(plan, B, host_np, host)
+        self._record_copy(which)
+        return self._views_for(B, C)
+
+    def _record_copy(self, which: int) -> None:
         if self.device.type == "cuda":
             self._copied[which] = torch.cuda.Event()
             self._copied[which].record()
-        return self._views_for(B, C)
 
-    def _stage_masks(self, plan: StepPlan, B: int, host_np: np.ndarray, host: Tensor) -> None:
-        """The B rows' bitmasks (llguidance's bytes; all ones for a draw without one) into the staging buffer's mask
-        region and one copy to the device."""
+    def _stage_masks(self, allowed: list[bytes | None], B: int) -> None:
+        """The B rows' bitmasks (llguidance's bytes; all ones for a draw without one) into the mask region of the
+        staging buffer the step's record went into, and one copy to the device (behind the step's forward)."""
+        which = (self._num_staged - 1) % 2
+        host, host_np = self.hosts[which], self._hosts_np[which]
         row_bytes = 4 * self.mask_words
         need = (self.cfg.vocab_size + 31) // 32 * 4
         region = host_np[self.mask_base:self.mask_base + B * self.mask_words // 2].view(np.uint8).reshape(B, row_bytes)
         region.fill(0xFF)
-        for b, spec in enumerate(plan.samples):
-            if spec.allowed is not None:
-                assert len(spec.allowed) >= need, f"a bitmask of {len(spec.allowed)} bytes, {need} needed"
-                n = min(len(spec.allowed), row_bytes)
-                region[b, :n] = np.frombuffer(spec.allowed, dtype=np.uint8, count=n)
+        for b, mask in enumerate(allowed):
+            if mask is not None:
+                assert len(mask) >= need, f"a bitmask of {len(mask)} bytes, {need} needed"
+                n = min(len(mask), row_bytes)
+                region[b, :n] = np.frombuffer(mask, dtype=np.uint8, count=n)
         end = self.mask_base + B * self.mask_words // 2
         self.dev[self.mask_base:end].copy_(host[self.mask_base:end], non_blocking=True)
+        self._record_copy(which)  # the next stage() into this buffer waits for this copy too
 
     def _views_for(self, B: int, C: int) -> Views:
         v = self._views.get((B, C))
@@ -324,24 +332,40 @@ class DecodeStep:
     def launch(self, plan: StepPlan) -> "PendingDraw":
         """Stage the step, replay its graphs (or run it eagerly) and queue the copy of its tokens to the host;
         returns before the device is done (PendingDraw.result waits). Two launches may be outstanding."""
+        return self.launch_forward(plan).draw([s.allowed for s in plan.samples])
+
+    def launch_forward(self, plan: StepPlan) -> "PendingForward":
+        """launch's first half: stage the step and replay its model graph (or run it eagerly). Its draw follows with
+        PendingForward.draw(masks), which may wait for the host to compute the grammar masks (while the device runs
+        the forward: engine/core/overlap.py); nothing else may be staged or launched in between. The plan's own
+        masks (SampleSpec.allowed) are not read here."""
         v = self.stage(plan)
         params = [s.params for s in plan.samples]
-        variant = sample_variant(params)
-        ks = [p.logprobs for p in params]
-        num_lp = SamplingParams.MAX_LOGPROBS if any(k is not None for k in ks) else 0
         graph = self._graphs.get((v.B, v.C))
         if graph is not None:
             graph.replay()
         else:
             self.forward(v)
-        masked = any(s.allowed is not None for s in plan.samples)
-        drawn = self._draws.get((v.B, variant, num_lp, masked))
+        ks = [p.logprobs for p in params]
+        num_lp = SamplingParams.MAX_LOGPROBS if any(k is not None for k in ks) else 0
+        return PendingForward(self, v, sample_variant(params), num_lp, ks, len(plan.chunks), self._num_staged)
+
+    def launch_draw(self, f: "PendingForward", allowed: list[bytes | None]) -> "PendingDraw":
+        """launch's second half (PendingForward.draw): stage the masks (one per chunk, None: unconstrained), replay
+        the draw graph (or draw eagerly) and queue the copy of its tokens to the host."""
+        assert self._num_staged == f.num_staged, "a step was staged between a forward and its draw"
+        assert len(allowed) == f.n, f"{len(allowed)} masks for {f.n} draws"
+        v, num_lp = f.views, f.num_logprobs
+        masked = any(a is not None for a in allowed)
+        if masked:
+            self._stage_masks(allowed, v.B)
+        drawn = self._draws.get((v.B, f.variant, num_lp, masked))
         if drawn is not None:
             drawn[0].replay()
             d = drawn[1]
         else:
-            d = self.draw(v, variant, num_lp, masked)
-        n = len(plan.chunks)
+            d = self.draw(v, f.variant, num_lp, masked)
+        n = f.n
         parts = [d.token_ids[:n]] + ([] if num_lp == 0 else [d.logprob[:n].view(torch.int64),
                                                             d.top_logprobs[:n].view(torch.int64).flatten(),
                                                             d.top_ids[:n].flatten()])
@@ -352,7 +376,25 @@ class DecodeStep:
         if self.device.type == "cuda":
             done = torch.cuda.Event()
             done.record()
-        return PendingDraw(host, n, num_lp, ks, done)
+        return PendingDraw(host, n, num_lp, f.ks, done)
+
+
+@dataclass(slots=True)
+class PendingForward:
+    """A decode step whose forward is launched and whose draw is not: `draw(masks)` launches it (once)."""
+
+    step: DecodeStep
+    views: Views
+    variant: str
+    num_logprobs: int
+    ks: list[int | None]
+    n: int
+    num_staged: int  # the step's staging count (nothing may be staged before its draw)
+
+    @torch.inference_mode()
+    def draw(self, allowed: list[bytes | None]) -> "PendingDraw":
+        """allowed: per draw row (chunk), its grammar bitmask or None."""
+        return self.step.launch_draw(self, allowed)
 
 
 @dataclass(slots=True)

@@ -30,7 +30,7 @@ from engine.core.grammar import GrammarCompiler, GrammarError
 from engine.core.kv_blocks import ExportedPrefix, PrefixImportError
 from engine.core.kv_cache import PagedKVCache, size_layout
 from engine.core.kv_import import BlockImporter, BlockReader
-from engine.core.overlap import InFlight, can_overlap, from_rows
+from engine.core.overlap import FailedLaunch, InFlight, can_overlap, from_rows
 from engine.core.plan import DraftPolicy, SampleSpec, StepPlan, VerifySpec, plan_step
 from engine.core.prefix_hash import fingerprint
 from engine.core.request import PENDING_TOKEN, FinishReason, Request, RequestStats, TokenLogprob
@@ -76,6 +76,7 @@ class EngineStats:
     busy_time: float = 0.0  # seconds inside executor.execute
     num_failed_steps: int = 0  # steps whose execute raised (their requests ended with ERROR)
     num_wasted_positions: int = 0  # positions a launched step computed past its request's end (rolled back)
+    num_late_mask_steps: int = 0  # decode steps launched before their grammar masks (drawn after the step before)
     num_verify_steps: int = 0  # verify chunks run (speculative decoding), all requests together
     num_draft_tokens: int = 0  # drafts they verified
     num_accepted_tokens: int = 0  # drafts accepted
@@ -89,7 +90,9 @@ class EngineStats:
 class Executor(Protocol):
     """Runs one step's plan on the model and returns its tokens (in-process, or a Ray shard actor). An executor
     may also `launch(plan)`: start a decode step and return a PendingStep (engine/core/overlap.py) without
-    waiting, or None where it cannot; the engine then overlaps its own work with the device's. An executor that
+    waiting, or None where it cannot; the engine then overlaps its own work with the device's. One that can also
+    `launch_forward(plan)` (the step's forward now, its draw by PendingForward.draw(masks) later) lets steps with
+    grammar-constrained requests overlap too: the plan's masks are not read, the draw's are. An executor that
     holds processes (engine/core/shard_group.py) also has `close()`, which LLMEngine.close calls."""
 
     def execute(self, plan: StepPlan) -> StepOutput: ...
@@ -133,6 +136,10 @@ class LocalExecutor:
     def launch(self, plan: StepPlan):
         """The step launched without waiting for its tokens (a decode step), or None (then execute it)."""
         return self.runner.launch(plan)
+
+    def launch_forward(self, plan: StepPlan):
+        """The step's forward launched, its draw waiting for the grammar masks (PendingForward.draw), or None."""
+        return self.runner.launch_forward(plan)
 
     def read_blocks(self, block_ids: list[int]) -> np.ndarray:
         return kv_blocks.read_blocks(self.kv, block_ids)
@@ -328,7 +335,7 @@ class LLMEngine:
         decode step in flight (engine/core/overlap.py), this step is launched behind it and the outputs are
         the one in flight's: the same tokens, one step later."""
         outputs: list[RequestOutput] = []
-        if self._inflight is not None and not can_overlap(self.scheduler):
+        if self._inflight is not None and not can_overlap(self.scheduler, hasattr(self.executor, "launch_forward")):
             outputs += self._collect(self._inflight)
         out = self.scheduler.schedule()
         self.stats.num_preemptions += len(out.preempted)
@@ -338,6 +345,7 @@ class LLMEngine:
             launched = bool(out.chunks) and self._launch(out, prev)
             outputs += self._collect(prev)
             if launched:
+                self._may_launch_draw()
                 return outputs
             out.chunks = [c for c in out.chunks if not c.request.is_finished]  # ended by prev's tokens
         if not out.chunks:
@@ -399,10 +407,14 @@ class LLMEngine:
 
     def _launch(self, out, prev: InFlight | None) -> bool:
         """Launch `out` without waiting for its tokens (a decode step the executor can launch); each of its
-        requests gets a PENDING_TOKEN. False, with nothing changed, where it cannot."""
-        launch = getattr(self.executor, "launch", None)
-        samples = self._sample_specs(out)
-        if launch is None or len(samples) != len(out.chunks) or not all(c.sample for c in out.chunks):
+        requests gets a PENDING_TOKEN. False, with nothing changed, where it cannot. Behind prev with a constrained
+        request, only its forward is launched (its masks need prev's tokens): _may_launch_draw launches its draw."""
+        masks_later = prev is not None and any(c.request.grammar is not None for c in out.chunks)
+        launch = getattr(self.executor, "launch_forward" if masks_later else "launch", None)
+        if launch is None or not all(c.sample for c in out.chunks):
+            return False
+        samples = self._sample_specs(out, with_masks=not masks_later)
+        if len(samples) != len(out.chunks):
             return False
         plan = plan_step(out, samples, from_rows(prev, out) if prev is not None else None)
         t0 = time.monotonic()
@@ -416,11 +428,26 @@ class LLMEngine:
         reqs = [c.request for c in out.chunks]
         for r in reqs:
             r.output_ids.append(PENDING_TOKEN)
-        self._inflight = InFlight(out, reqs, [len(r.output_ids) - 1 for r in reqs], pending, t0)
+        self._inflight = InFlight(out, reqs, [len(r.output_ids) - 1 for r in reqs], pending, t0, masks_later)
         return True
+
+    def _may_launch_draw(self) -> None:
+        """The step in flight's draw, where only its forward was launched: the step before is read now, so each
+        constrained request's grammar has taken its last token; one that ended there draws unmasked (its token is
+        dropped, as every draw of a finished request)."""
+        f = self._inflight
+        if f is None or not f.awaits_masks:
+            return
+        f.awaits_masks = False
+        self.stats.num_late_mask_steps += 1
+        try:
+            f.pending = f.pending.draw(self._masks(f.reqs))
+        except Exception as e:  # noqa: BLE001 -- _collect ends the step's requests, never the engine
+            f.pending = FailedLaunch(e)
 
     def _collect(self, inflight: InFlight) -> list[RequestOutput]:
         """Wait for a launched step's tokens and hand them to its requests (those still running)."""
+        assert not inflight.awaits_masks, "a step's tokens read before its draw was launched"
         if self._inflight is inflight:
             self._inflight = None
         try:
@@ -598,19 +625,30 @@ class LLMEngine:
         first token (the other choices fork from its prompt state then), else 1."""
         return req.params.n if req.choice_index == 0 and not req.output_ids else 1
 
-    def _sample_specs(self, out) -> list[SampleSpec]:
+    def _sample_specs(self, out, with_masks: bool = True) -> list[SampleSpec]:
         """What the step draws, in the order step() hands the tokens out: per sampled chunk (not a verify chunk)
-        its request, then the n-1 choices forked from it (their seeds as _fork_siblings gives them)."""
+        its request, then the n-1 choices forked from it (their seeds as _fork_siblings gives them). with_masks
+        False: no grammar masks (they are drawn with later, _may_launch_draw)."""
         specs = []
-        for row, c in enumerate(c for c in out.chunks if c.sample and not c.num_draft):
+        chunks = [c for c in out.chunks if c.sample and not c.num_draft]
+        masks = self._masks([c.request for c in chunks]) if with_masks else [None] * len(chunks)
+        for row, (c, allowed) in enumerate(zip(chunks, masks)):  # the siblings' grammars start as their first's
             req = c.request
             n_out = len(req.output_ids)
             force = req.force_ids[n_out] if req.force_ids is not None and n_out < len(req.force_ids) else None
-            allowed = req.grammar.mask() if req.grammar is not None else None  # the siblings' grammars start alike
             specs.append(SampleSpec(row, req.params, req.seed, n_out, force, allowed))
             specs += [SampleSpec(row, req.params, _sibling_seed(req.seed, i), 0, force, allowed)
                       for i in range(1, self._num_draws(req))]
         return specs
+
+    def _masks(self, reqs: list[Request]) -> list[bytes | None]:
+        """Each request's grammar mask for its next draw (None: no grammar, or finished), computed together."""
+        constrained = [i for i, r in enumerate(reqs) if r.grammar is not None and not r.is_finished]
+        masks: list[bytes | None] = [None] * len(reqs)
+        if constrained:
+            for i, mask in zip(constrained, self.grammars.masks([reqs[i].grammar for i in constrained])):
+                masks[i] = mask
+        return masks
 
     def _verify_specs(self, out) -> list[VerifySpec]:
         """Per verify chunk (in chunk order): what its rows draw, its teacher-forced ids and its stop ids."""

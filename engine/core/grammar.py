@@ -1,12 +1,13 @@
 """Grammar-constrained decoding, the engine's side (llguidance; no torch): a matcher per request whose token
 bitmask the sampler applies (engine/core/sampler.py) and which then consumes the drawn token.
 
-The mask is computed on the CPU by the engine before it builds a step's plan: one bit per token id, little-endian
-32-bit words as llguidance writes them (`bytes`, 16,160 for V4.1's 129,280 ids), so it travels in the plan as plain
-data (`SampleSpec.allowed`). A request's mask for step k+1 needs its token of step k, so while a constrained
-request runs the engine does not launch a step behind the one in flight (engine/core/overlap.py: can_overlap),
-and a plan with a mask runs through the runner's eager step, where `sample_specs` applies it: the decode step's
-CUDA-graph draw does not apply masks yet (engine/core/decode_buckets.py: decode_takes).
+The mask is computed on the CPU by the engine before a step's draw: one bit per token id, little-endian 32-bit words
+as llguidance writes them (`bytes`, 16,160 for V4.1's 129,280 ids), so it travels in the plan as plain data
+(`SampleSpec.allowed`) or, for a decode step launched before its masks were known, to its draw
+(engine/core/overlap.py). A step's masks are computed together (`GrammarCompiler.masks`): several on llguidance's
+threads, outside the GIL (LLExecutor), one on the calling thread. A request's mask for step k+1 needs its token of
+step k, so with async scheduling the engine launches step k+1's forward, reads step k's tokens, and only then
+computes the masks and launches step k+1's draw.
 
 Once the grammar is complete (`is_done`) the request ends (finish reason "stop"), as vLLM ends a request whose
 structured output is terminated.
@@ -25,9 +26,12 @@ whole vocabulary (benchmarks/RESULTS.md, structured output).
 
 from __future__ import annotations
 
+import os
 from collections import OrderedDict
+from collections.abc import Sequence
 
 import llguidance
+import numpy as np
 
 from engine.core.sampling_params import GrammarSpec
 
@@ -69,13 +73,17 @@ class GrammarMatcher:
 
 
 class GrammarCompiler:
-    """tokenizer_json: the tokenizer.json text; eos_id: the end-of-sentence id (allowed once a grammar accepts)."""
+    """tokenizer_json: the tokenizer.json text; eos_id: the end-of-sentence id (allowed once a grammar accepts);
+    num_threads: llguidance's threads for a step's masks (None: every CPU this process may run on, at most 32)."""
 
-    def __init__(self, tokenizer_json: str, eos_id: int, max_cached: int = 256) -> None:
+    def __init__(self, tokenizer_json: str, eos_id: int, max_cached: int = 256, num_threads: int | None = None) -> None:
         self._tokenizer = llg_tokenizer(tokenizer_json, eos_id)
         self._cache: OrderedDict[str, llguidance.LLMatcher] = OrderedDict()
         self._max_cached = max_cached
         self.num_compiled = 0
+        self.num_threads = num_threads or min(32, len(os.sched_getaffinity(0)))
+        self._executor = llguidance.LLExecutor(num_threads=self.num_threads)
+        self.mask_words = (self._tokenizer.vocab_size + 31) // 32  # int32 words of one mask
 
     def matcher(self, spec: GrammarSpec) -> GrammarMatcher:
         """A fresh matcher for spec; raises GrammarError."""
@@ -91,3 +99,22 @@ class GrammarCompiler:
         else:
             self._cache.move_to_end(spec.grammar)
         return GrammarMatcher(template.deep_copy())
+
+    def masks(self, matchers: Sequence[GrammarMatcher]) -> list[bytes]:
+        """Each matcher's mask() cut to the vocabulary's 4 * mask_words bytes (mask() has one more word, of the ids
+        past the vocabulary: all zero), several at once on the executor's threads."""
+        if len(matchers) == 1:
+            return [matchers[0].mask()[:4 * self.mask_words]]
+        out = self.fill_masks(matchers, np.empty((len(matchers), self.mask_words), dtype=np.int32))
+        return [row.tobytes() for row in out]
+
+    def fill_masks(self, matchers: Sequence[GrammarMatcher], out: np.ndarray) -> np.ndarray:
+        """Row i of out (int32 [>= len(matchers), mask_words], C-contiguous) <- matchers[i]'s mask, in parallel
+        outside the GIL (llguidance's LLExecutor); returns out. Each matcher at most once (llguidance borrows it).
+        llguidance takes rows of exactly mask_words words."""
+        assert out.dtype == np.int32 and out.flags.c_contiguous and out.shape[1] == self.mask_words, \
+            (out.dtype, out.shape, self.mask_words)
+        assert out.shape[0] >= len(matchers), f"{out.shape[0]} rows for {len(matchers)} masks"
+        pairs = [(m._matcher, i) for i, m in enumerate(matchers)]
+        self._executor.unsafe_compute_mask_ptr(pairs, out.ctypes.data, 4 * self.mask_words, out.shape[0])
+        return out

@@ -48,7 +48,7 @@ from engine.parallel import ranks_differing
 from engine.vision.inputs import ImageInput, image_mask
 
 if TYPE_CHECKING:
-    from engine.core.decode_step import PendingDraw
+    from engine.core.decode_step import PendingDraw, PendingForward
     from engine.core.engine_config import DecodeOptions
 
 MAX_KEPT_SPANS = 4  # images whose span rows the runner keeps (a prefill chunked across a span encodes it once)
@@ -128,6 +128,15 @@ class ModelRunner:
             return None
         self.kv.apply(plan.copies)
         return self.decode.launch(plan)
+
+    @torch.inference_mode()
+    def launch_forward(self, plan: StepPlan) -> "PendingForward | None":
+        """launch without the draw: a decode step's forward launched, its draw waiting for PendingForward.draw(masks)
+        (the plan's own masks are not read), or None where the step cannot run that way."""
+        if self.decode is None or not self.decode.takes(plan):
+            return None
+        self.kv.apply(plan.copies)
+        return self.decode.launch_forward(plan)
 
     @torch.inference_mode()
     def forward(self, out: StepPlan) -> StepLogits:

@@ -5,7 +5,9 @@ random-weight model: only the grammar can make its output valid, so valid output
 - A masked draw takes only allowed tokens (greedy and sampled); logprobs stay the model's.
 - JSON with enums, booleans, nested objects and bounded arrays, and DSML tool calls, decoded by the engine, parse
   and validate (jsonschema; the tool's parameters schema), with async scheduling off and on (the same tokens: a
-  constrained request's mask for step k+1 needs its token k, so the engine reads the step in flight first).
+  constrained step's forward launches behind the step in flight, its draw once that step's tokens advanced the
+  grammars, and it did so for ~every step).
+- The batched mask fill (llguidance's threads) equals each matcher's own mask bit for bit.
 - JSON in thinking mode: the reasoning is free text up to `</think>`, the content after it the constrained JSON; a
   `</think>` spelled in plain tokens is refused, and a reasoning that never ends stops at max_tokens ("length").
 - tool_choice required / named in thinking mode: the grammar spans the reasoning; a calls block forced into it is
@@ -77,6 +79,41 @@ def test_bitmask_unpacks_to_llguidances_verdict(tok, llg_tokenizer):
     assert 0 < int(allowed[0].sum()) < 1000
 
 
+def test_parallel_masks_equal_one_at_a_time_bit_for_bit(tok, grammars):
+    """GrammarCompiler.masks / fill_masks (llguidance's threads) against each matcher's own compute_bitmask, for
+    matchers of three grammars in different states (fresh, inside a string, after a complete value), through a few
+    tokens each; the output buffer starts as garbage, so a row the fill skipped would differ."""
+    import numpy as np
+
+    specs = [GrammarSpec(json_grammar(SCHEMA)), GrammarSpec(tool_calls_grammar([TOOL])),
+             GrammarSpec(json_grammar({"type": "object"}))]
+    prefixes = ["", '{"ok": true, "color": "', '{"ok": false, "color": "red", "size": {"w": 12, "unit": "in"}, '
+                '"tags": ["a"]}', '{"x": [1, 2', '{"y": "abc']
+    matchers, follow = [], []
+    for i, text in enumerate(prefixes):
+        for spec in specs if i == 0 else (specs[0] if i < 3 else specs[2],):
+            m = grammars.matcher(spec)
+            ids = tok.encode(text) if text else []
+            assert all(m.accept(t) for t in ids), (text, m.error)
+            matchers.append(m)
+            follow.append(tok.encode('{"ok": true, "co') if i == 0 and spec is not specs[1] else [])
+    assert grammars.num_threads >= 1
+    row_bytes = 4 * grammars.mask_words
+    for _ in range(4):
+        one_at_a_time = [m.mask() for m in matchers]
+        assert all(len(b) >= row_bytes and not any(b[row_bytes:]) for b in one_at_a_time)  # nothing past the vocab
+        want = [b[:row_bytes] for b in one_at_a_time]
+        assert grammars.masks(matchers) == want
+        out = np.full((len(matchers) + 1, grammars.mask_words), 0x5A5A5A5A, dtype=np.int32)
+        grammars.fill_masks(matchers, out)
+        assert [row.tobytes() for row in out[:len(matchers)]] == want
+        assert (out[-1] == 0x5A5A5A5A).all(), "a row past the matchers was written"
+        assert len(set(want)) >= 4, "the states should allow different tokens"
+        for m, ids in zip(matchers, follow):  # advance the matchers that have a path
+            if ids:
+                assert m.accept(ids.pop(0)), m.error
+
+
 def test_a_masked_draw_takes_only_allowed_tokens_and_reports_raw_logprobs():
     torch.manual_seed(0)
     logits = torch.randn(3, 1000)
@@ -112,8 +149,9 @@ def test_constrained_json_and_tool_calls_validate_with_and_without_async_schedul
     model = tiny_model.model
     json_spec = GrammarSpec(json_grammar(SCHEMA))
     calls_spec = GrammarSpec(tool_calls_grammar([TOOL]))
-    # "free" outlives the constrained requests (json stops after 37 and 43 tokens, calls after 72, at step 74), so the
-    # steps after theirs overlap
+    # "free" outlives the constrained requests (json stops after 37 and 43 tokens, calls after 72, at step 74); the
+    # steps with constrained requests overlap too: their forward launches behind the step in flight, their draw once
+    # its tokens have advanced the grammars (engine/core/overlap.py)
     script = {
         0: [("add", "free", random_prompt(9, seed=1), SamplingParams(max_tokens=100, temperature=1.0, seed=2)),
             ("add", "json", random_prompt(11, seed=3), SamplingParams(max_tokens=80, temperature=1.0, seed=4,
@@ -123,7 +161,10 @@ def test_constrained_json_and_tool_calls_validate_with_and_without_async_schedul
     }
     sync, overlapped, a = run_both(model, grammars, script)
     assert overlapped == sync
-    assert a.executor.num_behind >= 1, "the unconstrained request overlapped once the constrained ones ended"
+    assert a.executor.num_behind >= 70, a.executor.num_behind  # ~every decode step overlapped, constrained or not
+    assert a.executor.num_late_masked >= 60 and a.stats.num_late_mask_steps == a.executor.num_late_draws, \
+        (a.executor.num_late_masked, a.stats.num_late_mask_steps)  # the constrained steps drew after the step before
+    assert a.stats.num_wasted_positions >= 2  # json, json/1 and calls ended with a step in flight behind them
     for rid in ("json", "json/1"):
         ids, _, reason, _, error = sync[rid]
         assert error is None and reason.value == "stop", (rid, reason, error)
@@ -275,7 +316,9 @@ def test_forced_calls_in_thinking_mode_span_the_reasoning(tiny_model, grammars, 
 def test_the_decode_step_applies_grammar_masks_as_the_eager_step(tiny_model, grammars):
     """Constrained decode steps run through the decode step (its draw applies the staged bitmasks,
     engine/kernels/token_mask.py), beside an unconstrained request: the same tokens and logprobs as the kernel
-    path's eager step, whose host sampler applies the masks."""
+    path's eager step, whose host sampler applies the masks. With async scheduling (kernel_engine's default) the
+    decode steps after the first launch their forward behind the step in flight and their draw after it is read
+    (DecodeStep.launch_forward, PendingForward.draw)."""
     from tests.core.test_decode_step import assert_same_draws, kernel_engine, run
 
     spec = GrammarSpec(json_grammar(SCHEMA))
@@ -291,7 +334,8 @@ def test_the_decode_step_applies_grammar_masks_as_the_eager_step(tiny_model, gra
     legacy = run(with_grammars(kernel_engine(tiny_model.model, decode_step=False)), arrivals)
     e = with_grammars(kernel_engine(tiny_model.model, decode_step=True))
     step, masked = e.executor.runner.decode, []
-    launch = step.launch
-    step.launch = lambda plan: (masked.append(sum(s.allowed is not None for s in plan.samples)), launch(plan))[1]
+    stage_masks = step._stage_masks
+    step._stage_masks = lambda allowed, B: (masked.append(sum(a is not None for a in allowed)), stage_masks(allowed, B))
     assert_same_draws(run(e, arrivals), legacy)
     assert max(masked) == 2  # masked draws went through the decode step
+    assert e.stats.num_late_mask_steps >= 3, e.stats.num_late_mask_steps  # all but the first decode step

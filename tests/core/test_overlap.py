@@ -4,7 +4,8 @@ stops in the middle of a batch, length limits, errors, arrivals (prefills betwee
 teacher forcing, a second conversation turn from the snapshot, and a cache small enough to preempt.
 
 The executor here launches on the golden runner (fast on the CPU): it substitutes the tokens the plan says are
-still "on the device" (StepPlan.from_rows) from its previous draw, as the decode step does on the GPU
+still "on the device" (StepPlan.from_rows) from its previous draw, and draws a forward launched before its grammar
+masks once the engine hands them over (launch_forward, LateDraw), as the decode step does on the GPU
 (tests/core/test_decode_step.py and tests/gpu/test_decode_graphs.py run the real one)."""
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import pytest
 from engine.core.engine import EngineConfig, LLMEngine, LocalExecutor
 from engine.core.request import FinishReason
 from engine.core.sampling_params import SamplingParams
+from engine.core.step_rows import sample_step
 from tests.core.conftest import random_prompt
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
@@ -30,24 +32,53 @@ class Done:
 
 
 class LaunchingExecutor(LocalExecutor):
-    """launch() for decode plans: runs them now, resolving from_rows from its last draw."""
+    """launch() for decode plans: runs them now, resolving from_rows from its last draw; launch_forward() runs the
+    forward now and draws when the engine hands it the grammar masks (LateDraw), as the decode step does."""
 
     def __init__(self, model, layout):
         super().__init__(model, layout)
         self.last: list[int] = []
         self.num_launched = self.num_behind = 0  # launches, and those with a token still "on the device"
+        self.num_late_draws = 0  # launch_forward's draws, and those with a grammar mask
+        self.num_late_masked = 0
 
     def launch(self, plan):
+        resolved = self._resolve(plan)
+        return None if resolved is None else Done(self._drew(self.execute(resolved)))
+
+    def launch_forward(self, plan):
+        resolved = self._resolve(plan)
+        return None if resolved is None else LateDraw(self, resolved, self.runner.forward(resolved))
+
+    def _resolve(self, plan):
         if len(plan.samples) != len(plan.chunks) or any(c.end - c.start != 1 or c.keep_logits for c in plan.chunks):
             return None
         rows = plan.from_rows or [-1] * len(plan.chunks)
         chunks = [replace(c, token_ids=[self.last[r]]) if r >= 0 else c for c, r in zip(plan.chunks, rows)]
         assert all(t >= 0 for c in chunks for t in c.token_ids), "a placeholder without its draw row"
-        out = self.execute(replace(plan, chunks=chunks, from_rows=None))
-        self.last = [max(t, 0) for t in out.sample.token_ids]
         self.num_launched += 1
         self.num_behind += any(r >= 0 for r in rows)
-        return Done(out)
+        return replace(plan, chunks=chunks, from_rows=None)
+
+    def _drew(self, out):
+        self.last = [max(t, 0) for t in out.sample.token_ids]
+        return out
+
+
+@dataclass
+class LateDraw:
+    """A forward's logits, drawn once the masks come (the plan's own masks are ignored, as the decode step does)."""
+
+    executor: LaunchingExecutor
+    plan: object
+    logits: object
+
+    def draw(self, allowed):
+        assert len(allowed) == len(self.plan.samples)
+        self.executor.num_late_draws += 1
+        self.executor.num_late_masked += any(a is not None for a in allowed)
+        samples = [replace(s, allowed=a) for s, a in zip(self.plan.samples, allowed)]
+        return Done(self.executor._drew(sample_step(replace(self.plan, samples=samples), self.logits)))
 
 
 def engine(model, async_scheduling: bool, **kw) -> LLMEngine:

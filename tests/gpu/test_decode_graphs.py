@@ -104,7 +104,9 @@ def test_no_jit_compile_after_capture_across_context_buckets(cuda_model):
 def test_graph_draws_apply_grammar_masks(cuda_model, tok):
     """Grammar-constrained requests (greedy, sampled with logprobs) beside free ones, batch 4 (a full bucket): the
     graph draw applies the staged bitmasks (engine/kernels/token_mask.py) and gives the legacy path's tokens, whose
-    host sampler applies them; the constrained outputs are JSON the grammar allows so far."""
+    host sampler applies them; the constrained outputs are JSON the grammar allows so far. With async scheduling the
+    decode steps behind the first launch their forward before their masks are known and their draw after the step in
+    flight is read (DecodeStep.launch_forward, PendingForward.draw)."""
     from engine.chat.constraints import json_grammar
     from engine.core.grammar import GrammarCompiler
     from engine.core.sampling_params import GrammarSpec
@@ -117,7 +119,7 @@ def test_graph_draws_apply_grammar_masks(cuda_model, tok):
               SamplingParams(max_tokens=24, temperature=1.0, seed=3, grammar=spec, logprobs=2),
               SamplingParams(max_tokens=24, ignore_eos=True, temperature=0.8, seed=4),
               SamplingParams(max_tokens=24, ignore_eos=True)]
-    results, masked = {}, []
+    results, masked, late = {}, [], {}
     for mode in ("legacy", "graph"):
         engine = engine_for(cuda_model, mode)
         engine.grammars = grammars
@@ -133,7 +135,9 @@ def test_graph_draws_apply_grammar_masks(cuda_model, tok):
             for o in engine.step():
                 out.setdefault(o.request_id, []).extend(o.new_token_ids)
         results[mode] = out
+        late[mode] = engine.stats.num_late_mask_steps
     assert results["graph"] == results["legacy"]
     assert any(masked), "no masked draw went through the decode step"
+    assert late["graph"] >= 10 and late["legacy"] == 0, late  # the constrained graph steps overlapped
     for rid in ("c0", "c1"):
         assert tok.decode(results["graph"][rid]).lstrip().startswith("{")
