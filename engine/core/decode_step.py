@@ -2,8 +2,9 @@
 
 A step in which every chunk is one sampled token (decode) runs here instead of KernelRunner.execute's eager
 path. The host's work is to fill a pinned staging buffer (one of two, in turn) with the step's rows (token id, position, window
-blocks, global block table, floors, pending slot, Engram look-back, sampling parameters) and copy it to the
-device with one non-blocking copy; everything else happens on the device, inside the graph:
+blocks, global block table, floors, pending slot, Engram look-back (image-span positions as DEAD: the steps right
+after an image that ends a prompt), sampling parameters) and copy it to the device with one non-blocking copy;
+everything else happens on the device, inside the graph:
 
   1. inputs and metadata, two launches (engine/kernels/decode_meta.py): the input ids and the Engram hash ids
      from the ids and their look-back; window write slots and the window each query reads, from a ring of its
@@ -35,14 +36,16 @@ from torch import Tensor
 from engine.core.decode_buckets import batch_buckets, bucket, context_buckets, decode_takes
 from engine.core.engine_config import DecodeOptions
 from engine.core.kernel_layers import AttnMeta, GlobalWrite, KernelRunner, RequestRows, Shared, Step
-from engine.core.plan import ENGRAM_LOOKBACK, StepPlan
+from engine.core.plan import ENGRAM_LOOKBACK, ChunkPlan, StepPlan
 from engine.core.sampler import SampleTensors, draw_output, sample_device, sample_row_values, sample_variant
 from engine.core.sampling_params import SamplingParams
 from engine.core.sharded_draw import draws_sharded, sample_sharded
 from engine.core.step_rows import StepOutput
+from engine.engram_tables import DEAD
 from engine.kernels.compressor import Ratio2Plan
 from engine.kernels.decode_meta import decode_inputs, decode_meta
 from engine.parallel import all_gather
+from engine.vision.inputs import image_mask
 
 VARIANTS = ("greedy", "plain", "filtered")
 # the staging record: one int64 row of length max_batch per field (floats as float64 bit patterns)
@@ -145,8 +148,8 @@ class DecodeStep:
                                                         c.global_from, -1 if c.pending_slot is None else c.pending_slot,
                                                         greedy, top_k, seed, step, force)
             recf[len(FIELDS) - len(FLOAT_FIELDS):len(FIELDS), b] = (temp, top_p, thr)
-            if c.prev_ids:
-                rec[ring0 - len(c.prev_ids):ring0, b] = c.prev_ids
+            if c.prev_ids:  # image-span positions staged as DEAD (-1), as engram_hashes marks them
+                rec[ring0 - len(c.prev_ids):ring0, b] = lookback_ids(c)
             lo = max(pos - self.W + 1, 0) // self.S
             rec[ring0:ring0 + self.R, b] = [c.swa_blocks.get(lo + j, -1) for j in range(self.R)]
             g[b, :len(c.global_blocks)] = c.global_blocks
@@ -301,6 +304,15 @@ class DecodeStep:
             done = torch.cuda.Event()
             done.record()
         return PendingDraw(host, n, num_lp, ks, done)
+
+
+def lookback_ids(c: ChunkPlan) -> list[int]:
+    """A chunk's Engram look-back ids (plan.prev_ids), image-span positions as DEAD (-1: decode_inputs blocks there,
+    as step_rows.engram_hashes does): the decode steps right after an image that ends a prompt."""
+    if not c.images:
+        return c.prev_ids
+    mask = image_mask(c.start - len(c.prev_ids), c.start, c.images)
+    return [DEAD if m else t for t, m in zip(c.prev_ids, mask)]
 
 
 @dataclass(slots=True)
