@@ -1,6 +1,6 @@
-"""A step's image rows, shared by both runner paths (engine/core/runner.py's golden forward, engine/core/kernel_layers.py):
-which rows of the flat stream are image-span positions (plan.images; the router's bias_vl, Engram's gate 0), and the
-span rows that overwrite their embedding rows (spec 4.10).
+"""A step's image rows, shared by both runner paths (engine/core/runner.py's golden forward and
+engine/core/kernel_layers.py): which rows of the flat stream are image-span positions (plan.images; the router's
+bias_vl, Engram's gate 0), and the span rows that overwrite their embedding rows (spec 4.10).
 
 Each path encodes with its own tower (the golden one, or engine/core/kernel_vision.py's), given to `SpanCache` as a
 function of a list of images. The cache keeps the span rows of the last MAX_KEPT_SPANS images by image key, so a

@@ -10,7 +10,7 @@ request's `decoder_from` at the CED cut layer, which still writes KV for all of 
 Images: a chunk that overlaps an image span (plan.images) runs the vision tower for that image (its span rows
 are kept for the next few chunks, so a prefill chunked across a span encodes it once: engine/core/image_spans.py)
 and its span rows overwrite those positions' embedding rows; they route with bias_vl and are DEAD to Engram
-(spec 4.10). The kernel path refuses images (ValueError): it has no vision tower yet.
+(spec 4.10). The kernel path does the same with its bf16 tower (engine/core/kernel_vision.py).
 
 On CUDA (or with kernels=True) the step runs instead through engine/core/kernel_layers.py: the same
 plan and logits, with Triton kernels and fp32 torch ops reading the paged pools in place.
@@ -132,9 +132,6 @@ class ModelRunner:
         row of chunks whose request keeps its logits (or that verify drafts)."""
         assert out.from_rows is None or all(r < 0 for r in out.from_rows), "tokens still on the device: decode step only"
         if self._kernel_path is not None:
-            if any(c.images for c in out.chunks):
-                raise ValueError("images need the golden runner (--runner golden): the kernel runner does not run "
-                                 "the vision tower yet")
             return self._kernel_path.execute(out)
         return self._forward(out).logits
 
