@@ -34,8 +34,8 @@ ENGRAM_VOCAB = 1 << 16  # Engram's hash vocabulary here (16M in the release): 1.
 def randomize(module: torch.nn.Module, g: torch.Generator, engram_rows: int | None = None) -> None:
     """Replace every buffer of module (and its children) by random values on g's device in its storage format:
     linears N(0, 1/fan_in) quantised to their format, norms 1 + N(0, 0.1^2), other matrices N(0, 1/cols), vectors
-    N(0, 0.5^2) (router biases N(0, 0.05^2)). Engram tables stay on the host: FP8 rows with E8M0 scales near 1
-    (engram_rows of them if given, else the module's)."""
+    N(0, 0.5^2) (biases, the router's bias and bias_vl among them, N(0, 0.05^2)). Engram tables stay on the host:
+    FP8 rows with E8M0 scales near 1 (engram_rows of them if given, else the module's)."""
     device = g.device
 
     def randn(*shape: int) -> torch.Tensor:
@@ -65,7 +65,7 @@ def randomize(module: torch.nn.Module, g: torch.Generator, engram_rows: int | No
             elif buf.dim() == 2:
                 setattr(mod, name, (randn(*buf.shape) * buf.size(-1) ** -0.5).to(buf.dtype))
             else:
-                setattr(mod, name, (randn(*buf.shape) * (0.05 if name == "bias" else 0.5)).to(buf.dtype))
+                setattr(mod, name, (randn(*buf.shape) * (0.05 if name in ("bias", "bias_vl") else 0.5)).to(buf.dtype))
 
 
 def real_width_config(n_layers: int = 10, max_model_len: int | None = None) -> ModelConfig:

@@ -29,7 +29,6 @@ from ray import serve
 from engine.config import load_config
 from engine.core.async_engine import AsyncEngine, EngineShutdownError, EngineStuckError
 from engine.core.engine import LLMEngine, RequestError, RequestOutput
-from engine.core.engine_config import kernels_for
 from engine.core.grammar import GrammarCompiler
 from engine.core.request import RequestStats
 from engine.core.sampling_params import SamplingError, SamplingParams
@@ -135,9 +134,6 @@ class EngineReplica:
             raise EngineRejected(f"n must be at most {self.settings.max_n}, got {req.params.n}")
         prompt_ids, images = list(req.prompt_ids), []
         if req.images:  # decoded, resized and expanded off the event loop (and off the engine's thread)
-            if kernels_for(self.settings.runner) or (self.settings.runner == "auto" and self.settings.device == "cuda"):
-                raise EngineRejected("images need the golden runner (--runner golden): the kernel runner does not run "
-                                     "the vision tower yet")
             try:
                 prompt_ids, images = await asyncio.to_thread(prepare_image_prompt, prompt_ids, req.images, self.cfg,
                                                              self.image_limits)

@@ -28,7 +28,9 @@ def context_buckets(max_model_len: int) -> tuple[int, ...]:
 
 def decode_takes(plan: StepPlan, options: DecodeOptions, needs_pending: bool) -> bool:
     """Every chunk is one token that samples (decode), one draw per chunk, within the largest buckets; every
-    chunk has a pending slot where the model has ratio-2 compressors (needs_pending). Draws with grammar masks are
+    chunk has a pending slot where the model has ratio-2 compressors (needs_pending); no chunk's token is an
+    image-span position (a prompt's last chunk may be its image's last token: its span row, its bias_vl route need
+    the eager step; an image only in a chunk's Engram look-back is staged as DEAD). Draws with grammar masks are
     taken: the decode step stages the masks and its draw applies them."""
     chunks = plan.chunks
     if not chunks or len(chunks) > batch_buckets(options.max_batch)[-1] or len(plan.samples) != len(chunks):
@@ -39,4 +41,5 @@ def decode_takes(plan: StepPlan, options: DecodeOptions, needs_pending: bool) ->
         return False
     max_context = context_buckets(options.max_model_len)[-1]
     return all(c.end - c.start == 1 and c.sample and not c.keep_logits and c.decoder_from <= c.start
-               and c.end <= max_context and (c.pending_slot is not None or not needs_pending) for c in chunks)
+               and c.end <= max_context and (c.pending_slot is not None or not needs_pending)
+               and not any(im.overlaps(c.start, c.end) for im in c.images) for c in chunks)

@@ -2,10 +2,10 @@
 
 A step in which every chunk is one sampled token (decode) runs here instead of KernelRunner.execute's eager
 path. The host's work is to fill a pinned staging buffer (one of two, in turn) with the step's rows (token id, position, window
-blocks, floors, pending slot, Engram look-back, sampling parameters) and the entries of the global block tables that
-changed since the last step (engine/core/block_table.py: the tables live on the device), copy it to the device with
-one non-blocking copy and write the changed entries (one launch, none in most steps); everything else happens on the
-device, inside the graph:
+blocks, floors, pending slot, Engram look-back (image-span positions as DEAD: the steps right after an image that
+ends a prompt), sampling parameters) and the entries of the global block tables that changed since the last step
+(engine/core/block_table.py: the tables live on the device), copy it to the device with one non-blocking copy and
+write the changed entries (one launch, none in most steps); everything else happens on the device, inside the graph:
 
   1. inputs and metadata, two launches (engine/kernels/decode_meta.py): the input ids and the Engram hash ids
      from the ids and their look-back; window write slots and the window each query reads, from a ring of its
@@ -43,15 +43,17 @@ from engine.core.block_table import BlockTableMirror
 from engine.core.decode_buckets import batch_buckets, bucket, context_buckets, decode_takes
 from engine.core.engine_config import DecodeOptions
 from engine.core.kernel_layers import AttnMeta, GlobalWrite, KernelRunner, RequestRows, Shared, Step
-from engine.core.plan import ENGRAM_LOOKBACK, StepPlan
+from engine.core.plan import ENGRAM_LOOKBACK, ChunkPlan, StepPlan
 from engine.core.sampler import SampleTensors, draw_output, sample_device, sample_row_values, sample_variant
 from engine.core.sampling_params import SamplingParams
 from engine.core.sharded_draw import draws_sharded, sample_sharded
 from engine.core.step_rows import StepOutput
+from engine.engram_tables import DEAD
 from engine.kernels.compressor import Ratio2Plan
 from engine.kernels.decode_meta import decode_inputs, decode_meta
 from engine.kernels.token_mask import token_mask
 from engine.parallel import all_gather
+from engine.vision.inputs import image_mask
 
 VARIANTS = ("greedy", "plain", "filtered")
 # the staging record: one int64 row of length max_batch per field (floats as float64 bit patterns)
@@ -162,8 +164,8 @@ class DecodeStep:
                                                         c.global_from, -1 if c.pending_slot is None else c.pending_slot,
                                                         greedy, top_k, seed, step, force)
             recf[len(FIELDS) - len(FLOAT_FIELDS):len(FIELDS), b] = (temp, top_p, thr)
-            if c.prev_ids:
-                rec[ring0 - len(c.prev_ids):ring0, b] = c.prev_ids
+            if c.prev_ids:  # image-span positions staged as DEAD (-1), as engram_hashes marks them
+                rec[ring0 - len(c.prev_ids):ring0, b] = lookback_ids(c)
             lo = max(pos - self.W + 1, 0) // self.S
             rec[ring0:ring0 + self.R, b] = [c.swa_blocks.get(lo + j, -1) for j in range(self.R)]
             assert len(c.global_blocks) <= nb, f"row {b}: {len(c.global_blocks)} global blocks past the bucket's {nb}"
@@ -395,6 +397,15 @@ class PendingForward:
     def draw(self, allowed: list[bytes | None]) -> "PendingDraw":
         """allowed: per draw row (chunk), its grammar bitmask or None."""
         return self.step.launch_draw(self, allowed)
+
+
+def lookback_ids(c: ChunkPlan) -> list[int]:
+    """A chunk's Engram look-back ids (plan.prev_ids), image-span positions as DEAD (-1: decode_inputs blocks there,
+    as step_rows.engram_hashes does): the decode steps right after an image that ends a prompt."""
+    if not c.images:
+        return c.prev_ids
+    mask = image_mask(c.start - len(c.prev_ids), c.start, c.images)
+    return [DEAD if m else t for t, m in zip(c.prev_ids, mask)]
 
 
 @dataclass(slots=True)

@@ -23,6 +23,11 @@ decoder layer on device tensors only: no .item(), .tolist(), nonzero or boolean-
 layer can be captured in a CUDA graph (benchmarks/layer_decode.py). Engram rows are gathered by the
 GPU from the host tables (pinned in place) on a side stream at the start of the step (EngramPrefetch)
 and joined just before each Engram layer.
+
+Images (spec 4.10): a step whose chunks hold image-span positions runs the bf16 vision tower for the images it
+misses (engine/core/kernel_vision.py; span rows kept by engine/core/image_spans.SpanCache, as the golden path keeps
+them), and their span rows overwrite those rows' embeddings; those rows route with bias_vl (the MoE op's is_image)
+and keep the stream through Engram (gate 0; their n-grams are DEAD in the host-made hashes, step_rows.engram_hashes).
 """
 
 from __future__ import annotations
@@ -34,7 +39,9 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from engine.core.image_spans import SpanCache, stream_image_mask
 from engine.core.kernel_ops import OPS, engram_table, head_logits, linear, mm_fp32, rms_norm_torch, row_parallel
+from engine.core.kernel_vision import VisionTower
 from engine.core.kv_cache import PagedKVCache
 from engine.core.plan import ChunkPlan, StepPlan
 from engine.core.step_rows import (Segment, StepLogits, decoder_rows, engram_hashes, head_rows, no_logits, segments,
@@ -57,12 +64,13 @@ from engine.model.rope import RotaryTable
 @dataclass(slots=True)
 class Phase:
     """The rows one layer reads (segs_in) and keeps (segs_out); `keep` selects segs_out's rows of the
-    stream at the CED cut (None elsewhere)."""
+    stream at the CED cut (None elsewhere); is_image marks segs_out's image-span rows (None: none is)."""
 
     segs_in: list[Segment]
     segs_out: list[Segment]
     keep: Tensor | None
     decoder: bool
+    is_image: Tensor | None = None
 
 
 @dataclass(slots=True)
@@ -129,13 +137,16 @@ class Step:
     hashes: Tensor | None  # long [T, engram layers, cols] (host-computed)
     shared: list[Shared]
     meta: dict[tuple, AttnMeta] = field(default_factory=dict)
+    is_image: Tensor | None = None  # bool [T]: image-span rows of the stream (None: no row is one)
+    dec_is_image: Tensor | None = None  # bool: the same of the rows the decoder keeps
+    image_at: Tensor | None = None  # long [n]: the image-span rows (their span rows overwrite the embedding)
 
     def phase(self, layer: int, ced_cut: int) -> Phase:
         if layer < ced_cut:
-            return Phase(self.segs, self.segs, None, False)
+            return Phase(self.segs, self.segs, None, False, self.is_image)
         if layer == ced_cut:
-            return Phase(self.segs, self.dec_segs, self.keep, True)
-        return Phase(self.dec_segs, self.dec_segs, None, True)
+            return Phase(self.segs, self.dec_segs, self.keep, True, self.dec_is_image)
+        return Phase(self.dec_segs, self.dec_segs, None, True, self.dec_is_image)
 
 
 def _window_slots(blocks: dict[int, int], pos: Tensor, block_size: int) -> Tensor:
@@ -156,11 +167,15 @@ def _window_slots(blocks: dict[int, int], pos: Tensor, block_size: int) -> Tenso
 
 class KernelRunner:
     """ModelRunner's kernel path (same inputs and outputs). `model` needs cfg, and for `execute` also
-    embed, layers, norm, head and engram_tables; `layer_forward` needs only cfg and the layer."""
+    embed, layers, norm, head and engram_tables (and the vision tower where cfg has one); `layer_forward` needs
+    only cfg and the layer."""
 
     def __init__(self, model, kv: PagedKVCache):
         self.model, self.kv, self.cfg = model, kv, model.cfg
         self.device = kv.swa[0].device
+        has_tower = getattr(model, "vision", None) is not None  # (layer_forward's callers may pass cfg alone)
+        self.vision = VisionTower(model, self.device) if has_tower else None  # its weights taken once, here
+        self._spans = SpanCache(self.vision.span_rows) if self.vision is not None else None
         self._max_pos = 1
         self._tables: dict[tuple, RopeTable] = {}
         self._wo_a: dict[int, tuple[Tensor, Tensor]] = {}
@@ -181,19 +196,26 @@ class KernelRunner:
             return no_logits(cfg.vocab_size, self.device)
         step = self.prepare(out)
         ids = torch.tensor([t for c in chunks for t in c.token_ids], dtype=torch.long, device=self.device)
-        h, pre_mix = self.run_layers(ids, step, None if step.hashes is None else step.hashes.to(self.device))
+        image_rows = None if step.image_at is None else self._spans.stream_rows(chunks)
+        h, pre_mix = self.run_layers(ids, step, None if step.hashes is None else step.hashes.to(self.device),
+                                     image_rows)
         head = head_rows(chunks, step.dec_segs if cfg.ced_cut < cfg.n_layers else step.segs)
         if not head.picks:
             return no_logits(cfg.vocab_size, self.device)
         sel = torch.tensor(head.picks, device=self.device)
         return split_logits(self.head(h[sel], pre_mix[sel]), head)
 
-    def run_layers(self, ids: Tensor, step: Step, hashes: Tensor | None) -> tuple[Tensor, Tensor]:
+    def run_layers(self, ids: Tensor, step: Step, hashes: Tensor | None,
+                   image_rows: Tensor | None = None) -> tuple[Tensor, Tensor]:
         """The embedding and every layer over the stream ids [T] (device work only, given `step`'s metadata):
         -> (h [T', hc, D], pre_mix fp32 [T', hc]) of the rows the last layer keeps. hashes: the Engram hash ids
-        [T, layers, cols] on the device (None without Engram)."""
+        [T, layers, cols] on the device (None without Engram). image_rows bf16 [len(step.image_at), D]: the span rows
+        that replace the embedding of rows step.image_at."""
         model, cfg = self.model, self.cfg
-        h = F.embedding(ids, model.embed.weight).unsqueeze(1).repeat(1, cfg.hc_mult, 1)  # [T, hc, D]
+        x = F.embedding(ids, model.embed.weight)  # [T, D]
+        if image_rows is not None:
+            x = x.index_copy(0, step.image_at, image_rows.to(x.dtype))
+        h = x.unsqueeze(1).repeat(1, cfg.hc_mult, 1)  # [T, hc, D]
         pre_mix = torch.zeros(ids.numel(), cfg.hc_mult, dtype=torch.float32, device=self.device)
         pre_mix[:, 0] = 1.0  # the first collapse takes copy 0
         prefetch, kept_rows = None, None  # Engram rows of every layer, gathered while layers run
@@ -203,7 +225,8 @@ class KernelRunner:
         for i, layer in enumerate(model.layers):
             if layer.engram is not None:
                 rows = prefetch.wait(layer.role.engram_index)
-                h = OPS.engram(layer.engram, h, rows if kept_rows is None else rows[kept_rows])
+                h = OPS.engram(layer.engram, h, rows if kept_rows is None else rows[kept_rows],
+                               step.is_image if kept_rows is None else step.dec_is_image)
             phase = step.phase(i, cfg.ced_cut)
             h, pre_mix = self.layer_forward(layer, h, pre_mix, step, phase)
             if phase.keep is not None:
@@ -223,7 +246,7 @@ class KernelRunner:
         return self._prefetch
 
     def prepare(self, out: StepPlan) -> Step:
-        """Host work of a step: segments, decoder rows, Engram hashes."""
+        """Host work of a step: segments, decoder rows, Engram hashes, image-span rows."""
         chunks = out.chunks
         segs = segments(chunks)
         dec_segs, keep = decoder_rows(chunks, segs)
@@ -233,7 +256,14 @@ class KernelRunner:
             ids = torch.tensor([t for c in chunks for t in c.token_ids], dtype=torch.long, device=self.device)
             hashes = engram_hashes(tables, chunks, segs, ids)[0]  # [T, layers, cols]
         self._max_pos = max(self._max_pos, max(c.end for c in chunks))
-        return Step(chunks, segs, dec_segs, keep.to(self.device), hashes, [Shared() for _ in chunks])
+        step = Step(chunks, segs, dec_segs, keep.to(self.device), hashes, [Shared() for _ in chunks])
+        mask = stream_image_mask(chunks)
+        if mask is not None and any(mask):  # else images only in a chunk's Engram look-back: the hashes hold them
+            assert self._spans is not None, "image positions for a model without a vision tower (the engine refuses)"
+            is_image = torch.tensor(mask)
+            step.is_image, step.dec_is_image = is_image.to(self.device), is_image[keep].to(self.device)
+            step.image_at = is_image.nonzero()[:, 0].to(self.device)
+        return step
 
     # ---- one layer --------------------------------------------------------------------------------------------
     def layer_forward(self, layer: Block, h: Tensor, pre_mix: Tensor, step: Step, phase: Phase
@@ -273,7 +303,7 @@ class KernelRunner:
         # the FFN collapses with the attention sublayer's pre (Block.forward)
         x = OPS.hc_pre_norm(h, a_pre, layer.ffn_norm.weight, layer.ffn_norm.eps)
         ffn_forked = fork("mhc_mixes", h.device, ffn_mixes) if beside else None
-        y = OPS.moe(x, layer.ffn)
+        y = OPS.moe(x, layer.ffn, phase.is_image)
         f_pre, f_post, f_comb = ffn_forked.join() if beside else ffn_mixes()
         return OPS.hc_post(y, h, f_post, f_comb), f_pre
 

@@ -83,21 +83,23 @@ def fp4_linear_torch(x: Tensor, weight: Tensor, scale: Tensor) -> Tensor:
 _EXPERTS: dict[int, tuple[MoE, ExpertWeights]] = {}  # id(MoE) -> its stacked experts
 
 
-def moe_kernels(x: Tensor, moe: MoE) -> Tensor:
+def moe_kernels(x: Tensor, moe: MoE, is_image: Tensor | None = None) -> Tensor:
     """moe_forward on the module's experts, stacked once (stack_experts turns the modules' buffers into
     views of the stacks). A router or expert format the kernels do not take (not V4.1's sqrt-softplus with
     FP4 experts) runs the golden module: float64, eager only (it picks experts on the host). A rank of a split
     model: its share (its experts' outputs, its shared-expert features) as fp32 partials [2, T, D], summed over the
-    ranks in one all-reduce, then rounded once (moe_finish)."""
+    ranks in one all-reduce, then rounded once (moe_finish). is_image bool [T]: image-span rows (they route with
+    the gate's bias_vl)."""
     g = moe.gate
     if g.score_func != "sqrtsoftplus" or g.temp != 1.0 or moe.experts[moe.local_experts[0]].w1.fmt != "fp4":
-        return moe(x)
+        return moe(x, is_image)
     hit = _EXPERTS.get(id(moe))
     if hit is None or hit[0] is not moe:
         hit = _EXPERTS[id(moe)] = (moe, stack_experts(moe))
     if moe.shard.is_single:
-        return moe_forward(x.contiguous(), moe, hit[1])
-    return moe_finish(all_reduce_sum(moe_forward(x.contiguous(), moe, hit[1], partial=True), moe.shard))
+        return moe_forward(x.contiguous(), moe, hit[1], is_image=is_image)
+    return moe_finish(all_reduce_sum(moe_forward(x.contiguous(), moe, hit[1], partial=True, is_image=is_image),
+                                     moe.shard))
 
 
 _ENGRAM: dict[int, tuple[EngramEmbedding, HostEngramTable]] = {}  # id(table module) -> where the gather reads it
@@ -116,11 +118,13 @@ def engram_rows(eng: Engram, hash_ids: Tensor, device: torch.device) -> Tensor:
     return engram_gather(engram_table(eng.embed), hash_ids.to(device).contiguous())
 
 
-def engram_mix(eng: Engram, h: Tensor, rows: Tensor) -> Tensor:
+def engram_mix(eng: Engram, h: Tensor, rows: Tensor, is_image: Tensor | None = None) -> Tensor:
     """h bf16 [N, hc, D], rows bf16 [N, cols, ehd] -> h + gate * value: wkv by fp8_linear, then the gate (signed
-    sqrt of the normed key . stream product) and the update in one launch (engine.kernels.engram_gate)."""
+    sqrt of the normed key . stream product) and the update in one launch (engine.kernels.engram_gate). is_image
+    bool [N]: image-span rows, whose gate is 0 (spec 4.10): they keep h."""
     kv = linear(eng.wkv, rows.flatten(-2))  # [N, (hc+1)*D]
-    return engram_gate(h, kv, eng.q_weight, eng.k_weight, eng.eps)
+    out = engram_gate(h, kv, eng.q_weight, eng.k_weight, eng.eps)
+    return out if is_image is None else torch.where(is_image[:, None, None], h, out)
 
 
 def rms_norm_rows(x: Tensor, w: Tensor, eps: float) -> Tensor:
@@ -167,8 +171,9 @@ class OpTable:
     index_topk: Callable  # (score bf16 [M, T], k) -> int32 [M, min(k, T)] entry ids, -1 = none
     topk_slots: Callable  # (ids [m, K], entries int32 [E] or [m, E], out int32 [m, W]): out = entries[ids], -1 = none
     sparse_attn: Callable  # sparse_attn_paged's signature
-    moe: Callable  # (x bf16 [T, D], moe: MoE) -> bf16 [T, D]
-    engram: Callable  # (eng, h [N, hc, D], rows bf16 [N, cols, ehd] from engram_gather) -> [N, hc, D]
+    moe: Callable  # (x bf16 [T, D], moe: MoE, is_image bool [T] | None: bias_vl rows) -> bf16 [T, D]
+    engram: Callable  # (eng, h [N, hc, D], rows bf16 [N, cols, ehd] from engram_gather, is_image bool [N] | None:
+    #                    gate 0 rows) -> [N, hc, D]
 
 
 OPS = OpTable(

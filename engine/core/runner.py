@@ -8,9 +8,9 @@ chunks and call `engine.kernels` by name. Decoder bounded replay drops a chunk's
 request's `decoder_from` at the CED cut layer, which still writes KV for all of them.
 
 Images: a chunk that overlaps an image span (plan.images) runs the vision tower for that image (its span rows
-are kept for the next few chunks, so a prefill chunked across a span encodes it once) and its span rows
-overwrite those positions' embedding rows; they route with bias_vl and are DEAD to Engram (spec 4.10). The
-kernel path refuses images (ValueError): it has no vision tower yet.
+are kept for the next few chunks, so a prefill chunked across a span encodes it once: engine/core/image_spans.py)
+and its span rows overwrite those positions' embedding rows; they route with bias_vl and are DEAD to Engram
+(spec 4.10). The kernel path does the same with its bf16 tower (engine/core/kernel_vision.py).
 
 On CUDA (or with kernels=True) the step runs instead through engine/core/kernel_layers.py: the same
 plan and logits, with Triton kernels and fp32 torch ops reading the paged pools in place.
@@ -25,7 +25,6 @@ are gathered, the noise keyed), which each step checks (_check_lockstep).
 
 from __future__ import annotations
 
-from collections import OrderedDict
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING
 
@@ -33,6 +32,7 @@ import torch
 
 from engine.core.drafter import Draft, DraftRequest, Drafter, DSparkDrafter, write_context
 from engine.core.engine_config import SPECULATIVE_KERNELS, EngineConfigError
+from engine.core.image_spans import SpanCache, image_patches, stream_image_mask
 from engine.core.kv_cache import PagedKVCache
 from engine.core.plan import ChunkPlan, StepPlan
 from engine.core.sampler import sample_specs
@@ -45,14 +45,11 @@ from engine.model.cache import SourceCache, StepShared
 from engine.model.mhc import hc_pre, identity_pre_mix
 from engine.model.transformer import Transformer
 from engine.parallel import ranks_differing
-from engine.vision.inputs import ImageInput, image_mask
+from engine.vision.inputs import ImageInput
 
 if TYPE_CHECKING:
     from engine.core.decode_step import PendingDraw, PendingForward
     from engine.core.engine_config import DecodeOptions
-
-MAX_KEPT_SPANS = 4  # images whose span rows the runner keeps (a prefill chunked across a span encodes it once)
-
 
 @dataclass(frozen=True, slots=True)
 class CompressorRows:
@@ -88,7 +85,7 @@ class ModelRunner:
         self.kernels = self.device.type == "cuda" if kernels is None else kernels
         self.drafter = drafter
         self._kernel_path = None
-        self._spans: OrderedDict[int, torch.Tensor] = OrderedDict()  # image key -> bf16 [span tokens, dim]
+        self._spans = SpanCache(self._golden_spans)  # the golden path's span rows by image key
         self.decode = None  # the kernel path's decode step on device buffers (engine/core/decode_step.py)
         if kv.dspark_swa:
             if self.kernels:
@@ -144,9 +141,6 @@ class ModelRunner:
         row of chunks whose request keeps its logits (or that verify drafts)."""
         assert out.from_rows is None or all(r < 0 for r in out.from_rows), "tokens still on the device: decode step only"
         if self._kernel_path is not None:
-            if any(c.images for c in out.chunks):
-                raise ValueError("images need the golden runner (--runner golden): the kernel runner does not run "
-                                 "the vision tower yet")
             return self._kernel_path.execute(out)
         return self._forward(out).logits
 
@@ -226,11 +220,11 @@ class ModelRunner:
         rows = torch.arange(ids.numel(), device=self.device)  # stream row -> original row
         x = model.embed(ids)  # [T,D]
         is_image = None  # bool [T]: image-span rows
-        if any(c.images for c in chunks):
-            is_image = torch.tensor([m for c in chunks for m in image_mask(c.start, c.end, c.images)],
-                                    device=self.device)
-            if bool(is_image.any()):  # a chunk may carry an image only for its Engram look-back (decode after it)
-                x[is_image] = self._image_rows(chunks)
+        mask = stream_image_mask(chunks)
+        if mask is not None:
+            is_image = torch.tensor(mask, device=self.device)
+            if any(mask):  # a chunk may carry an image only for its Engram look-back (decode after it)
+                x[is_image] = self._spans.stream_rows(chunks)
         h = x.view(1, -1, cfg.dim).unsqueeze(2).repeat(1, 1, cfg.hc_mult, 1)  # [1,T,hc,D]
         pre_mix = identity_pre_mix(1, ids.numel(), cfg.hc_mult, self.device)
         shared = [StepShared() for _ in chunks]
@@ -262,25 +256,9 @@ class ModelRunner:
         return state
 
     # ---- pieces -------------------------------------------------------------------------------------
-    def _image_rows(self, chunks: list[ChunkPlan]) -> torch.Tensor:
-        """bf16 [image positions, D]: the span rows of every chunk's image positions, in stream order."""
-        out = []
-        for c in chunks:
-            for im in c.images:
-                lo, hi = max(im.start, c.start), min(im.end, c.end)
-                if lo < hi:
-                    out.append(self._span_rows(im)[lo - im.start:hi - im.start])
-        return torch.cat(out)
-
-    def _span_rows(self, im: ImageInput) -> torch.Tensor:
-        rows = self._spans.pop(im.key, None)
-        if rows is None:
-            patches = torch.frombuffer(bytearray(im.patches), dtype=torch.bfloat16).view(im.grid.num_patches, -1)
-            rows = self.model.span_rows(patches.to(self.device), im.grid)
-        self._spans[im.key] = rows  # most recently used last
-        while len(self._spans) > MAX_KEPT_SPANS:
-            self._spans.popitem(last=False)
-        return rows
+    def _golden_spans(self, images: list[ImageInput]) -> list[torch.Tensor]:
+        """The golden tower's span rows of each image, one at a time (SpanCache's encoder)."""
+        return [self.model.span_rows(image_patches(im).to(self.device), im.grid) for im in images]
 
     def _attention(self, attn: Attention, x: torch.Tensor, chunks, segs_in: list[Segment], segs_out: list[Segment],
                    shared: list[StepShared], decoder: bool,

@@ -215,7 +215,7 @@ def _decode_inputs_kernel(ids_ptr, from_row_ptr, last_ptr, out_ids_ptr, pos_ptr,
         rolling = tl.where(blocked, pad_id, src) * tl.load(mult_ptr + lay * (K + 1), mask=in_l, other=0)
         for shift in tl.static_range(1, K + 1):  # the token `shift` positions back
             prev = tl.load(prev_ptr + b * prev_s0 + (LOOKBACK - shift) * prev_s1)
-            src = tl.where(prev >= 0, tl.load(token_map_ptr + tl.maximum(prev, 0)), pad_id)
+            src = tl.where(prev >= 0, tl.load(token_map_ptr + tl.maximum(prev, 0)), DEAD_ID)
             blocked = blocked | (pos < shift) | (src == DEAD_ID)
             rolling = rolling ^ (tl.where(blocked, pad_id, src)
                                  * tl.load(mult_ptr + lay * (K + 1) + shift, mask=in_l, other=0))
@@ -230,7 +230,8 @@ def decode_inputs(ids: Tensor, from_row: Tensor, last_ids: Tensor, pos: Tensor, 
                   tables: EngramTables | None) -> tuple[Tensor, Tensor | None]:
     """One launch: the step's input ids int64 [B] (last_ids[from_row] where from_row >= 0, else ids) and, with
     Engram tables, the hash ids int64 [B, layers, cols] of the n-grams ending at pos. prev int64 [B, LOOKBACK]: raw
-    ids before the position, oldest first, -1 = none (any strides); the tables on the rows' device."""
+    ids before the position, oldest first (any strides), -1 where no n-gram reaches: before position 0, and an
+    image-span position (DEAD: it blocks its n-grams and every longer one); the tables on the rows' device."""
     _check_rows(pos, ids, from_row)
     assert last_ids.dtype == torch.int64 and prev.dtype == torch.int64 and prev.size(0) == pos.numel()
     B = pos.numel()
@@ -258,5 +259,5 @@ def decode_inputs_torch(ids: Tensor, from_row: Tensor, last_ids: Tensor, pos: Te
         return tok, None
     K = tables.max_ngram_size - 1
     back = prev[:, prev.size(1) - K:]
-    history = torch.where(back >= 0, tables.token_map[back.clamp_min(0)], tables.pad_id)  # [B, K]
+    history = torch.where(back >= 0, tables.token_map[back.clamp_min(0)], DEAD)  # [B, K]
     return tok, hash_ngrams(tables, tok[:, None].contiguous(), history.contiguous(), pos)[:, 0]

@@ -3,6 +3,7 @@
 Math (engine.model.moe, per token t and selected slot j with expert e = ids[t, j], weight w = weights[t, j]):
 
     s       = sqrt(softplus(x_t · gate_w^T))        ids = topk(s + bias, k)      w = 1.5 s[ids] / (Σ s[ids] + 1e-20)
+            (bias: gate.bias, or gate.bias_vl for an image-span token)
     g, u    = bf16(A(x_t) · W1_e^T), bf16(A(x_t) · W3_e^T)        A = act_quant QDQ (FP8 per 32, UE8M0)
     h_tj    = bf16(w · silu(min(g, L)) · clamp(u, -L, L))          (fp32 here; float64 in the golden)
     o_tj    = A(h_tj) · W2_e^T                                     (fp32; the golden rounds it to bf16)
@@ -627,10 +628,11 @@ def local_ids(ids: Tensor, local: range, num_experts: int) -> Tensor:
 
 
 def moe_forward(x: Tensor, moe: MoE, experts: ExpertWeights, ids: Tensor | None = None,
-                weights: Tensor | None = None, partial: bool = False) -> Tensor:
+                weights: Tensor | None = None, partial: bool = False, is_image: Tensor | None = None) -> Tensor:
     """The MoE layer on the kernels: x bf16 [T, D] -> bf16 [T, D]. ids int32 / weights fp32 [T, k] override
     the router (tests; global expert ids, -1 drops a slot). partial: this rank's share of an expert- and
-    tensor-parallel layer, fp32 [2, T, D] unrounded (module docstring; sum over the ranks, then moe_finish)."""
+    tensor-parallel layer, fp32 [2, T, D] unrounded (module docstring; sum over the ranks, then moe_finish).
+    is_image bool [T]: image-span tokens, which select their experts with the gate's bias_vl (spec 4.5)."""
     assert x.dtype == torch.bfloat16 and x.dim() == 2 and x.is_contiguous(), f"x: {x.dtype} {tuple(x.shape)}"
     gate = moe.gate
     assert gate.score_func == "sqrtsoftplus" and gate.temp == 1.0, f"router {gate.score_func} / {gate.temp}"
@@ -647,6 +649,10 @@ def moe_forward(x: Tensor, moe: MoE, experts: ExpertWeights, ids: Tensor | None 
     if routed:  # on the decode path the CUDA route (one CTA per token), else the Triton one
         route = route_cuda if decode else route_scores
         weights, ids = route(part, gate.bias, gate.topk, gate.route_scale, gate.norm_topk)
+        if is_image is not None:  # each token's route is its own: route again with bias_vl, keep per token
+            w_vl, ids_vl = route(part, gate.bias_vl, gate.topk, gate.route_scale, gate.norm_topk)
+            weights = torch.where(is_image[:, None], w_vl, weights)
+            ids = torch.where(is_image[:, None], ids_vl, ids)
     ids = local_ids(ids, moe.local_experts, gate.weight.size(0))  # expert-parallel: other ranks' pairs dropped
     limit = moe.experts[moe.local_experts[0]].limit
     if decode:  # on CUDA: the FP4 GEMVs of cuda/moe_fp4.cu (tiles of <= 8 pairs)

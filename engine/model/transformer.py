@@ -28,7 +28,7 @@ from engine.model.cache import ModelCache, StepShared
 from engine.model.dspark import DSparkStage, DraftOutput, sample
 from engine.model.layers import Embedding, ParallelHead, RMSNorm, register
 from engine.model.mhc import hc_pre, identity_pre_mix
-from engine.model.vision import Aligner, ViT, encode_image
+from engine.model.vision import Aligner, ViT, encode_image, span_layout
 from engine.parallel import SINGLE, ShardSpec
 from engine.vision.layout import ImageGrid
 
@@ -79,10 +79,7 @@ class Transformer(nn.Module):
         if not self.cfg.has_vision:
             raise ValueError("this model has no vision tower")
         rows = encode_image(self.vision, self.aligner, patches, grid.n_vit_h, grid.n_vit_w)  # [n_llm_h*n_llm_w, D]
-        grid_rows = rows.view(grid.n_llm_h, grid.n_llm_w, -1)
-        newline = self.image_newline.view(1, 1, -1).expand(grid.n_llm_h, 1, -1)
-        body = torch.cat([grid_rows, newline], dim=1).flatten(0, 1)  # [n_llm_h*(n_llm_w+1), D]
-        return torch.cat([self.image_start[None], body, self.image_end[None]])
+        return span_layout(rows, grid, self.image_start, self.image_newline, self.image_end)
 
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, start_pos: int, cache: ModelCache, *, bounded_replay: bool = False,

@@ -22,6 +22,7 @@ from torch import nn
 
 from engine.config import ModelConfig
 from engine.model.layers import RMSNorm, register
+from engine.vision.layout import ImageGrid
 
 VISION_NORM_EPS = 1e-6  # the ViT keeps 1e-6 (the text model uses 1e-20)
 
@@ -145,11 +146,13 @@ class ViT(nn.Module):
 
 
 def downsample(x: torch.Tensor, n_h: int, n_w: int, r: int) -> torch.Tensor:
-    """[n_h * n_w, C] (reading order) -> [ceil(n_h/r) * ceil(n_w/r), C * r * r]: each r x r cell of the
-    grid, the bottom/right edge zero-padded, becomes one row laid out (c, dy, dx) (F.unfold's order)."""
-    grid = x.view(n_h, n_w, -1).permute(2, 0, 1)  # [C, n_h, n_w]
-    grid = F.pad(grid, (0, -n_w % r, 0, -n_h % r))
-    return F.unfold(grid.unsqueeze(0), r, stride=r).squeeze(0).T  # [cells, C*r*r]
+    """[..., n_h * n_w, C] (reading order, at most one leading batch dim) -> [..., ceil(n_h/r) * ceil(n_w/r), C * r * r]:
+    each r x r cell of the grid, the bottom/right edge zero-padded, becomes one row laid out (c, dy, dx) (F.unfold's
+    order)."""
+    batch = x.view(-1, n_h, n_w, x.size(-1)).permute(0, 3, 1, 2)  # [B, C, n_h, n_w]
+    batch = F.pad(batch, (0, -n_w % r, 0, -n_h % r))
+    cells = F.unfold(batch, r, stride=r).transpose(1, 2)  # [B, cells, C*r*r]
+    return cells if x.dim() == 3 else cells[0]
 
 
 class Aligner(nn.Module):
@@ -170,3 +173,14 @@ class Aligner(nn.Module):
 def encode_image(vision: ViT, aligner: Aligner, patches: torch.Tensor, n_vit_h: int, n_vit_w: int) -> torch.Tensor:
     """One image's IMAGE rows: bf16 [n_llm_h * n_llm_w, dim]."""
     return aligner(vision(patches, n_vit_h, n_vit_w), n_vit_h, n_vit_w)
+
+
+def span_layout(rows: torch.Tensor, grid: ImageGrid, image_start: torch.Tensor, image_newline: torch.Tensor,
+                image_end: torch.Tensor) -> torch.Tensor:
+    """An image's span in the LLM's stream, bf16 [grid.num_tokens, dim], from its IMAGE rows [n_llm_h * n_llm_w, dim]
+    and the learned delimiters [dim]: image_start, then per aligner row its n_llm_w rows and image_newline, then
+    image_end (spec 4.10)."""
+    grid_rows = rows.view(grid.n_llm_h, grid.n_llm_w, -1)
+    newline = image_newline.view(1, 1, -1).expand(grid.n_llm_h, 1, -1)
+    body = torch.cat([grid_rows, newline], dim=1).flatten(0, 1)  # [n_llm_h*(n_llm_w+1), dim]
+    return torch.cat([image_start[None], body, image_end[None]])

@@ -1,4 +1,5 @@
-"""Fixtures for engine tests: the tiny model (without and with its DSpark stages) and golden-model reference runs."""
+"""Fixtures for engine tests: the tiny model (without and with its DSpark stages, and with a vision tower) and
+golden-model reference runs."""
 
 from __future__ import annotations
 
@@ -13,6 +14,14 @@ def tiny_model(tiny_checkpoint):
     from engine.load import load_model
 
     return load_model(tiny_checkpoint, progress=False, with_mtp=False)
+
+
+@pytest.fixture(scope="session")
+def tiny_vision_model(tiny_vision_checkpoint):
+    """The tiny-vision model (the tiny text model with a 2-block vision tower), without DSpark stages."""
+    from engine.load import load_model
+
+    return load_model(tiny_vision_checkpoint, progress=False, with_mtp=False).model
 
 
 @pytest.fixture(scope="session")

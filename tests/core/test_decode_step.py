@@ -4,6 +4,8 @@ steps it takes and which buckets it captures. (Its CUDA graphs: tests/gpu/test_d
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
 
@@ -12,23 +14,29 @@ from engine.core.engine import EngineConfig, LLMEngine, LocalExecutor
 from engine.core.engine_config import DecodeOptions
 from engine.core.plan import ChunkPlan, SampleSpec, StepPlan
 from engine.core.sampling_params import SamplingParams
+from engine.core.step_rows import engram_hashes, segments
+from engine.kernels.decode_meta import decode_inputs
+from engine.vision.inputs import ImageInput
+from engine.vision.layout import ImageGrid
 from tests.core.conftest import random_prompt
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
-def kernel_engine(model, decode_step: bool) -> LLMEngine:
-    config = EngineConfig(runner="kernels", decode_step=decode_step, max_num_seqs=4, max_num_batched_tokens=64,
-                          enable_prefix_caching=False, max_model_len=512)
+def kernel_engine(model, decode_step: bool, **kw) -> LLMEngine:
+    config = EngineConfig(**(dict(runner="kernels", decode_step=decode_step, max_num_seqs=4, max_num_batched_tokens=64,
+                                  enable_prefix_caching=False, max_model_len=512) | kw))
     return LLMEngine.local(model, config, eos_token_id=-1)
 
 
-def run(engine: LLMEngine, arrivals: dict[str, tuple[list[int], SamplingParams, int]]) -> dict:
+def run(engine: LLMEngine, arrivals: dict[str, tuple[list[int], SamplingParams, int]],
+        images: dict[str, list[ImageInput]] | None = None) -> dict:
+    """Drive the engine to the end: {request id: (token ids, logprobs)}; images: a request's prompt images."""
     out, step = {}, 0
     while step == 0 or engine.has_unfinished:
         for rid, (prompt, params, at) in arrivals.items():
             if at == step:
-                engine.add_request(rid, prompt, params)
+                engine.add_request(rid, prompt, params, images=(images or {}).get(rid, ()))
         for o in engine.step():
             ids, lps = out.setdefault(o.request_id, ([], []))
             ids += o.new_token_ids
@@ -89,6 +97,34 @@ def test_which_steps_and_buckets(tiny_model):
     assert not step.takes(StepPlan([_chunk(9, 10, keep_logits=True)], [], [spec]))
     assert not step.takes(StepPlan([_chunk(9, 10)], [], [spec, SampleSpec(0, SamplingParams(), 2, 0)]))  # n > 1
     assert not step.takes(StepPlan([_chunk(1024, 1025)], [], [spec]))  # past the largest context bucket
+    im = ImageInput(2, ImageGrid(112, 112, 8, 8, 3, 3), b"", -5)  # an image span at positions 2..15
+    assert not step.takes(StepPlan([_chunk(15, 16, images=(im,))], [], [spec]))  # its last token: a span row, bias_vl
+    assert step.takes(StepPlan([_chunk(16, 17, images=(im,))], [], [spec]))  # in the look-back only: staged DEAD
+
+
+def test_image_lookback_is_staged_dead(tiny_model):
+    """Decode rows right after an image span (their look-backs hold 3, 2 and 1 of its positions) and one past it: the
+    decode step's Engram hashes (the staged look-back through decode_inputs) equal the eager path's
+    (step_rows.engram_hashes: image positions DEAD), which differ from those of the same ids taken as text."""
+    model = tiny_model.model
+    tables = model.engram_tables
+    step = LocalExecutor(model, CacheLayout(64, 16, 16, 20, 40, 6, 0), True, DecodeOptions(8, 1000)).runner.decode
+    image = 129264
+    im = ImageInput(2, ImageGrid(112, 112, 8, 8, 3, 3), b"", -5)  # an image span at positions 2..15
+    chunks = [_chunk(16, 17, token_ids=[7], prev_ids=[image, image, image], images=(im,)),
+              _chunk(17, 18, token_ids=[8], prev_ids=[image, image, 7], images=(im,)),
+              _chunk(18, 19, token_ids=[9], prev_ids=[image, 7, 8], images=(im,)),
+              _chunk(19, 20, token_ids=[5], prev_ids=[7, 8, 9])]
+    plan = StepPlan(chunks, [], [SampleSpec(i, SamplingParams(), 1, 0) for i in range(len(chunks))])
+    assert step.takes(plan)
+    v = step.stage(plan)
+    f = v.fields
+    ids, hashes = decode_inputs(f["ids"], f["from_row"], step.last_ids, f["pos"], v.prev, step.engram)
+    flat = torch.tensor([c.token_ids[0] for c in chunks])
+    want = engram_hashes(tables, chunks, segments(chunks), flat)[0]
+    assert torch.equal(ids[:len(chunks)], flat) and torch.equal(hashes[:len(chunks)], want)
+    as_text = engram_hashes(tables, [replace(c, images=()) for c in chunks], segments(chunks), flat)[0]
+    assert [torch.equal(want[i], as_text[i]) for i in range(4)] == [False, False, False, True]
     many = [SampleSpec(i, SamplingParams(), 1, 0) for i in range(9)]
     assert not step.takes(StepPlan([_chunk(9, 10)] * 9, [], many))  # past the largest batch bucket
     # a bucket is captured when its smallest batch fits at its smallest context: (b_prev + 1) * (c_prev + 1) <= 1280

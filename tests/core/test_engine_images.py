@@ -24,9 +24,11 @@ pytestmark = pytest.mark.usefixtures("one_torch_thread")
 NUM_NEW = 3
 
 
-def png(seed: int) -> bytes:
+def png(seed: int, height: int = 150, width: int = 200) -> bytes:
+    """Random pixels; 150 x 200 is planned as 154 x 210 (a 4 x 5 aligner grid, a 26-token span), 100 x 110 as
+    112 x 126 (3 x 3, 14 tokens: the kernel path's tests, whose Triton interpreter takes seconds a row)."""
     buf = io.BytesIO()
-    Image.fromarray(np.random.default_rng(seed).integers(0, 256, (150, 200, 3), dtype=np.uint8)).save(buf, "PNG")
+    Image.fromarray(np.random.default_rng(seed).integers(0, 256, (height, width, 3), dtype=np.uint8)).save(buf, "PNG")
     return buf.getvalue()
 
 

@@ -25,16 +25,20 @@ row maximum. So two checks:
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import pytest
 import torch
 import torch.nn.functional as F
 
 from engine.core.engine import EngineConfig, LLMEngine, LocalExecutor
+from engine.core.image_spans import image_patches
 from engine.core.kernel_layers import KernelRunner
 from engine.core.kernel_ops import op_backends
 from engine.core.kv_cache import PagedKVCache
 from engine.core.runner import ModelRunner
 from engine.core.sampling_params import SamplingParams
+from engine.vision.inputs import ImageInput, image_mask
 from tests.core.conftest import GoldenRun, random_prompt, run_engine
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
@@ -59,11 +63,16 @@ def kernel_engine(model, **kw) -> LLMEngine:
     return LLMEngine(model.cfg, EngineConfig(**cfg), executor, eos_token_id=-1)
 
 
-def golden_greedy(model, prompt: list[int], num_new: int, replay: bool) -> GoldenRun:
-    """tests.core.conftest.golden_greedy on the model's device (CPU or CUDA)."""
+def golden_greedy(model, prompt: list[int], num_new: int, replay: bool, images: Sequence[ImageInput] = ()) -> GoldenRun:
+    """tests.core.conftest.golden_greedy on the model's device (CPU or CUDA); with images, the prompt's spans hold
+    the golden tower's span rows."""
     dev = model.embed.weight.device
     cache = model.new_cache(1, len(prompt) + num_new + 1)
-    out = model(torch.tensor([prompt], device=dev), 0, cache, bounded_replay=replay, full_logits=True)
+    spans = {}
+    if images:
+        rows = torch.cat([model.span_rows(image_patches(im).to(dev), im.grid) for im in images])
+        spans = dict(image_mask=torch.tensor([image_mask(0, len(prompt), images)], device=dev), image_rows=rows)
+    out = model(torch.tensor([prompt], device=dev), 0, cache, bounded_replay=replay, full_logits=True, **spans)
     rows, first_pos = [out.logits[0]], out.first_pos
     tokens = [int(out.logits[0, -1].argmax())]
     while len(tokens) < num_new:
@@ -81,18 +90,20 @@ def row_errors(got: torch.Tensor, want: torch.Tensor) -> tuple[torch.Tensor, tor
 
 
 def check_engine(model, prompts: dict[str, list[int]], replay: bool, engine: LLMEngine | None = None,
-                 arrivals: dict[str, int] | None = None, **kw) -> None:
+                 arrivals: dict[str, int] | None = None, images: dict[str, list[ImageInput]] | None = None,
+                 **kw) -> None:
     """The engine on the kernel path, decode steps teacher-forced with the golden's greedy tokens (so both
     see the same inputs), against the golden alone: logits rows within tolerance, and the same greedy
     token wherever the golden's top-2 margin exceeds twice the row's max |error| (a decided choice)."""
     engine = engine or kernel_engine(model, bounded_replay=replay, **kw)
-    gold = {rid: golden_greedy(model, p, NUM_NEW, replay) for rid, p in prompts.items()}
+    images = images or {}
+    gold = {rid: golden_greedy(model, p, NUM_NEW, replay, images.get(rid, ())) for rid, p in prompts.items()}
     rows = {rid: {} for rid in prompts}
     pending, step = dict(prompts), 0
     while pending or engine.has_unfinished:
         for rid in [r for r in pending if (arrivals or {}).get(r, 0) <= step]:
             engine.add_request(rid, pending.pop(rid), SamplingParams(max_tokens=NUM_NEW), force_ids=gold[rid].tokens,
-                               keep_logits=True)
+                               keep_logits=True, images=images.get(rid, ()))
         for o in engine.step():
             if o.logits is not None:
                 first, block = o.logits

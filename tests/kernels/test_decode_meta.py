@@ -111,3 +111,28 @@ def test_decode_inputs_equal_hash_ngrams(tables, B, device):
         assert got.shape == (B, 2, 3 * 8) and bool((got >= 0).all())
     ids_only, none = decode_inputs(ids, from_row, last, pos, prev, None)
     assert none is None and torch.equal(ids_only, ref_ids)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_decode_inputs_block_at_image_positions(tables, device):
+    """A -1 in the look-back past position 0 is an image-span position (DEAD, decode_step.lookback_ids): it blocks
+    its n-grams and every longer one, whatever lies before it. Rows whose token just before is one (then text, or
+    more image) hash as at position 0 (nothing to look back at); the torch reference agrees bitwise."""
+    g = torch.Generator().manual_seed(7)
+    B, lookback = 9, 4
+    ids = torch.randint(0, 2000, (B,), generator=g)
+    pos = torch.full((B,), 10)
+    prev = torch.randint(0, 2000, (B, lookback), generator=g)
+    dead_from = torch.arange(B) % 4  # row b: shifts >= 1 + b % 4 are image positions (Engram reaches 3 back)
+    shift = lookback - torch.arange(lookback)  # of each column (oldest first)
+    prev[shift[None, :] >= 1 + dead_from[:, None]] = -1
+    prev[::8, :-1] = torch.randint(0, 2000, (prev[::8].size(0), lookback - 1), generator=g)  # text before the dead one
+    none = torch.full((B,), -1)
+    ids, pos, prev, none, t = (x.to(device) for x in (ids, pos, prev, none, tables))
+    _, got = decode_inputs(ids, none, ids, pos, prev, t)
+    _, ref = decode_inputs_torch(ids, none, ids, pos, prev, t)
+    assert torch.equal(got, ref)
+    _, at_zero = decode_inputs(ids, none, ids, torch.zeros_like(pos), prev, t)
+    first = (dead_from == 0).to(device)
+    assert torch.equal(got[first], at_zero[first])
+    assert not (got[~first] == at_zero[~first]).all(dim=-1).all(dim=-1).any(), "a row with text before it hashed as at 0"
