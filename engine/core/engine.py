@@ -198,9 +198,7 @@ class LLMEngine:
         from engine.config import load_config
         from engine.load import load_model
 
-        kernels = kernels_for(config.runner)
-        # before the weights load
-        check_speculative(config, load_config(ckpt_dir), kernels or (kernels is None and device == "cuda"))
+        check_speculative(config, load_config(ckpt_dir))  # before the weights load
 
         loaded = load_model(ckpt_dir, device, with_mtp=config.is_speculative, progress=progress)
         grammars = GrammarCompiler(loaded.tokenizer.path.read_text(encoding="utf-8"), loaded.tokenizer.eos_id)
@@ -216,7 +214,7 @@ class LLMEngine:
         (config.runner; auto: the kernels on CUDA) with its decode step; step_timeout bounds a collective's wait
         for the other ranks (None: shard_group.STEP_TIMEOUT). Speculative decoding: every rank loads its slices of
         the DSpark stages and drafts over its own pools. A config the shards cannot split (the DSpark experts too
-        when speculating) raises ShardingError, and speculative settings the runner cannot run EngineConfigError,
+        when speculating) raises ShardingError, and speculative settings the checkpoint cannot run EngineConfigError,
         before any process starts."""
         from engine.checkpoint.sharding import check_shardable
         from engine.config import load_config
@@ -226,7 +224,7 @@ class LLMEngine:
         kernels = kernels_for(config.runner)
         kernels = device == "cuda" if kernels is None else kernels
         cfg = load_config(ckpt_dir)
-        check_speculative(config, cfg, kernels)  # speculative decoding: the golden runner only, as at one shard
+        check_speculative(config, cfg, kernels, num_shards)  # the kernel runner speculates at one shard for now
         check_shardable(cfg, num_shards, include_mtp=config.is_speculative)
         tokenizer = load_tokenizer(ckpt_dir)
         path = str(Path(ckpt_dir).resolve())

@@ -66,21 +66,22 @@ def decode_options(config: EngineConfig, cfg: ModelConfig) -> DecodeOptions | No
     return DecodeOptions(config.max_num_seqs, config.max_model_len or cfg.max_position_embeddings, config.cuda_graphs)
 
 
-SPECULATIVE_KERNELS = ("speculative decoding runs on the golden runner only for now (the kernel path's draft and "
-                       "verify graphs are not written yet): use --runner golden")
+SPECULATIVE_KERNEL_SHARDS = ("speculative decoding on the kernel runner runs at one shard for now (it has not run "
+                             "over shards yet): use --num-shards 1, or --runner golden")
 
 
-def check_speculative(config: EngineConfig, cfg: ModelConfig, kernels: bool = False) -> None:
-    """Raises EngineConfigError for speculative settings this checkpoint (or the kernel runner) cannot run."""
+def check_speculative(config: EngineConfig, cfg: ModelConfig, kernels: bool = False, num_shards: int = 1) -> None:
+    """Raises EngineConfigError for speculative settings this checkpoint cannot run, or the kernel runner (kernels)
+    over num_shards > 1 shards."""
     k = config.speculative_tokens
     if not isinstance(k, int) or isinstance(k, bool) or k < 0:
         raise EngineConfigError(f"--speculative-tokens must be an integer >= 0, got {k!r}")
     if k == 0:
         return
-    if kernels:
-        raise EngineConfigError(SPECULATIVE_KERNELS)
     if cfg.n_mtp_layers == 0:
         raise EngineConfigError(f"--speculative-tokens {k}: this checkpoint has no DSpark stages to draft with")
+    if kernels and num_shards > 1:
+        raise EngineConfigError(SPECULATIVE_KERNEL_SHARDS)
     if k > cfg.dspark_block_size:
         raise EngineConfigError(f"--speculative-tokens {k} is past the checkpoint's DSpark block of "
                                 f"{cfg.dspark_block_size} tokens (dspark_block_size): use 1..{cfg.dspark_block_size}, "
