@@ -4,6 +4,7 @@ per step (the union of the kernels' intervals in a torch.profiler trace), and ou
     python benchmarks/engine_decode.py [--ckpt DIR] [--batches 1,16,64] [--prompt-len 100] [--steps 50]
         [--modes graph,device,legacy] [--sampling greedy|top_p] [--device cuda] [--top-kernels N]
     python benchmarks/engine_decode.py --real-width --batches 1,6,16,64,256 --modes graph --layer-sum 1,6
+    python benchmarks/engine_decode.py --real-width --batches 1 --speculative-tokens 0,1,2,3,4,5
 
 --real-width: instead of a checkpoint, ten layers of DeepSeek-V4.1-Flash's real widths with every layer role
 (benchmarks/random_model.py, built on the GPU: ~75 GB); --layer-sum B: at batch B, each layer's own CUDA-graph
@@ -19,6 +20,14 @@ engine before issue 19); shard = graph, with the engine's executor a ShardWorker
 drives it (needs Ray; its GPU busy time is not traced: another process). Sampling: greedy, or temperature 0.7 + top_p 0.9 (seeded).
 The printed table's columns: mode, batch, step ms (--steps steps back to back: wall / steps), GPU busy ms per
 step, host share of the step ((wall - busy) / wall: the device idle), output tok/s (batch / step).
+
+--speculative-tokens K,..: instead of the modes, speculative decoding (issue 22) with each K (0: the graph mode
+above), the checkpoint's or the random model's DSpark stages drafting. K > 0 runs the kernel runner's eager
+speculative step (draft, verify chunk of K + 1 rows, rollback, DSpark context; no CUDA graphs yet). Per K and batch:
+step ms, the draft's share of it (the drafter's proposals, synchronised), the tokens a step emitted (random weights:
+the drafts are nearly all rejected, so about 1), measured tok/s, and tok/s projected at accept lengths 2.8, 3.5 and
+5.6 (GSM8K, agentic traces, Baseten's synthetic prompts; issue 22): batch x min(a, K + 1) / step, the verify cost
+being what it is whatever is accepted.
 """
 
 from __future__ import annotations
@@ -147,6 +156,82 @@ def measure(engine: LLMEngine, batch: int, args: argparse.Namespace, params: Sam
     return step_s * 1000, busy_ms(trace, n_prof)
 
 
+class TimedDrafter:
+    """A drafter (engine/core/drafter.py) that adds up its inner drafter's proposal time (synchronised)."""
+
+    def __init__(self, inner, sync):
+        self.inner, self.sync, self.seconds = inner, sync, 0.0
+
+    def propose(self, requests):
+        self.sync()
+        t0 = time.perf_counter()
+        out = self.inner.propose(requests)
+        self.sync()
+        self.seconds += time.perf_counter() - t0
+        return out
+
+
+ACCEPT_LENGTHS = (2.8, 3.5, 5.6)
+
+
+def measure_speculative(engine: LLMEngine, batch: int, args: argparse.Namespace, params: SamplingParams
+                        ) -> tuple[float, float, float]:
+    """(step ms, draft ms per step, tokens emitted per step) over --steps steps after the prefill and --warmup."""
+    from engine.core.drafter import DSparkDrafter
+
+    sync = torch.cuda.synchronize if torch.device(args.device).type == "cuda" else (lambda: None)
+    runner = engine.executor.runner
+    timer = None
+    if runner.dspark is not None:
+        timer = runner.drafter = TimedDrafter(DSparkDrafter(runner.model, runner.kv, runner.dspark), sync)
+    g = torch.Generator().manual_seed(batch)
+    for i in range(batch):
+        engine.add_request(f"s{batch}-{i}", torch.randint(0, 120000, (args.prompt_len,), generator=g).tolist(), params)
+    while any(r.num_computed < len(r.prompt_ids) for r in engine.scheduler.running) or engine.scheduler.waiting:
+        engine.step()
+    for _ in range(args.warmup):
+        engine.step()
+    sync()
+    if timer is not None:
+        timer.seconds = 0.0
+    tokens, t0 = 0, time.perf_counter()
+    for _ in range(args.steps):
+        tokens += sum(len(o.new_token_ids) for o in engine.step())
+    sync()
+    step_s = (time.perf_counter() - t0) / args.steps
+    for rid in list(engine.requests):
+        engine.abort(rid)
+    draft_ms = 0.0 if timer is None else timer.seconds / args.steps * 1000
+    return step_s * 1000, draft_ms, tokens / args.steps
+
+
+def speculative_sweep(model, args: argparse.Namespace, batches: list[int], params: SamplingParams,
+                      max_tokens: int) -> None:
+    ks = [int(k) for k in args.speculative_tokens.split(",")]
+    rows = []
+    for K in ks:
+        config = EngineConfig(max_num_seqs=max(batches), max_num_batched_tokens=max(512, max(batches) * (K + 1)),
+                              enable_prefix_caching=False, cache_memory_bytes=args.cache_mib << 20,
+                              max_model_len=max_tokens, speculative_tokens=K, **MODES["graph"])
+        engine = LLMEngine.local(model, config, progress=K == 0, eos_token_id=-1)
+        for batch in batches:
+            step_ms, draft_ms, per_step = measure_speculative(engine, batch, args, params)
+            rows.append((K, batch, step_ms, draft_ms, per_step))
+            print(f"K {K} batch {batch}: {step_ms:.3f} ms/step (draft {draft_ms:.3f}), {per_step:.2f} tokens/step",
+                  flush=True)
+        del engine
+        torch.cuda.empty_cache()
+    name = torch.cuda.get_device_name() if torch.device(args.device).type == "cuda" else "CPU"
+    print(f"\n{name}, {args.sampling}, prompt {args.prompt_len}, {args.steps} steps, speculative decoding")
+    print("| K | batch | step ms | draft ms | tokens/step | tok/s | " +
+          " | ".join(f"tok/s at accept {a}" for a in ACCEPT_LENGTHS) + " |")
+    print("|---|---|---|---|---|---|" + "---|" * len(ACCEPT_LENGTHS))
+    for K, batch, step_ms, draft_ms, per_step in rows:
+        projected = " | ".join(f"{batch * min(a, K + 1) / step_ms * 1000:,.1f}" for a in ACCEPT_LENGTHS)
+        print(f"| {K} | {batch} | {step_ms:.3f} | {draft_ms:.3f} | {per_step:.2f} | "
+              f"{batch * per_step / step_ms * 1000:,.1f} | {projected} |")
+
+
 def shard_engine(args: argparse.Namespace, config: EngineConfig) -> LLMEngine:
     """The engine as a replica runs it: its executor a ShardWorker Ray actor (serve_app/shard_worker.py) that loads
     the checkpoint and captures its graphs, each step a Ray call (a launched step: the call sent, read one step
@@ -182,22 +267,28 @@ def main() -> None:
     p.add_argument("--top-kernels", type=int, default=0, help="print the N most costly kernels of each run")
     p.add_argument("--real-width", action="store_true", help="ten random real-width layers instead of --ckpt")
     p.add_argument("--layer-sum", default="", help="batches at which to time each layer's graph")
+    p.add_argument("--speculative-tokens", default="", metavar="K,..",
+                   help="speculative decoding with each K (0 = off) instead of the modes; loads the DSpark stages")
     args = p.parse_args()
     batches = [int(b) for b in args.batches.split(",")]
     args.layer_sum = {int(b) for b in args.layer_sum.split(",") if b}
-    max_tokens = args.prompt_len + args.steps + 64
+    speculative = bool(args.speculative_tokens)
+    max_tokens = args.prompt_len + (args.steps + args.warmup) * (6 if speculative else 1) + 64
     if args.real_width:
         from benchmarks.random_model import random_model, real_width_config
 
         t0 = time.perf_counter()
-        model = random_model(real_width_config(max_model_len=max_tokens), args.device)
+        model = random_model(real_width_config(max_model_len=max_tokens), args.device, with_mtp=speculative)
         print(f"random real-width model built in {time.perf_counter() - t0:.0f} s, "
               f"{torch.cuda.memory_allocated() / 2**30:.1f} GiB on the GPU", flush=True)
     else:
-        model = load_model(Path(args.ckpt) if args.ckpt else tiny_checkpoint(), args.device, with_mtp=False,
+        model = load_model(Path(args.ckpt) if args.ckpt else tiny_checkpoint(), args.device, with_mtp=speculative,
                            progress=False).model
     params = SamplingParams(max_tokens=10**6, ignore_eos=True) if args.sampling == "greedy" else \
         SamplingParams(max_tokens=10**6, ignore_eos=True, temperature=0.7, top_p=0.9, seed=1)
+    if speculative:
+        speculative_sweep(model, args, batches, params, max_tokens)
+        return
     rows = []
     for mode in args.modes.split(","):
         config = EngineConfig(max_num_seqs=max(batches), max_num_batched_tokens=max(512, max(batches)),
