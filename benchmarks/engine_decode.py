@@ -2,7 +2,7 @@
 per step (the union of the kernels' intervals in a torch.profiler trace), and output tok/s.
 
     python benchmarks/engine_decode.py [--ckpt DIR] [--batches 1,16,64] [--prompt-len 100] [--steps 50]
-        [--modes graph,device,legacy] [--sampling greedy|top_p] [--device cuda] [--top-kernels N]
+        [--modes graph,device,legacy] [--sampling greedy|top_p] [--device cuda] [--top-kernels N] [--profile-host N]
     python benchmarks/engine_decode.py --real-width --batches 1,6,16,64,256 --modes graph --layer-sum 1,6
     python benchmarks/engine_decode.py --real-width --batches 1 --speculative-tokens 0,1,2,3,4,5
 
@@ -114,6 +114,21 @@ def layer_sum(engine: LLMEngine, plan) -> tuple[list[float], float, float]:
     return times, head, whole
 
 
+def print_host_profile(engine: LLMEngine, steps: int, top: int, sync) -> None:
+    """cProfile of `steps` more back-to-back steps: the `top` functions by own time (where the host's share goes; a
+    device sync shows as time in a synchronize or a .tolist())."""
+    import cProfile
+    import pstats
+
+    prof = cProfile.Profile()
+    prof.enable()
+    for _ in range(steps):
+        engine.step()
+    sync()
+    prof.disable()
+    pstats.Stats(prof).sort_stats("tottime").print_stats(top)
+
+
 def measure(engine: LLMEngine, batch: int, args: argparse.Namespace, params: SamplingParams) -> tuple[float, float]:
     g = torch.Generator().manual_seed(batch)
     for i in range(batch):
@@ -129,6 +144,8 @@ def measure(engine: LLMEngine, batch: int, args: argparse.Namespace, params: Sam
         engine.step()
     sync()
     step_s = (time.perf_counter() - t0) / args.steps
+    if args.profile_host:
+        print_host_profile(engine, args.steps, args.profile_host, sync)
     if not hasattr(engine.executor, "runner") or torch.device(args.device).type != "cuda":
         # a shard actor (its kernels run in another process), or the CPU: no GPU trace
         for rid in list(engine.requests):
@@ -269,6 +286,8 @@ def main() -> None:
     p.add_argument("--layer-sum", default="", help="batches at which to time each layer's graph")
     p.add_argument("--speculative-tokens", default="", metavar="K,..",
                    help="speculative decoding with each K (0 = off) instead of the modes; loads the DSpark stages")
+    p.add_argument("--profile-host", type=int, default=0, help="print cProfile's N most costly functions (own time) "
+                   "of --steps more steps per batch")
     args = p.parse_args()
     batches = [int(b) for b in args.batches.split(",")]
     args.layer_sum = {int(b) for b in args.layer_sum.split(",") if b}

@@ -27,7 +27,7 @@ def graph_time_us(calls: list[Callable[[], object]], replays: int = 10,
     torch.cuda.current_stream().wait_stream(side)
     torch.cuda.synchronize()
     g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
+    with torch.cuda.graph(g, stream=side):  # the warm-up's stream: its split-K tickets exist and are zero
         for f in calls:
             f()
     per_call = replay_time_us(g, replays, before_replay) / len(calls)

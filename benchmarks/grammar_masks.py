@@ -1,7 +1,8 @@
 """llguidance vs xgrammar on V4.1's 129,280-token vocabulary, on this machine's CPU: what choosing the structured-output
 library for engine/core/grammar.py rests on (results in benchmarks/RESULTS.md).
 
-For each library: the tokenizer's preparation, each grammar's compile time, and the per-token cost of computing the
+For each library: the tokenizer's preparation (llguidance's as the engine makes it, with its token slices:
+engine/core/grammar.py's `llg_tokenizer`), each grammar's compile time, and the per-token cost of computing the
 next-token bitmask while following a valid output token by token (mean and p99 over every step), for one request
 (batch 1) and for 64 requests at once (batch 64: all masks of a step, in parallel where the library can; reported
 per step and per request). The grammars: the JSON schema of the API tests (enums, booleans, a nested object, a
@@ -10,7 +11,7 @@ llguidance also compiles the DSML tool-call grammar (engine/chat/constraints.py)
 a structural tag (not measured), and the grammar of tool_choice auto with a strict tool, followed through reasoning,
 `</think>`, content and a calls block (a free tool's call, then the strict tool's), at batch 1 and 64.
 
-    python benchmarks/grammar_masks.py [--repeat 3]    # xgrammar is optional: pip install xgrammar to include it
+    python benchmarks/grammar_masks.py [--repeat 3] [--runs 5]   # xgrammar optional: pip install xgrammar to include it
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from collections.abc import Callable
 
 from engine.chat import syntax
 from engine.chat.constraints import JSON_OPTIONS, auto_tools_grammar, json_grammar, tool_calls_grammar
+from engine.core.grammar import llg_tokenizer
 from engine.tokenizer import Tokenizer, load_tokenizer, write_tokenizer_files
 
 SCHEMA = {
@@ -75,6 +77,12 @@ def stats_us(samples: list[float]) -> str:
     return f"mean {statistics.fmean(samples) * 1e6:8.1f} us  p99 {p99 * 1e6:8.1f} us"
 
 
+def median_run(follow: Callable[[], list[float]], runs: int) -> list[float]:
+    """follow() `runs` times (each on fresh matchers, as each request gets a copy of the compiled grammar): the run
+    whose mean is the median, which a busy shared machine disturbs less than any one run."""
+    return sorted((follow() for _ in range(runs)), key=statistics.fmean)[runs // 2]
+
+
 def timed(fn: Callable[[], object]) -> tuple[float, object]:
     t0 = time.perf_counter()
     out = fn()
@@ -88,8 +96,7 @@ class LLGuidance:
         import llguidance
 
         self.llg = llguidance
-        self.prepare_s, self.tokenizer = timed(lambda: llguidance.LLTokenizer(
-            tok.path.read_text(encoding="utf-8"), eos_token=tok.eos_id))
+        self.prepare_s, self.tokenizer = timed(lambda: llg_tokenizer(tok.path.read_text(encoding="utf-8"), tok.eos_id))
         self.executor = llguidance.LLExecutor()
 
     def compile(self, grammar: str):
@@ -162,6 +169,7 @@ class XGrammar:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--repeat", type=int, default=3, help="compile each grammar this many times (min is reported)")
+    ap.add_argument("--runs", type=int, default=5, help="follow each output this many times (the median run counts)")
     args = ap.parse_args()
     import tempfile
     from pathlib import Path
@@ -181,8 +189,8 @@ def main() -> None:
             compile_s = min(timed(lambda: lib.compile(grammar))[0] for _ in range(args.repeat))
             compiled = lib.compile(grammar)
             ids = tok.encode(text_of(instance)) + [tok.eos_id]
-            one = lib.masks(compiled, ids, 1)
-            many = lib.masks(compiled, ids, BATCH)
+            one = median_run(lambda: lib.masks(compiled, ids, 1), args.runs)
+            many = median_run(lambda: lib.masks(compiled, ids, BATCH), args.runs)
             print(f"{name:12s} compile {compile_s * 1e3:9.2f} ms | batch 1: {stats_us(one)} | batch {BATCH}: "
                   f"{stats_us(many)} per step = {statistics.fmean(many) / BATCH * 1e6:6.1f} us per request "
                   f"({len(ids)} tokens)")
@@ -191,7 +199,8 @@ def main() -> None:
             compile_s = min(timed(lambda: lib.compile(grammar))[0] for _ in range(args.repeat))
             call = syntax.render_tool_calls([("book", {"seats": 2, "meal": "veg", "note": "aisle please"})])
             ids = tok.encode(call) + [tok.eos_id]
-            one = lib.masks(lib.compile(grammar), ids, 1)
+            compiled = lib.compile(grammar)
+            one = median_run(lambda: lib.masks(compiled, ids, 1), args.runs)
             print(f"{'DSML call':12s} compile {compile_s * 1e3:9.2f} ms | batch 1: {stats_us(one)} ({len(ids)} tokens)")
             strict_book = {"type": "function", "function": {**BOOK["function"], "strict": True}}
             grammar = auto_tools_grammar([strict_book, NOTE])
@@ -200,7 +209,9 @@ def main() -> None:
                                               ("book", {"seats": 2, "meal": "veg", "note": "aisle please"})])
             ids = (tok.encode(REASONING) + [tok.token_to_id(syntax.THINK_END)] + tok.encode("Booking now." + calls)
                    + [tok.eos_id])
-            one, many = lib.masks(lib.compile(grammar), ids, 1), lib.masks(lib.compile(grammar), ids, BATCH)
+            compiled = lib.compile(grammar)
+            one = median_run(lambda: lib.masks(compiled, ids, 1), args.runs)
+            many = median_run(lambda: lib.masks(compiled, ids, BATCH), args.runs)
             print(f"{'auto strict':12s} compile {compile_s * 1e3:9.2f} ms | batch 1: {stats_us(one)} | batch {BATCH}: "
                   f"{stats_us(many)} per step = {statistics.fmean(many) / BATCH * 1e6:6.1f} us per request "
                   f"({len(ids)} tokens)")

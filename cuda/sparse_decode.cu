@@ -179,7 +179,8 @@ __global__ void __launch_bounds__(kThreads, 1) sparse_decode_kernel(
   const uint4* qg = reinterpret_cast<const uint4*>(q + (size_t(m) * H + h0) * kD);
   uint4 qr[QCH];
 #pragma unroll
-  for (int i = 0; i < QCH; ++i) qr[i] = __ldg(qg + tid + i * kThreads);
+  for (int i = 0; i < QCH; ++i)  // heads past H (a partial head block, H < HB): zero queries, never stored
+    qr[i] = h0 + ((tid + i * kThreads) >> 6) < H ? __ldg(qg + tid + i * kThreads) : make_uint4(0u, 0u, 0u, 0u);
 
   const int rows_w = (R - warp + kWarps - 1) / kWarps;  // this warp's rows: i = warp + 8 j, j < rows_w (R >= 16)
   for (int j0 = 0; j0 < rows_w; j0 += kUB) {
@@ -317,7 +318,8 @@ __global__ void __launch_bounds__(kThreads, 1) sparse_decode_kernel(
     for (int k = 0; k < kMaxSplits; ++k)
       if (k < splits) gs = __fadd_rn(gs, __fmul_rn(st[k].y, expf(st[k].x - gm)));
     gstat[2 * tid] = gm;
-    gstat[2 * tid + 1] = __fadd_rn(gs, expf(sink[h0 + tid] - gm));  // all rows invalid: exp(sink + 1e30) = inf
+    const float sk = h0 + tid < H ? sink[h0 + tid] : 0.f;  // a head past H: any finite sink
+    gstat[2 * tid + 1] = __fadd_rn(gs, expf(sk - gm));  // all rows invalid: exp(sink + 1e30) = inf
   }
   __syncthreads();
 
@@ -388,7 +390,7 @@ __global__ void __launch_bounds__(kThreads, 1) sparse_decode_kernel(
     uint2 out;
     out.x = pack_bf16(__fdiv_rn(s.x, den), __fdiv_rn(s.y, den));
     out.y = pack_bf16(__fdiv_rn(s.z, den), __fdiv_rn(s.w, den));
-    *reinterpret_cast<uint2*>(o + (size_t(m) * H + h0 + h) * kD + d) = out;
+    if (h0 + h < H) *reinterpret_cast<uint2*>(o + (size_t(m) * H + h0 + h) * kD + d) = out;
   }
   cluster.sync();  // no CTA leaves while another still reads its shared memory
 }
@@ -398,7 +400,7 @@ cudaError_t launch(const void* q, const void* swa_pool, const void* swa_idx, con
                    const void* main_idx, const void* sink, void* o, int M, int H, int KW, int KM, float scale, int R,
                    int splits, bool pdl, size_t smem, cudaStream_t stream) {
   static uint64_t smem_set = 0;  // this instance's shared-memory opt-in, per device
-  return dsv41::launch_ex(sparse_decode_kernel<HB>, &smem_set, int(kMaxSmem), dim3(splits, H / HB, M),
+  return dsv41::launch_ex(sparse_decode_kernel<HB>, &smem_set, int(kMaxSmem), dim3(splits, (H + HB - 1) / HB, M),
                           dim3(kThreads, 1, 1), smem, stream, splits /* always a cluster (also of 1): the kernel
                           syncs it */, pdl, static_cast<const __nv_bfloat16*>(q), static_cast<const uint8_t*>(swa_pool),
                           static_cast<const int*>(swa_idx), static_cast<const uint8_t*>(main_pool),
@@ -418,7 +420,8 @@ size_t dsv41_sparse_decode_smem(int heads_per_cta, int rows_per_split) {
 
 // o [M, H, 512] bf16 = sparse MQA attention of q [M, H, 512] bf16 over the rows listed by swa_idx [M, KW] (int32
 // slots of swa_pool, 528-byte records) then main_idx [M, KM] (slots of main_pool, 288-byte records), -1 = none,
-// with sink [H] fp32 (see the header). heads_per_cta 16 or 32 (H % heads_per_cta == 0); rows_per_split R: a
+// with sink [H] fp32 (see the header). heads_per_cta 16 or 32 with H % heads_per_cta == 0, or 16 with H < 16 (one
+// partial head block: a rank's heads under tensor parallelism, 8 at N = 8); rows_per_split R: a
 // multiple of 16; splits = ceil((KW + KM) / R) <= 8 (the cluster). Pools and q 16-byte aligned, o 8-byte aligned.
 // Returns a cudaError_t (cudaErrorInvalidValue for parameters outside the contract, before any CUDA call).
 int dsv41_sparse_decode(const void* q, const void* swa_pool, const void* swa_idx, const void* main_pool,
@@ -426,7 +429,9 @@ int dsv41_sparse_decode(const void* q, const void* swa_pool, const void* swa_idx
                         int heads_per_cta, int rows_per_split, int splits, int pdl, void* stream) {
   const size_t smem = dsv41_sparse_decode_smem(heads_per_cta, rows_per_split);
   if (smem == 0 || smem > kMaxSmem) return int(cudaErrorInvalidValue);
-  if (M < 1 || M > 65535 || H < heads_per_cta || H % heads_per_cta || H / heads_per_cta > 65535 || KW < 0 ||
+  const bool partial = heads_per_cta == 16 && H >= 1 && H < 16;
+  if (M < 1 || M > 65535 || (!partial && (H < heads_per_cta || H % heads_per_cta)) || H / heads_per_cta > 65535 ||
+      KW < 0 ||
       KM < 0 || KW + KM < 1 || splits < 1 || splits > kMaxSplits || (pdl != 0 && pdl != 1))
     return int(cudaErrorInvalidValue);
   const int n_total = KW + KM;

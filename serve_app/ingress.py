@@ -29,7 +29,6 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from ray import serve
 from ray.exceptions import RayActorError
 
-from engine.chat.syntax import THINK_END
 from engine.tokenizer import load_tokenizer
 from serve_app.errors import APIError, overloaded, payload_too_large, rate_limited, server_error, unauthorized
 from serve_app.image_parts import fetch_images, image_span_tokens
@@ -309,7 +308,6 @@ class OpenAIIngress:
         num_image_tokens = image_span_tokens(images, self.image_policy, status.vision_config)
         params = to_sampling_params(req, num_prompt_tokens=len(prompt_ids) - len(images) + num_image_tokens,
                                     max_model_len=status.max_model_len, max_output_tokens=self.settings.max_output_tokens,
-                                    think_end_id=self.tokenizer.token_to_id(THINK_END),
                                     num_image_tokens=num_image_tokens if status.vision_config else 0)
         rid = f"chatcmpl-{uuid.uuid4().hex}"
         stop_ids = (self.tokenizer.eos_id, *req.stop_token_ids)

@@ -6,15 +6,21 @@ prompt, pull the blocks another replica owns.
   ownership index (Redis), so peers can read them with one-sided NIXL reads.
 - Receiver side (`prefetch`, before the engine sees the prompt), given the router's KVHint: first the
   prompt's blocks this replica's own host store still holds (its device cache may have dropped blocks it
-  exported), then, if the hint says pull, the owner's: looked up in Redis, read over NIXL (every block's
-  checksum verified), imported under the owner's fingerprint. The engine then admits the prompt as after
-  a local prefix hit (block hit + encoder replay of the last window).
+  exported), then, if the hint says pull, the owner's: looked up in Redis, then imported under the owner's
+  fingerprint (AsyncEngine.import_blocks): the engine holds target blocks between two steps, unpublished; the
+  executor reads the blocks over NIXL (every block's checksum verified) into the staging buffer of whoever owns
+  the pools (the shard actor: the bytes never pass through Ray), chunk by chunk, each chunk's read overlapped with
+  the previous one's import (engine/core/kv_import.py), while the engine keeps stepping the other requests; then
+  the engine publishes the blocks between two steps and admits the prompt as after a local prefix hit (block hit +
+  encoder replay of the last window).
 - Any failure is a fallback to recomputation: the response is the same, only slower;
   `dsv41_kv_pull_fallbacks_total{reason}` counts it and the request_end line names it. `prefetch` never
   raises for a sharing failure.
 
 Threads: engine calls run on the AsyncEngine's worker thread (between steps); Redis, the host store and
-NIXL (none of them thread-safe as used here) on this module's single I/O thread; the event loop awaits.
+this agent's set-up and shutdown (none of them thread-safe as used here) on this module's single I/O thread;
+a pull's reads on the importer's reader thread, in the shard actor (its own agent) or, with the engine in
+this process, with this agent, beside the steps; the event loop awaits.
 """
 
 from __future__ import annotations
@@ -32,10 +38,11 @@ import numpy as np
 
 from engine.core.async_engine import AsyncEngine, EngineShutdownError
 from engine.core.kv_blocks import ExportedPrefix, PrefixImportError, block_bytes
+from engine.core.kv_import import ArrayReader
 from engine.core.prefix_hash import block_hashes
 from serve_app.kv_metrics import KVMetrics
-from serve_app.kv_store import BlockRef, HostKVStore
-from serve_app.kv_transfer import TransferAgent, TransferFailed
+from serve_app.kv_store import HostKVStore
+from serve_app.kv_transfer import NixlBlockReader, TransferAgent, TransferFailed
 from serve_app.ownership import OwnershipIndex, OwnershipUnavailable
 from serve_app.records import KVHint
 
@@ -92,12 +99,14 @@ class KVSharing:
     def create(cls, aengine: AsyncEngine, replica_id: str, redis_url: str, *, region: str, host_kv_bytes: int,
                metrics: KVMetrics, lease_s: float = DEFAULT_LEASE_S, **kw) -> "KVSharing":
         """A host store of host_kv_bytes registered with a new NIXL agent, an ownership index on redis_url,
-        and this replica's peer record announced (a Redis failure here is counted; renewal retries)."""
+        this replica's peer record announced (a Redis failure here is counted; renewal retries), and the staging
+        buffer (a shard actor: and its NIXL agent) that pulls land in made ahead of the first pull."""
         engine = aengine.engine
         salt, B = engine.cache.salt, engine.cache.layout.global_block_size
         index = OwnershipIndex(redis_url, replica_id=replica_id, region=region, fingerprint=salt, lease_s=lease_s)
         store = HostKVStore(salt, block_bytes(engine.cfg, B), host_kv_bytes, on_evict=index.withdraw)
         agent = TransferAgent(f"{replica_id}-{os.getpid()}", store)
+        engine.executor.prepare_pulls()  # the pools' owner's staging buffer (and agent), before the first pull
         sharing = cls(aengine, replica_id, index, store, agent, metrics, **kw)
         try:
             index.announce(agent.name, agent.metadata)
@@ -133,19 +142,20 @@ class KVSharing:
             return self._fallback("record_expired", outcome, t0, f"no live record of blocks {num_local}..{usable - 1} "
                                   f"(the router saw {hint.num_blocks} at {hint.pull_from})")
         outcome = replace(outcome, owner=owner.replica_id)
+        refs = [b.ref() for b in blocks[num_local:num_owned]]
+        reader = NixlBlockReader(owner.agent_metadata, refs, self.pull_timeout_s, self.agent)
         try:
-            data = await self._run(self._pull, owner.agent_metadata, [b.ref() for b in blocks[num_local:num_owned]])
-            prefix = ExportedPrefix(owner.fingerprint, hashes[num_local:num_owned], data)
-            num_pulled = await self.aengine.call(self.engine.import_prefix, prefix)
+            num_pulled = await self.aengine.import_blocks(owner.fingerprint, hashes[num_local:num_owned], reader)
         except TransferFailed as e:
             return self._fallback(_transfer_reason(e), outcome, t0, e)
         except PrefixImportError as e:
             return self._fallback("fingerprint", outcome, t0, e)
         seconds = time.perf_counter() - t0
-        self.metrics.observe_pull(data.nbytes, seconds)
+        nbytes = sum(r.nbytes for r in refs)  # asked for (the engine skips any it holds; num_local counted those)
+        self.metrics.observe_pull(nbytes, seconds)
         if self.on_pull is not None:
-            self.on_pull(data.nbytes, seconds)
-        return replace(outcome, num_pulled_tokens=num_pulled, num_bytes=data.nbytes, seconds=seconds)
+            self.on_pull(nbytes, seconds)
+        return replace(outcome, num_pulled_tokens=num_pulled, num_bytes=nbytes, seconds=seconds)
 
     def observe_hits(self, outcome: PullOutcome | None, num_cached_tokens: int) -> int:
         """Splits a request's prefix-hit tokens into local and remote (pulled) for the metrics; returns
@@ -194,14 +204,13 @@ class KVSharing:
     def _run(self, fn: Callable[..., T], *args) -> asyncio.Future[T]:
         return asyncio.get_running_loop().run_in_executor(self._io, fn, *args)
 
-    def _pull(self, metadata: bytes, refs: list[BlockRef]) -> np.ndarray:
-        return self.agent.pull(metadata, refs, timeout_s=self.pull_timeout_s).copy()  # out of the staging buffer
-
     async def _restore_from_store(self, hashes: list[bytes], num_local: int) -> int:
         stored = await self._run(self.store.read, hashes[num_local:])
         if stored.num_blocks == 0:
             return num_local
-        return num_local + await self.aengine.call(self.engine.import_prefix, stored) // self.block_size
+        # as a pull, beside the steps (to a shard actor the records travel as a Ray argument: host memory here)
+        held = await self.aengine.import_blocks(self.salt, stored.hashes, ArrayReader(stored.data))
+        return num_local + held // self.block_size
 
     def _fallback(self, reason: FallbackReason, outcome: PullOutcome, t0: float, why: object) -> PullOutcome:
         self.metrics.observe_fallback(reason)

@@ -15,8 +15,12 @@ from __future__ import annotations
 
 import mmap
 import os
+import socket
+import sys
+import threading
 import time
 from collections.abc import Sequence
+from dataclasses import dataclass, field
 
 import numpy as np
 from nixl_cu13 import nixl_agent, nixl_agent_config  # the CUDA 13 build pyproject pins (imports numpy, not torch)
@@ -39,6 +43,11 @@ class TransferAgent:
         peers. staging_bytes: initial size of the pull buffer (grows to the largest pull)."""
         self.name = name
         self._agent = nixl_agent(name, nixl_agent_config(backends=["UCX"]))
+        # UCX picks its transports from UCX_TLS (the node's environment: ray_cluster.yaml, k8s/rayservice.yaml);
+        # unset, it uses every transport it finds. UCX_LOG_LEVEL=info logs the lanes it actually chose. One line on
+        # stderr (the replica's or shard actor's log), as a shard's memory line is
+        print(f"NIXL agent {name}: UCX backend, UCX_TLS={os.environ.get('UCX_TLS', 'unset (all found)')}",
+              file=sys.stderr, flush=True)
         self._peers: dict[bytes, str] = {}  # agent metadata -> remote agent name
         self._registered: list[tuple[np.ndarray, object]] = []  # (buffer kept alive, its NIXL registration)
         if store is not None:
@@ -112,8 +121,11 @@ class TransferAgent:
         return dst
 
     def register(self, buffer: np.ndarray) -> None:
-        """Makes a caller's host buffer (C-contiguous uint8, kept alive by this agent) a pull target."""
-        self._register(buffer)
+        """Makes a caller's host buffer (C-contiguous uint8, kept alive by this agent) a pull target; a buffer
+        registered already (the same memory) is left as it is."""
+        if not any(buf.ctypes.data == buffer.ctypes.data and buf.nbytes == buffer.nbytes
+                   for buf, _ in self._registered):
+            self._register(buffer)
 
     def close(self) -> None:
         """Forgets every peer and deregisters every buffer (a pull in flight must have ended)."""
@@ -163,6 +175,58 @@ class TransferAgent:
         # the old buffer stays registered and alive (a late READ may still write it); it is never reused
         if np.shares_memory(dst, self._staging):
             self._staging = self._new_staging(self._staging.size)
+
+
+_process_agent: TransferAgent | None = None
+_process_lock = threading.Lock()
+
+
+def process_agent() -> TransferAgent:
+    """This process's agent for pulls into a staging buffer (a shard actor's), made at the first call. It
+    registers no store: nobody reads from it."""
+    global _process_agent
+    with _process_lock:
+        if _process_agent is None:
+            _process_agent = TransferAgent(f"import-{socket.gethostname()}-{os.getpid()}", staging_bytes=0)
+        return _process_agent
+
+
+@dataclass(slots=True)
+class NixlBlockReader:
+    """The owner's blocks as a BlockReader (engine/core/kv_import.py): a small picklable record (the owner's
+    agent metadata and BlockRefs) that reads each chunk with one NIXL READ into the importer's buffer and
+    verifies its checksums. agent: the one to read with in this process (the replica's, when its engine is in
+    process); it does not travel: unpickled in a shard actor, the reader uses that process's agent. Its
+    failures are TransferFailed (timeout, checksum, unreachable owner), like TransferAgent.pull's."""
+
+    peer_metadata: bytes
+    blocks: list[BlockRef]
+    timeout_s: float = DEFAULT_TIMEOUT_S
+    agent: TransferAgent | None = field(default=None, compare=False)
+
+    @property
+    def num_blocks(self) -> int:
+        return len(self.blocks)
+
+    def select(self, rows: list[int]) -> "NixlBlockReader":
+        return NixlBlockReader(self.peer_metadata, [self.blocks[i] for i in rows], self.timeout_s, self.agent)
+
+    def open(self, buffer: np.ndarray) -> None:
+        if self.agent is None:
+            self.agent = process_agent()
+        self.agent.register(buffer)
+
+    def read(self, first: int, dst: np.ndarray) -> None:
+        assert self.agent is not None, "open() first"
+        self.agent.pull(self.peer_metadata, self.blocks[first:first + dst.shape[0]], dst, self.timeout_s)
+
+    def __getstate__(self) -> dict[str, object]:
+        return {"peer_metadata": self.peer_metadata, "blocks": self.blocks, "timeout_s": self.timeout_s}
+
+    def __setstate__(self, state: dict[str, object]) -> None:
+        for name, value in state.items():
+            setattr(self, name, value)
+        self.agent = None
 
 
 def coalesce_reads(local_base: int, remote: list[int], nbytes: int) -> tuple[list[tuple[int, int, int]], list[tuple[int, int, int]]]:

@@ -47,7 +47,7 @@ from serve_app.errors import APIError, bad_request, model_not_found
 from serve_app.image_parts import ImagePart, ImagePolicy, chat_images
 from serve_app.json_body import json_kind
 from serve_app.streaming import TokenStrings
-from serve_app.structured import OutputGrammar, check_strict, output_grammar, response_schema
+from serve_app.structured import check_strict, output_grammar, response_schema
 
 # What one request may ask for (docs/reliability.md lists them; each is a 400 naming the field). The server's
 # settings set max_n, max_messages and max_output_tokens; the others are the API's (OpenAI's where it has one).
@@ -92,7 +92,7 @@ class ChatCompletionRequest:
     user: str | None = None
     skip_special_tokens: bool = True  # vLLM's: tokens flagged special are not text
     spaces_between_special_tokens: bool = True  # vLLM's; no effect with this tokenizer (serve_app/streaming.py)
-    grammar: OutputGrammar | None = None  # the output's constraint (serve_app/structured.py), compiled once here
+    grammar: str | None = None  # the output's llguidance grammar (serve_app/structured.py), compiled once here
     # the user messages' image_url parts, in prompt order (URL parts are fetched by the ingress: image_parts.py)
     images: tuple[ImagePart, ...] = field(default=(), repr=False)
 
@@ -129,7 +129,7 @@ class CompletionRequest:
     user: str | None = None
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
-    grammar: OutputGrammar | None = None  # response_format json_object / json_schema
+    grammar: str | None = None  # response_format json_object / json_schema
 
 
 # --- bodies --------------------------------------------------------------------------------------
@@ -270,13 +270,12 @@ def _too_many_chars(param: str, num_chars: int, max_chars: int) -> APIError:
 
 def to_sampling_params(
     req: ChatCompletionRequest | CompletionRequest, *, num_prompt_tokens: int, max_model_len: int,
-    max_output_tokens: int | None = None, think_end_id: int | None = None, num_image_tokens: int = 0,
+    max_output_tokens: int | None = None, num_image_tokens: int = 0,
 ) -> SamplingParams:
     """The engine's parameters. max_tokens None becomes the rest of the context window (at most
     max_output_tokens); a prompt that leaves no room, or prompt + max_tokens beyond the window, is a 400
     (OpenAI's context_length_exceeded). num_prompt_tokens counts image spans expanded, num_image_tokens of them. Chat logprobs map to top_logprobs alternatives, legacy ones to `logprobs`.
-    A grammar constrains the output from its first token, except that in thinking mode one with `after_reasoning`
-    (JSON) starts after the `</think>` token (think_end_id): the reasoning is free."""
+    A grammar constrains the output from its first token (in thinking mode its reasoning too)."""
     prompt_param = "messages" if isinstance(req, ChatCompletionRequest) else "prompt"
     room = max_model_len - num_prompt_tokens
     max_tokens = min(room, max_output_tokens or room) if req.max_tokens is None else req.max_tokens
@@ -289,10 +288,7 @@ def to_sampling_params(
             prompt_param, "context_length_exceeded")
     is_chat = isinstance(req, ChatCompletionRequest)
     logprobs = (req.top_logprobs if req.logprobs else None) if is_chat else req.logprobs
-    grammar = None
-    if req.grammar is not None:
-        after_reasoning = is_chat and req.thinking and req.grammar.after_reasoning
-        grammar = GrammarSpec(req.grammar.text, think_end_id if after_reasoning else None)
+    grammar = GrammarSpec(req.grammar) if req.grammar is not None else None
     params = SamplingParams(
         max_tokens=max_tokens, temperature=req.temperature, top_p=req.top_p, top_k=req.top_k,
         min_p=req.min_p, seed=req.seed, stop_token_ids=req.stop_token_ids, logprobs=logprobs, n=req.n,

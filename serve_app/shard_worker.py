@@ -10,7 +10,8 @@ loads its shard (mapping the node's one shared copy of the Engram tables), then 
 ranks 1.. run their follow loop in their own concurrency group ("follow"), so that `ready` still answers. Per
 step the replica makes one Ray call, to rank 0, which broadcasts the plan to the others and runs it; steps
 launched ahead run there one at a time in the order sent ("step" group). Rank 0 answers block reads; a block
-write reaches every rank through it.
+write reaches every rank through it. A KV pull runs in its own group ("pull"), beside the steps: it writes only
+blocks the engine holds for it, unpublished, so no step reads them (engine/core/async_engine.py).
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ from engine.core import kv_blocks
 from engine.core.decode_buckets import decode_takes
 from engine.core.engine import capture_decode_graphs
 from engine.core.engine_config import DecodeOptions, RunnerKind, decode_options, kernels_for
+from engine.core.kv_import import BlockImporter, BlockReader
 from engine.core.plan import StepPlan
 from engine.core.shard_group import STEP_TIMEOUT
 from engine.core.shard_lead import ShardGroupFailed, ShardLeader, follow, load_shard
@@ -39,8 +41,9 @@ from engine.parallel import GroupAddress, ProcessGroups, Rendezvous, ShardSpec
 from serve_app.settings import ServeSettings
 
 # a ShardWorker actor's: steps, block reads/writes and `close` one at a time in the order sent ("step"); the follow
-# loop of ranks > 0 ("follow"); `ready` (health pings) in the default group, answering while the others run
-CONCURRENCY_GROUPS = {"step": 1, "follow": 1}
+# loop of ranks > 0 ("follow"); KV pulls into the staging buffer, one at a time beside the steps ("pull"); `ready`
+# (health pings) in the default group, answering while the others run
+CONCURRENCY_GROUPS = {"step": 1, "follow": 1, "pull": 1}
 CLOSE_TIMEOUT_S = 5.0  # shutdown: how long the actors get to stop the group and give up the shared tables
 
 
@@ -67,6 +70,7 @@ class ShardWorker:
         self.groups: ProcessGroups | None = None
         self.leader: ShardLeader | None = None  # rank 0 of a group
         self.follow_error: BaseException | None = None  # ranks > 0: why the follow loop ended
+        self.importer: BlockImporter | None = None  # the pinned staging buffer of pulls, made at the first one
 
     def ready(self) -> dict[str, object]:
         """Answers once the weights and pools are in place (and while a step runs); raises once this rank is out
@@ -123,6 +127,36 @@ class ShardWorker:
             self.leader.write_blocks(block_ids, data)
         else:
             kv_blocks.write_blocks(self.kv, block_ids, data)
+
+    @ray.method(concurrency_group="step")
+    def barrier(self) -> None:
+        """Returns once every step-group call sent before it has run (ShardExecutor.import_blocks' fence)."""
+
+    @ray.method(concurrency_group="pull")
+    def prepare_pulls(self) -> str:
+        """With KV sharing on, at the replica's start: the staging buffer, and this process's NIXL agent with the
+        buffer registered, so that the first pull pays neither (~0.5 s of agent start-up here). Returns the
+        agent's name. (kv_transfer, and so NIXL, is imported only here.)"""
+        from serve_app.kv_transfer import process_agent
+
+        if self.importer is None:
+            self.importer = BlockImporter(self.kv)
+        agent = process_agent()
+        agent.register(self.importer.buffer)
+        return agent.name
+
+    @ray.method(concurrency_group="pull")
+    def import_blocks(self, block_ids: list[int], reader: BlockReader) -> None:
+        """Pulled blocks into the pools through this actor's staging buffer (engine/core/kv_import.py): the reader
+        arrives as a small record (a NIXL reader: the owner's metadata and block addresses) and reads the bytes
+        into the buffer here, so they never pass through Ray. Runs in the "pull" group while steps run in theirs:
+        the engine holds block_ids for it, unpublished, so no step reads or writes them; on CUDA the copies run
+        on the importer's stream and have ended when this returns. A group's leader broadcasts each chunk to the
+        other ranks between two steps (ShardLeader runs one command at a time)."""
+        if self.importer is None:
+            self.importer = BlockImporter(self.kv)
+        sink = (lambda ids, rows: self.leader.write_blocks(ids, rows.numpy())) if self._leads() else None
+        self.importer.import_blocks(block_ids, reader, sink)
 
     @ray.method(concurrency_group="step")
     def close(self) -> None:
@@ -195,6 +229,16 @@ class ShardExecutor:
 
     def write_blocks(self, block_ids: list[int], data: np.ndarray) -> None:
         self._wait(self.actors[0].write_blocks.remote(block_ids, data))
+
+    def import_blocks(self, block_ids: list[int], reader: BlockReader) -> None:
+        """Called on the engine's pull thread while steps go on. First a fence through the step group: a step
+        sent before these blocks were held (a launched step of a request aborted since, whose blocks were freed
+        and are among block_ids now) has run before the import writes them, so it cannot write them after."""
+        self._wait(self.actors[0].barrier.remote())
+        self._wait(self.actors[0].import_blocks.remote(block_ids, reader))
+
+    def prepare_pulls(self) -> None:
+        self._wait(self.actors[0].prepare_pulls.remote())
 
     async def check(self, timeout_s: float) -> None:
         """Raises if a shard actor is dead, out of its group's lockstep, or does not answer within timeout_s (also

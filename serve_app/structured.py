@@ -11,8 +11,10 @@
   of the whole output: free text (the reasoning included), then optionally one calls block in which a strict
   tool's arguments follow its parameters and another tool's are free (`constraints.auto_tools_grammar`). Under
   "auto" without a strict tool there is no grammar (no mask to compute per token).
-- response_format json_* in thinking mode starts after `</think>` (the reasoning free): the parser never takes the
-  answer from the reasoning, only the calls, so JSON written there is reasoning text, not the response.
+- response_format json_* in thinking mode spans the reasoning too: free text that cannot open a calls block or
+  spell `</think>`, then `</think>`, then the JSON value (the content is exactly the JSON). The end-of-sentence
+  token cannot come before the value is complete; only max_tokens can end the output in the reasoning (finish
+  reason "length", no content).
 - response_format json_* cannot be combined with tool_choice "required" or a named function (a 400).
 A grammar llguidance cannot compile is a 400 whose message is llguidance's, naming the keyword (e.g.
 `response_format.json_schema.schema: cannot be enforced: Unimplemented keys: ["uniqueItems"]`).
@@ -22,7 +24,7 @@ from __future__ import annotations
 
 import json
 import re
-from typing import Any, NamedTuple
+from typing import Any
 
 from engine.chat import constraints
 from serve_app.errors import bad_request
@@ -30,14 +32,6 @@ from serve_app.errors import bad_request
 _SCHEMA_NAME = re.compile(r"^[A-Za-z0-9_-]{1,64}$")  # OpenAI's rule for json_schema.name
 FORMAT_KEYS = {"text": {"type"}, "json_object": {"type"}, "json_schema": {"type", "json_schema"}}
 JSON_SCHEMA_KEYS = {"name", "schema", "strict", "description"}
-
-
-class OutputGrammar(NamedTuple):
-    """A request's output constraint: llguidance grammar text, and whether in thinking mode it starts after `</think>`
-    (the reasoning free: JSON) or constrains the whole output (reasoning included: tool calls)."""
-
-    text: str
-    after_reasoning: bool
 
 
 def _show(value: object) -> str:
@@ -81,14 +75,14 @@ def check_strict(tools: list[dict] | None) -> None:
 
 
 def output_grammar(schema: dict | None, tools: list[dict] | None, tool_choice: str, name: str | None, *,
-                   thinking: bool) -> OutputGrammar | None:
-    """The grammar of a request's output (None: unconstrained); thinking: the output opens with the reasoning (chat
-    in thinking mode). Raises a 400 naming what cannot compile."""
+                   thinking: bool) -> str | None:
+    """The llguidance grammar of a request's output, from its first token (None: unconstrained); thinking: the output
+    opens with the reasoning (chat in thinking mode). Raises a 400 naming what cannot compile."""
     if schema is not None:
         if tool_choice in ("required", "function"):
             raise bad_request("response_format: a JSON response_format cannot be combined with tool_choice "
                               f"{'required' if tool_choice == 'required' else 'naming a function'}", "response_format")
-        return OutputGrammar(_compiled(constraints.json_grammar(schema), "response_format.json_schema.schema"), True)
+        return _compiled(constraints.json_grammar(schema, thinking), "response_format.json_schema.schema")
     if not tools or tool_choice == "none":
         return None
     if tool_choice == "auto":
@@ -96,11 +90,11 @@ def output_grammar(schema: dict | None, tools: list[dict] | None, tool_choice: s
         if not strict:
             return None
         # the parser reads a calls block in the reasoning too, so this grammar spans the whole output
-        return OutputGrammar(_tools_compiled(constraints.auto_tools_grammar(tools), tools, strict), False)
+        return _tools_compiled(constraints.auto_tools_grammar(tools), tools, strict)
     chosen = [i for i, t in enumerate(tools) if tool_choice == "required" or t["function"]["name"] == name]
     # in thinking mode the grammar covers the reasoning, in which the parser would also read a calls block
     grammar = constraints.tool_calls_grammar(tools, name if tool_choice == "function" else None, thinking)
-    return OutputGrammar(_tools_compiled(grammar, tools, chosen), False)
+    return _tools_compiled(grammar, tools, chosen)
 
 
 def _tools_compiled(grammar: str, tools: list[dict], constrained: list[int]) -> str:

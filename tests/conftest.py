@@ -19,6 +19,13 @@ import pytest  # noqa: E402
 TINY_SEED = 0
 
 
+def pytest_configure(config):
+    if os.environ.get("TRITON_INTERPRET") == "1":  # a device function call no longer re-patches triton.language
+        from tests.triton_interpret import skip_repeated_lang_patches
+
+        skip_repeated_lang_patches()
+
+
 @pytest.fixture(scope="session")
 def tiny_cfg():
     """The tiny preset (spec section 8): every layer role at CPU-friendly sizes, real vocabulary."""

@@ -119,18 +119,6 @@ class BlockPool:
         self._hash_to_block[block_hash] = block_id
         return True
 
-    def forget(self, block_ids: Sequence[int]) -> None:
-        """Cached blocks whose content is not what their hash says (an import that failed part-way): drop the
-        hash and free them, so no prefix hit can take them. Each must be cached (ref 0), checked first."""
-        for block_id in block_ids:
-            self._check_id(block_id)
-            assert block_id in self._cached, f"forget of block {block_id}, which is not cached"
-        for block_id in block_ids:
-            del self._cached[block_id]
-            del self._hash_to_block[self._block_hash[block_id]]
-            self._block_hash[block_id] = None
-            self._free.append(block_id)
-
     def hash_of(self, block_id: int) -> bytes | None:
         self._check_id(block_id)
         return self._block_hash[block_id]

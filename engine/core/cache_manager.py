@@ -66,6 +66,21 @@ class PrefixHit:
     snapshot_id: int | None = None
 
 
+@dataclass(eq=False, slots=True)
+class PendingImport:
+    """A pull in flight (KVCacheManager.begin_import .. end_import): the leading run of hashes it covers and per
+    hash the block it holds (None: another pull in flight brings that one); `fresh` indexes the blocks it holds
+    unpublished, for the pull to write. Compared by identity."""
+
+    hashes: list[bytes] = field(default_factory=list)
+    blocks: list[int | None] = field(default_factory=list)
+    fresh: list[int] = field(default_factory=list)  # indices into hashes / blocks
+
+    @property
+    def fresh_blocks(self) -> list[int]:
+        return [self.blocks[i] for i in self.fresh]
+
+
 @dataclass(frozen=True, slots=True)
 class CopyOp:
     """Copy one block's contents to another in a device pool (a fork for n > 1)."""
@@ -87,6 +102,8 @@ class KVCacheManager:
         self.free_pending = list(range(layout.num_pending_slots - 1, -1, -1))  # pop() hands out 0 first
         self.snapshots: OrderedDict[int, Snapshot] = OrderedDict()
         self._next_snapshot = 0
+        self.imports: list[PendingImport] = []  # pulls in flight, each holding its blocks
+        self._importing: dict[bytes, int] = {}  # their fresh blocks' hashes (unpublished) -> block
         self.num_lookup_tokens = 0
         self.num_hit_tokens = 0
 
@@ -154,37 +171,54 @@ class KVCacheManager:
             blocks.append(block)
         return len(blocks) * self.layout.global_block_size, blocks, hashes[:len(blocks)]
 
-    def import_prefix(self, hashes: list[bytes]) -> list[int | None]:
-        """Make room for pulled blocks: per leading hash, None if a block here already holds it, else a
-        fresh block now registered under it and cached (ref 0). Stops at the first hash that no free
-        block is left for, so the result may be shorter than hashes. The caller must write every
-        returned block before the next step (a hit may take them from then on)."""
+    def begin_import(self, hashes: list[bytes]) -> PendingImport:
+        """Hold blocks for a pull of hashes (a leading run of a prompt's chain): per hash the block here that
+        holds it, or nothing when another pull in flight brings it (skipped: this pull neither reads nor waits
+        for it), or a fresh block (held, unpublished) for the caller to write. Stops at the first hash that no
+        free block is left for. Every block stays in use until end_import, so no step evicts, reuses or hits
+        one meanwhile; a fresh block is no prefix hit before end_import publishes it."""
+        pending = PendingImport()
+        self.imports.append(pending)
         if not self.enable_prefix_caching:
-            return []
+            return pending
         held = [self.global_pool.lookup(h) for h in hashes]
         self.global_pool.acquire([b for b in held if b is not None])  # allocating the others cannot evict them
-        fresh = iter(self.global_pool.allocate(min(held.count(None), self.global_pool.num_free)))
-        out: list[int | None] = []
-        chain: list[int] = []  # the blocks now holding hashes[:len(out)], in chain order
+        num_fresh = sum(b is None and h not in self._importing for h, b in zip(hashes, held))
+        fresh = iter(self.global_pool.allocate(min(num_fresh, self.global_pool.num_free)))
         for h, b in zip(hashes, held):
-            if b is None:
+            if b is None and h not in self._importing:
                 b = next(fresh, None)
                 if b is None:
                     break
-                is_new = self.global_pool.register(b, h)
-                assert is_new, f"hash {h.hex()} would be held by two blocks"
-                out.append(b)
-            else:
-                out.append(None)
-            chain.append(b)
-        chain += [b for b in held[len(out):] if b is not None]  # acquired above, past the stop
-        self.global_pool.release(list(reversed(chain)))  # tail first, like a request: the head outlives it
-        return out
+                pending.fresh.append(len(pending.hashes))
+                self._importing[h] = b
+            pending.hashes.append(h)
+            pending.blocks.append(b)
+        stop = len(pending.hashes)
+        self.global_pool.release(list(reversed([b for b in held[stop:] if b is not None])))  # held past the stop
+        return pending
 
-    def abandon_import(self, block_ids: list[int]) -> None:
-        """The blocks import_prefix returned were not all written (the write failed part-way): forget them all,
-        before any step can take one as a hit."""
-        self.global_pool.forget(block_ids)
+    def end_import(self, pending: PendingImport, is_written: bool) -> int:
+        """A pull ended: when is_written (every fresh block holds its hash's content, and the device has it), the
+        fresh blocks are published (prefix hits from now on); else they are freed, holding no hash. Then every
+        block is released, tail first like a request's (the chain's head outlives it). Returns the blocks
+        published: a fresh block whose hash a step registered meanwhile (a request that computed the same prefix)
+        is freed instead."""
+        self.imports.remove(pending)
+        num_published = 0
+        for i in pending.fresh:
+            del self._importing[pending.hashes[i]]
+            if is_written:
+                num_published += self.global_pool.register(pending.blocks[i], pending.hashes[i])
+        self.global_pool.release([b for b in reversed(pending.blocks) if b is not None])
+        return num_published
+
+    def num_leading_held(self, hashes: list[bytes]) -> int:
+        """How many of hashes, from the first, a block here holds (published)."""
+        n = 0
+        while n < len(hashes) and self.global_pool.lookup(hashes[n]) is not None:
+            n += 1
+        return n
 
     # ---- per-step allocation ----------------------------------------------------------------------
     def allocate(self, req: Request, end: int) -> bool:
@@ -296,11 +330,17 @@ class KVCacheManager:
         return self.num_hit_tokens / self.num_lookup_tokens if self.num_lookup_tokens else 0.0
 
     def check_integrity(self, running: list[Request]) -> None:
-        """Pools self-consistent, and their in-use counts equal what requests and snapshots hold."""
+        """Pools self-consistent, and their in-use counts equal what requests, snapshots and pulls in flight hold;
+        a pull's fresh blocks hold no hash until it ends."""
         self.global_pool.check_integrity()
         self.swa_pool.check_integrity()
         owners = [(r.global_blocks, r.swa_blocks, r.pending_slot) for r in running]
         owners += [(s.global_blocks, s.swa_blocks, s.pending_slot) for s in self.snapshots.values()]
+        owners += [([b for b in p.blocks if b is not None], {}, None) for p in self.imports]
+        fresh = {p.hashes[i]: p.blocks[i] for p in self.imports for i in p.fresh}
+        assert fresh == self._importing, f"pulls in flight hold {fresh}, the import map says {self._importing}"
+        for h, b in fresh.items():
+            assert self.global_pool.hash_of(b) is None, f"block {b} of a pull in flight is published"
         global_refs: dict[int, int] = {}
         for blocks, _, _ in owners:
             for b in blocks:

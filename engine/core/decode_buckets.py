@@ -28,12 +28,10 @@ def context_buckets(max_model_len: int) -> tuple[int, ...]:
 
 def decode_takes(plan: StepPlan, options: DecodeOptions, needs_pending: bool) -> bool:
     """Every chunk is one token that samples (decode), one draw per chunk, within the largest buckets; every
-    chunk has a pending slot where the model has ratio-2 compressors (needs_pending); no draw has a grammar mask
-    (constrained draws run through the runner's eager step, whose sampler applies the mask)."""
+    chunk has a pending slot where the model has ratio-2 compressors (needs_pending). Draws with grammar masks are
+    taken: the decode step stages the masks and its draw applies them."""
     chunks = plan.chunks
     if not chunks or len(chunks) > batch_buckets(options.max_batch)[-1] or len(plan.samples) != len(chunks):
-        return False
-    if any(s.allowed is not None for s in plan.samples):  # the graph draw applies no grammar mask yet: eager step
         return False
     if any(s.row != i for i, s in enumerate(plan.samples)):
         return False

@@ -2,8 +2,10 @@
 
 A step in which every chunk is one sampled token (decode) runs here instead of KernelRunner.execute's eager
 path. The host's work is to fill a pinned staging buffer (one of two, in turn) with the step's rows (token id, position, window
-blocks, global block table, floors, pending slot, Engram look-back, sampling parameters) and copy it to the
-device with one non-blocking copy; everything else happens on the device, inside the graph:
+blocks, floors, pending slot, Engram look-back, sampling parameters) and the entries of the global block tables that
+changed since the last step (engine/core/block_table.py: the tables live on the device), copy it to the device with
+one non-blocking copy and write the changed entries (one launch, none in most steps); everything else happens on the
+device, inside the graph:
 
   1. inputs and metadata, two launches (engine/kernels/decode_meta.py): the input ids and the Engram hash ids
      from the ids and their look-back; window write slots and the window each query reads, from a ring of its
@@ -11,8 +13,9 @@ device with one non-blocking copy; everything else happens on the device, inside
      the context bucket); the completed compressor groups and pending writes (ratio 1 and 2);
   2. the layers, through KernelRunner.layer_forward (the indexer and top-k batched over all rows: one
      RequestRows for the whole batch, each row reading its own entries), the final norm and the head;
-  3. the draw (sampler.sample_device), in a second small graph per (batch, sampling variant, logprobs); over
-     several shards the head's logits stay vocab-parallel and greedy / plain draws gather only each rank's
+  3. the draw (sampler.sample_device), in a second small graph per (batch, sampling variant, logprobs, grammar
+     masks); a step whose draws have grammar masks stages them too (one bitmask row per request, all ones where
+     a request has none) and the draw applies them first (engine/kernels/token_mask.py); over several shards the head's logits stay vocab-parallel and greedy / plain draws gather only each rank's
      maxima (sharded_draw.py), other draws the logits.
 
 Then one copy of the drawn ids (and logprobs when asked) back to the host. Rows past a request's context
@@ -32,6 +35,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from engine.core.block_table import BlockTableMirror
 from engine.core.decode_buckets import batch_buckets, bucket, context_buckets, decode_takes
 from engine.core.engine_config import DecodeOptions
 from engine.core.kernel_layers import AttnMeta, GlobalWrite, KernelRunner, RequestRows, Shared, Step
@@ -42,6 +46,7 @@ from engine.core.sharded_draw import draws_sharded, sample_sharded
 from engine.core.step_rows import StepOutput
 from engine.kernels.compressor import Ratio2Plan
 from engine.kernels.decode_meta import decode_inputs, decode_meta
+from engine.kernels.token_mask import token_mask
 from engine.parallel import all_gather
 
 VARIANTS = ("greedy", "plain", "filtered")
@@ -62,8 +67,9 @@ class Views:
     fields: dict[str, Tensor]  # [B] each (int64, float64 for FLOAT_FIELDS)
     prev: Tensor  # int64 [B, ENGRAM_LOOKBACK] raw ids before the position, -1 = none (oldest first)
     ring: Tensor  # int64 [B, R] window block ids of blocks lo .. lo + R - 1 (lo: the window's first), -1 = none
-    gtable: Tensor  # int64 [B, C / global_block_size] global block ids, -1 past the request's
+    gtable: Tensor  # int64 [B, C / global_block_size] global block ids, -1 past the request's (rows of self.tables)
     rows: Tensor  # int64 [B]: 0 .. B - 1 (every row writes its own global entry)
+    mask: Tensor  # int32 [B, mask words]: the draws' grammar bitmasks (staged only for a step that has one)
 
 
 class DecodeStep:
@@ -83,8 +89,15 @@ class DecodeStep:
         self.num_cols = len(FIELDS) + ENGRAM_LOOKBACK + self.R
         rec = self.num_cols * self.max_B
         pinned = self.device.type == "cuda"
-        # two staging buffers, used in turn: step k+1 is staged while step k's copy may not have run yet
-        size = rec + self.max_B * (self.max_C // self.G)
+        # the global block tables, on the device across steps; the host stages the entries that change
+        self.table_mirror = BlockTableMirror(self.max_B, self.max_C // self.G)
+        self.tables = torch.full((self.max_B, self.max_C // self.G), -1, dtype=torch.int64, device=self.device)
+        # two staging buffers, used in turn: step k+1 is staged while step k's copy may not have run yet; after
+        # the record, a step's changed table entries: their flat indices, then their values
+        # then the grammar bitmasks, a row of 32-bit words per request (an even count: int64 staging)
+        self.mask_words = ((cfg.vocab_size + 31) // 32 + 1) // 2 * 2
+        self.mask_base = rec + 2 * self.table_mirror.capacity
+        size = self.mask_base + self.max_B * self.mask_words // 2
         self.hosts = [torch.zeros(size, dtype=torch.int64, pin_memory=pinned) for _ in range(2)]
         self._hosts_np = [h.numpy() for h in self.hosts]
         self._copied: list[torch.cuda.Event | None] = [None, None]  # each one's last copy to the device
@@ -93,6 +106,7 @@ class DecodeStep:
         # a vocab-parallel head's slice (several shards: the draw gathers only what it needs, sharded_draw.py)
         self.shard = runner.model.head.shard
         self.logits = torch.empty(self.max_B, runner.model.head.weight.size(0), dtype=torch.float32, device=self.device)
+        self.masked_logits = torch.empty_like(self.logits)  # a masked draw's copy (the logprobs read self.logits)
         self.last_ids = torch.zeros(self.max_B, dtype=torch.int64, device=self.device)  # the last draw's tokens
         L = SamplingParams.MAX_LOGPROBS  # the read-back: ids, then logprob, top logprobs and top ids when asked
         self._results = [torch.empty(self.max_B * (2 + 2 * L), dtype=torch.int64, pin_memory=pinned) for _ in range(2)]
@@ -120,10 +134,9 @@ class DecodeStep:
         if self._copied[which] is not None:
             self._copied[which].synchronize()  # the device has read this buffer's last contents
         host, host_np = self.hosts[which], self._hosts_np[which]
-        rec = host_np[:self.num_cols * self.max_B].reshape(self.num_cols, self.max_B)
+        base = self.num_cols * self.max_B
+        rec = host_np[:base].reshape(self.num_cols, self.max_B)
         recf = rec.view(np.float64)
-        g = host_np[self.num_cols * self.max_B:][:B * nb].reshape(B, nb)
-        g.fill(-1)
         rec[:, :B] = 0  # padding rows (past the chunks): position 0 of a request that writes nothing
         rec[FIELDS.index("global_from"), :B] = NO_WRITES
         rec[FIELDS.index("pending"), :B] = -1
@@ -149,13 +162,35 @@ class DecodeStep:
                 rec[ring0 - len(c.prev_ids):ring0, b] = c.prev_ids
             lo = max(pos - self.W + 1, 0) // self.S
             rec[ring0:ring0 + self.R, b] = [c.swa_blocks.get(lo + j, -1) for j in range(self.R)]
-            g[b, :len(c.global_blocks)] = c.global_blocks
-        n = self.num_cols * self.max_B + B * nb
+            assert len(c.global_blocks) <= nb, f"row {b}: {len(c.global_blocks)} global blocks past the bucket's {nb}"
+        idx, vals = self.table_mirror.updates([c.global_blocks for c in chunks], B)
+        u = idx.size
+        host_np[base:base + u], host_np[base + u:base + 2 * u] = idx, vals
+        n = base + 2 * u
         self.dev[:n].copy_(host[:n], non_blocking=True)
+        if u:
+            self.tables.view(-1).index_copy_(0, self.dev[base:base + u], self.dev[base + u:n])
+        if any(s.allowed is not None for s in plan.samples):
+            self._stage_masks(plan, B, host_np, host)
         if self.device.type == "cuda":
             self._copied[which] = torch.cuda.Event()
             self._copied[which].record()
         return self._views_for(B, C)
+
+    def _stage_masks(self, plan: StepPlan, B: int, host_np: np.ndarray, host: Tensor) -> None:
+        """The B rows' bitmasks (llguidance's bytes; all ones for a draw without one) into the staging buffer's mask
+        region and one copy to the device."""
+        row_bytes = 4 * self.mask_words
+        need = (self.cfg.vocab_size + 31) // 32 * 4
+        region = host_np[self.mask_base:self.mask_base + B * self.mask_words // 2].view(np.uint8).reshape(B, row_bytes)
+        region.fill(0xFF)
+        for b, spec in enumerate(plan.samples):
+            if spec.allowed is not None:
+                assert len(spec.allowed) >= need, f"a bitmask of {len(spec.allowed)} bytes, {need} needed"
+                n = min(len(spec.allowed), row_bytes)
+                region[b, :n] = np.frombuffer(spec.allowed, dtype=np.uint8, count=n)
+        end = self.mask_base + B * self.mask_words // 2
+        self.dev[self.mask_base:end].copy_(host[self.mask_base:end], non_blocking=True)
 
     def _views_for(self, B: int, C: int) -> Views:
         v = self._views.get((B, C))
@@ -163,9 +198,10 @@ class DecodeStep:
             rec = self.dev[:self.num_cols * self.max_B].view(self.num_cols, self.max_B)
             fields = {f: (rec.view(torch.float64) if f in FLOAT_FIELDS else rec)[i, :B] for i, f in enumerate(FIELDS)}
             prev0, ring0 = len(FIELDS), len(FIELDS) + ENGRAM_LOOKBACK
-            gtable = self.dev[self.num_cols * self.max_B:][:B * (C // self.G)].view(B, C // self.G)
+            gtable = self.tables[:B, :C // self.G]
+            mask = self.dev[self.mask_base:self.mask_base + B * self.mask_words // 2].view(torch.int32)
             v = self._views[(B, C)] = Views(B, C, fields, rec[prev0:ring0, :B].t(), rec[ring0:ring0 + self.R, :B].t(),
-                                            gtable, torch.arange(B, device=self.device))
+                                            gtable, torch.arange(B, device=self.device), mask.view(B, self.mask_words))
         return v
 
     # ---- device: the step (graph body) ------------------------------------------------------------------------
@@ -178,18 +214,24 @@ class DecodeStep:
         h, pre_mix = r.run_layers(ids, self.device_step(v), hashes)
         self.logits[:v.B].copy_(r.head(h, pre_mix, gather=False))
 
-    def draw(self, v: Views, variant: str, num_logprobs: int):
-        """The step's tokens from self.logits[:B]; also kept in self.last_ids for the next step's input."""
+    def draw(self, v: Views, variant: str, num_logprobs: int, masked: bool = False):
+        """The step's tokens from self.logits[:B] (masked: drawn from a copy with the staged grammar bitmasks
+        applied); also kept in self.last_ids for the next step's input."""
         f = v.fields
         t = SampleTensors(f["greedy"].bool(), f["temperature"].float(), f["top_k"], f["top_p"], f["min_p"].float(),
                           f["seed"], f["step"], f["force"])
-        logits = self.logits[:v.B]
+        logits = drawn = self.logits[:v.B]
+        if masked:  # the draw takes only allowed tokens; logprobs stay the model's (sampler.sample's raw logprobs)
+            drawn = self.masked_logits[:v.B]
+            drawn.copy_(logits)
+            token_mask(drawn, v.mask, self.shard.rank * logits.size(1))
         if self.shard.is_single:
-            d = sample_device(logits, t, variant, num_logprobs)
+            d = sample_device(drawn, t, variant, num_logprobs, logits if masked else None)
         elif draws_sharded(variant, num_logprobs):
-            d = sample_sharded(logits, t, variant, self.shard)
+            d = sample_sharded(drawn, t, variant, self.shard)
         else:
-            d = sample_device(all_gather(logits, self.shard, dim=-1), t, variant, num_logprobs)
+            raw = all_gather(logits, self.shard, dim=-1) if masked and num_logprobs else None
+            d = sample_device(all_gather(drawn, self.shard, dim=-1), t, variant, num_logprobs, raw)
         self.last_ids[:v.B].copy_(d.token_ids)
         return d
 
@@ -237,17 +279,24 @@ class DecodeStep:
         torch.cuda.synchronize(self.device)
         mem0, t0 = torch.cuda.memory_reserved(self.device), time.monotonic()
         self._pool = torch.cuda.graph_pool_handle()
+        # Warm-ups and captures on one stream: per-stream state (fp8_linear's split-K tickets, cuBLAS workspaces) is
+        # made and zeroed by the warm-up. Made inside a capture instead, the tickets' zeroing would run only when that
+        # one graph replays, and every later-captured graph would start from uninitialised tickets.
+        stream = torch.cuda.Stream(self.device)
         work = [("model", B, C) for B, C in self.buckets()]
-        work += [("draw", B, (variant, lp)) for B in self.batches for variant in VARIANTS for lp in (0, SamplingParams.MAX_LOGPROBS)]
+        work += [("draw", B, (variant, lp, masked)) for B in self.batches for variant in VARIANTS
+                 for lp in (0, SamplingParams.MAX_LOGPROBS) for masked in (False, True)]
         for kind, B, key in tqdm(work, desc="capturing decode graphs", disable=not progress):
             v = self._views_for(B, key if kind == "model" else self.contexts[0])
             run = (lambda: self.forward(v)) if kind == "model" else (lambda: self.draw(v, *key))
             self._reset_rows(v)
+            stream.wait_stream(torch.cuda.current_stream(self.device))
             with torch.inference_mode():
-                run(), run()  # warm-up: Triton compiles, side streams, cached weights; not in the graph pool
+                with torch.cuda.stream(stream):
+                    run(), run()  # warm-up: Triton compiles, side streams, cached weights; not in the graph pool
                 torch.cuda.synchronize(self.device)
                 graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graph, pool=self._pool):
+                with torch.cuda.graph(graph, pool=self._pool, stream=stream):
                     out = run()
             if kind == "model":
                 self._graphs[(B, key)] = graph
@@ -264,7 +313,9 @@ class DecodeStep:
             v.fields[name].fill_(value)
         for name, value in (("temperature", 1.0), ("top_p", 1.0), ("min_p", -float("inf"))):
             v.fields[name].fill_(value)
-        v.prev.fill_(-1), v.ring.fill_(-1), v.gtable.fill_(-1)
+        v.prev.fill_(-1), v.ring.fill_(-1), v.mask.fill_(-1)
+        self.tables.fill_(-1)
+        self.table_mirror.reset()
 
     # ---- one step ----------------------------------------------------------------------------------------------
     def execute(self, plan: StepPlan) -> StepOutput:
@@ -283,12 +334,13 @@ class DecodeStep:
             graph.replay()
         else:
             self.forward(v)
-        drawn = self._draws.get((v.B, variant, num_lp))
+        masked = any(s.allowed is not None for s in plan.samples)
+        drawn = self._draws.get((v.B, variant, num_lp, masked))
         if drawn is not None:
             drawn[0].replay()
             d = drawn[1]
         else:
-            d = self.draw(v, variant, num_lp)
+            d = self.draw(v, variant, num_lp, masked)
         n = len(plan.chunks)
         parts = [d.token_ids[:n]] + ([] if num_lp == 0 else [d.logprob[:n].view(torch.int64),
                                                             d.top_logprobs[:n].view(torch.int64).flatten(),

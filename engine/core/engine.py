@@ -22,13 +22,14 @@ import torch
 
 from engine.config import ModelConfig
 from engine.core import kv_blocks
-from engine.core.cache_manager import CacheLayout, KVCacheManager
+from engine.core.cache_manager import CacheLayout, KVCacheManager, PendingImport
 from engine.core.drafter import Drafter
 from engine.core.engine_config import DecodeOptions, EngineConfig, check_speculative, decode_options
 from engine.core.engine_config import kernels_for
 from engine.core.grammar import GrammarCompiler, GrammarError
 from engine.core.kv_blocks import ExportedPrefix, PrefixImportError
 from engine.core.kv_cache import PagedKVCache, size_layout
+from engine.core.kv_import import BlockImporter, BlockReader
 from engine.core.overlap import InFlight, can_overlap, from_rows
 from engine.core.plan import DraftPolicy, SampleSpec, StepPlan, VerifySpec, plan_step
 from engine.core.prefix_hash import fingerprint
@@ -71,7 +72,7 @@ class EngineStats:
     num_computed_tokens: int = 0
     num_sampled_tokens: int = 0
     num_preemptions: int = 0
-    num_imported_tokens: int = 0  # positions whose global KV import_prefix wrote (another replica's blocks)
+    num_imported_tokens: int = 0  # positions whose global KV a pull or import_prefix published (others' blocks)
     busy_time: float = 0.0  # seconds inside executor.execute
     num_failed_steps: int = 0  # steps whose execute raised (their requests ended with ERROR)
     num_wasted_positions: int = 0  # positions a launched step computed past its request's end (rolled back)
@@ -99,6 +100,21 @@ class Executor(Protocol):
 
     def write_blocks(self, block_ids: list[int], data: np.ndarray) -> None: ...
 
+    def import_blocks(self, block_ids: list[int], reader: BlockReader) -> None:
+        """Reads reader's blocks into those global blocks through the pools' owner's staging buffer, in
+        overlapped chunks (engine/core/kv_import.py); returns once the pools hold them (on CUDA: the copies
+        have ended); raises what the reader raised. May be called from another thread than steps, while they
+        run: the blocks are held for the pull and unpublished (LLMEngine.begin_import), so no step reads or
+        writes them, and a step sent before the call must not write them after it (a launched step of a request
+        aborted since). Executors that serve KV sharing have it (in-process, a shard actor); the others need
+        not."""
+        ...
+
+    def prepare_pulls(self) -> None:
+        """Allocates what import_blocks uses (the staging buffer; a shard actor's transfer agent) ahead of the
+        first pull, whose time would otherwise include it."""
+        ...
+
 
 class LocalExecutor:
     """The model and its paged pools in this process. With decode options on the kernel path, decode steps
@@ -109,6 +125,7 @@ class LocalExecutor:
         self.kv = PagedKVCache(model.cfg, layout, model.embed.weight.device)
         self.runner = ModelRunner(model, self.kv, kernels, decode, drafter)
         self.capture = capture_decode_graphs(self.runner, progress)
+        self.importer: BlockImporter | None = None  # made at the first pull
 
     def execute(self, plan: StepPlan) -> StepOutput:
         return self.runner.execute(plan)
@@ -122,6 +139,14 @@ class LocalExecutor:
 
     def write_blocks(self, block_ids: list[int], data: np.ndarray) -> None:
         kv_blocks.write_blocks(self.kv, block_ids, data)
+
+    def import_blocks(self, block_ids: list[int], reader: BlockReader) -> None:
+        self.prepare_pulls()
+        self.importer.import_blocks(block_ids, reader)
+
+    def prepare_pulls(self) -> None:
+        if self.importer is None:
+            self.importer = BlockImporter(self.kv)
 
 
 def capture_decode_graphs(runner: ModelRunner, progress: bool = False) -> dict[str, float] | None:
@@ -439,29 +464,62 @@ class LLMEngine:
         return ExportedPrefix(self.cache.salt, hashes, self.executor.read_blocks(block_ids))
 
     def import_prefix(self, prefix: ExportedPrefix) -> int:
-        """Writes another replica's exported blocks into free global blocks and registers them, so the
-        next request with that prefix takes them as a prefix-cache hit (then encoder replay of the last
-        window). Returns how many of the prefix's tokens are held here now (the leading blocks it
-        covers; fewer when the pool is short). Raises PrefixImportError for another fingerprint."""
-        if prefix.fingerprint != self.cache.salt:
-            raise PrefixImportError(f"prefix fingerprint {prefix.fingerprint.hex()[:16]} is not this replica's "
-                                    f"{self.cache.salt.hex()[:16]} (model, weights or block format differ)")
+        """Writes another replica's exported blocks into free global blocks and publishes them, so the next
+        request with that prefix takes them as a prefix-cache hit (then encoder replay of the last window).
+        Returns how many of the prefix's tokens are held here now (the leading blocks it covers; fewer when the
+        pool is short). A write that raises publishes nothing and raises. PrefixImportError for another
+        fingerprint or block size. Runs the write where steps run (offline use; serving pulls through
+        AsyncEngine.import_blocks)."""
+        self._check_fingerprint(prefix.fingerprint)
         expected = kv_blocks.block_bytes(self.cfg, self.cache.layout.global_block_size)
         if prefix.data.shape[1] != expected:
             raise PrefixImportError(f"prefix blocks have {prefix.data.shape[1]} bytes, this replica's {expected}")
-        targets = self.cache.import_prefix(prefix.hashes)
-        fill = [i for i, b in enumerate(targets) if b is not None]
-        if fill:
-            written = [targets[i] for i in fill]
-            try:
-                self.executor.write_blocks(written, prefix.data[fill])
-            except BaseException:
-                self.cache.abandon_import(written)  # registered before the write: no hit may take them now
-                raise
-            self.stats.num_imported_tokens += len(fill) * self.cache.layout.global_block_size
-        return len(targets) * self.cache.layout.global_block_size
+        pending = self.begin_import(prefix.fingerprint, prefix.hashes)
+        return self._end_import_after(pending, lambda: self.executor.write_blocks(pending.fresh_blocks,
+                                                                                prefix.data[pending.fresh]))
+
+    def import_blocks(self, fingerprint: bytes, hashes: list[bytes], reader: BlockReader) -> int:
+        """import_prefix for blocks another replica holds: hashes[i] names the reader's block i (under the
+        owner's fingerprint); the executor reads only the ones missing here, straight into its staging buffer
+        and pools (engine/core/kv_import.py). All three phases on this thread, steps waiting (offline use and
+        tests; AsyncEngine.import_blocks runs the read beside the steps). A read that fails publishes none of
+        the blocks (they recompute) and raises."""
+        assert reader.num_blocks == len(hashes), f"{reader.num_blocks} blocks for {len(hashes)} hashes"
+        pending = self.begin_import(fingerprint, hashes)
+        return self._end_import_after(pending, lambda: self.executor.import_blocks(pending.fresh_blocks,
+                                                                                 reader.select(pending.fresh)))
+
+    def begin_import(self, fingerprint: bytes, hashes: list[bytes]) -> PendingImport:
+        """A pull's first phase, between steps: holds a block for each leading hash (KVCacheManager.begin_import:
+        the missing ones fresh, unpublished). The caller then has the executor write `pending.fresh_blocks` from
+        its rows `pending.fresh` (that may run beside steps: no step reads or reuses those blocks), then calls
+        end_import. PrefixImportError for another fingerprint (nothing held)."""
+        self._check_fingerprint(fingerprint)
+        return self.cache.begin_import(hashes)
+
+    def end_import(self, pending: PendingImport, is_written: bool) -> int:
+        """A pull's last phase, between steps: publishes its fresh blocks when is_written (the write has ended,
+        on the device too), else frees them; releases the rest. Returns the tokens of the pull's leading run held
+        here now (a block another pull in flight brings ends the run until that one publishes)."""
+        num_published = self.cache.end_import(pending, is_written)
+        self.stats.num_imported_tokens += num_published * self.cache.layout.global_block_size
+        return self.cache.num_leading_held(pending.hashes) * self.cache.layout.global_block_size
 
     # ---- internals ----------------------------------------------------------------------------------
+    def _check_fingerprint(self, fingerprint: bytes) -> None:
+        if fingerprint != self.cache.salt:
+            raise PrefixImportError(f"prefix fingerprint {fingerprint.hex()[:16]} is not this replica's "
+                                    f"{self.cache.salt.hex()[:16]} (model, weights or block format differ)")
+
+    def _end_import_after(self, pending: PendingImport, write: Callable[[], None]) -> int:
+        if pending.fresh:
+            try:
+                write()
+            except BaseException:
+                self.end_import(pending, is_written=False)
+                raise
+        return self.end_import(pending, is_written=True)
+
     def _fail_step(self, out, error: Exception) -> list[RequestOutput]:
         """A step that raised: every request it scheduled (and the n-1 siblings that wait on a first
         choice's first token) ends with ERROR and gives back its cache; the engine steps on. An executor

@@ -8,12 +8,19 @@ request runs the engine does not launch a step behind the one in flight (engine/
 and a plan with a mask runs through the runner's eager step, where `sample_specs` applies it: the decode step's
 CUDA-graph draw does not apply masks yet (engine/core/decode_buckets.py: decode_takes).
 
-A GrammarSpec may wait for a token (`after_token`: `</think>` in thinking mode) before it constrains anything:
-the reasoning is free, the answer after it constrained. Once the grammar is complete (`is_done`) the request
-ends (finish reason "stop"), as vLLM ends a request whose structured output is terminated.
+Once the grammar is complete (`is_done`) the request ends (finish reason "stop"), as vLLM ends a request whose
+structured output is terminated.
 
-`GrammarCompiler` builds the tokenizer's llguidance view once (~1.2 s for 129,280 ids) and caches one compiled
-matcher per grammar text (an LRU of `max_cached`); each request gets a copy of the cached matcher.
+`GrammarCompiler` builds the tokenizer's llguidance view once (`llg_tokenizer`, ~1.2 s for 129,280 ids) and caches
+one compiled matcher per grammar text (an LRU of `max_cached`); each request gets a copy of the cached matcher.
+
+A mask is a walk of the vocabulary's token trie through the grammar's lexer, ~1.5-3 ms for 129,280 ids on one CPU
+core, except where llguidance can prove that a whole token slice may follow (then the slice is added at once) or
+the lexer state is the previous mask's (then that mask is reused). `TOKEN_SLICES` are llguidance's JSON slices
+(whitespace runs; runs of JSON string characters of up to 10, 30 or any length) without "<": so they also fit
+the states inside the tool grammars' free text and inside the tag-free JSON strings (engine/chat/constraints.py),
+which refuse only texts that start at a "<"; with "<" in them no slice fits there and every such mask walked the
+whole vocabulary (benchmarks/RESULTS.md, structured output).
 """
 
 from __future__ import annotations
@@ -25,6 +32,14 @@ import llguidance
 from engine.core.sampling_params import GrammarSpec
 
 
+TOKEN_SLICES = [r"[\x20\x0A\x0D\x09]+", *(r'[^"\\\x00-\x1F\x7F<]' + n for n in ("{1,10}", "{1,30}", "+"))]
+
+
+def llg_tokenizer(tokenizer_json: str, eos_id: int) -> llguidance.LLTokenizer:
+    """llguidance's view of the tokenizer (tokenizer.json's text), with TOKEN_SLICES."""
+    return llguidance.LLTokenizer(tokenizer_json, eos_token=eos_id, slices=TOKEN_SLICES)
+
+
 class GrammarError(ValueError):
     """A grammar the matcher could not compile against the tokenizer; the message is llguidance's."""
 
@@ -32,26 +47,21 @@ class GrammarError(ValueError):
 class GrammarMatcher:
     """One request's grammar state: `mask()` before each draw, `accept(token)` after it."""
 
-    def __init__(self, matcher: llguidance.LLMatcher, after_token: int | None) -> None:
+    def __init__(self, matcher: llguidance.LLMatcher) -> None:
         self._matcher = matcher
-        self._after = after_token
-        self.is_active = after_token is None  # constraining: the awaited token has been drawn
 
-    def mask(self) -> bytes | None:
-        """The allowed tokens of the next draw as a bitmask (None while waiting for `after_token`)."""
-        return self._matcher.compute_bitmask() if self.is_active else None
+    def mask(self) -> bytes:
+        """The allowed tokens of the next draw as a bitmask."""
+        return self._matcher.compute_bitmask()
 
     def accept(self, token_id: int) -> bool:
         """Consume a drawn token; False if the grammar does not allow it (the request should fail)."""
-        if not self.is_active:
-            self.is_active = token_id == self._after
-            return True
         return self._matcher.consume_token(token_id)
 
     @property
     def is_done(self) -> bool:
         """The grammar is complete: nothing but the end-of-sentence token may follow."""
-        return self.is_active and self._matcher.is_stopped()
+        return self._matcher.is_stopped()
 
     @property
     def error(self) -> str:
@@ -62,7 +72,7 @@ class GrammarCompiler:
     """tokenizer_json: the tokenizer.json text; eos_id: the end-of-sentence id (allowed once a grammar accepts)."""
 
     def __init__(self, tokenizer_json: str, eos_id: int, max_cached: int = 256) -> None:
-        self._tokenizer = llguidance.LLTokenizer(tokenizer_json, eos_token=eos_id)
+        self._tokenizer = llg_tokenizer(tokenizer_json, eos_id)
         self._cache: OrderedDict[str, llguidance.LLMatcher] = OrderedDict()
         self._max_cached = max_cached
         self.num_compiled = 0
@@ -80,4 +90,4 @@ class GrammarCompiler:
                 self._cache.popitem(last=False)
         else:
             self._cache.move_to_end(spec.grammar)
-        return GrammarMatcher(template.deep_copy(), spec.after_token)
+        return GrammarMatcher(template.deep_copy())

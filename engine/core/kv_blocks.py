@@ -121,10 +121,19 @@ def write_blocks(kv: PagedKVCache, block_ids: list[int], data: np.ndarray) -> No
         f"data {data.dtype} {data.shape}, expected uint8 ({len(block_ids)}, {nbytes})"
     if not block_ids:
         return
+    device = next(iter(kv.main_kv.values())).device
+    write_rows(kv, block_ids, torch.from_numpy(np.require(data, requirements="CW")).to(device))  # Ray hands out read-only arrays
+
+
+@torch.inference_mode()
+def write_rows(kv: PagedKVCache, block_ids: list[int], src: torch.Tensor) -> None:
+    """write_blocks for rows already in a tensor (uint8 [len(block_ids), block_bytes], C-contiguous, on the pools'
+    device: then the copies are queued on the current stream; or on the host for CPU pools)."""
+    nbytes = block_bytes(kv.cfg, kv.layout.global_block_size)
+    assert src.dtype == torch.uint8 and src.shape == (len(block_ids), nbytes) and src.is_contiguous(), \
+        f"rows {src.dtype} {tuple(src.shape)}, expected uint8 ({len(block_ids)}, {nbytes})"
     pools = _pools(kv)
-    device = pools[0][1].device
-    src = torch.from_numpy(np.require(data, requirements="CW")).to(device)  # [n, bytes]; Ray hands out read-only arrays
-    idx = torch.tensor(block_ids, dtype=torch.long, device=device)
+    idx = torch.tensor(block_ids, dtype=torch.long, device=pools[0][1].device)
     for seg, t in pools:
         rows = src[:, seg.offset:seg.offset + seg.nbytes].reshape(len(block_ids), seg.rows, seg.record_bytes)
         t.index_copy_(0, idx, rows)

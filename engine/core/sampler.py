@@ -20,6 +20,7 @@ import torch
 from engine.core.plan import SampleSpec
 from engine.core.sampling_params import SamplingParams
 from engine.kernels.gumbel import gumbel_argmax, gumbel_argmax_ref
+from engine.kernels.row_max import row_max, row_max_ref
 
 _TOPK_SELECT_MAX = 1024  # top-k cuts up to this k select the k largest values instead of sorting the row
 _INT64_MASK = (1 << 64) - 1
@@ -270,13 +271,16 @@ def sample_row_values(p: SamplingParams, seed: int, step: int, force_id: int | N
             _as_int64(step), -1 if force_id is None else force_id)
 
 
-def sample_device(logits: torch.Tensor, t: SampleTensors, variant: SampleVariant, num_logprobs: int) -> DeviceDraw:
+def sample_device(logits: torch.Tensor, t: SampleTensors, variant: SampleVariant, num_logprobs: int,
+                  raw: torch.Tensor | None = None) -> DeviceDraw:
     """sample() on device tensors without a host sync: fp32 [N, V] logits -> the same tokens (every filter runs
     for every drawn row of the variant, a filter that is off keeping its row whole). A forced row takes its token;
-    num_logprobs > 0 also returns each row's logprob of its token and its num_logprobs most likely."""
-    usable = usable_rows(logits)
-    logits = logits.masked_fill(~usable[:, None], 0.0)
-    ids = logits.argmax(dim=-1)
+    num_logprobs > 0 also returns each row's logprob of its token and its num_logprobs most likely, from raw where
+    given (the model's logits, when `logits` had grammar masks applied: sample()'s raw logprobs), else logits."""
+    _, ids, bad, drawable = (row_max if logits.is_cuda else row_max_ref)(logits)  # one pass: greedy ids, usability
+    usable = ~bad & drawable
+    if variant != "greedy" or num_logprobs:
+        logits = logits.masked_fill(~usable[:, None], 0.0)
     if variant != "greedy":
         x = logits / t.temperature[:, None]
         if variant == "filtered":
@@ -287,7 +291,7 @@ def sample_device(logits: torch.Tensor, t: SampleTensors, variant: SampleVariant
     ids = torch.where(usable, torch.where(t.force >= 0, t.force, ids), -1)
     if num_logprobs == 0:
         return DeviceDraw(ids, None, None, None)
-    lp = torch.log_softmax(logits.double(), dim=-1)
+    lp = torch.log_softmax((logits if raw is None else raw).double(), dim=-1)
     top_lp, top_ids = lp.sort(dim=-1, descending=True, stable=True)
     chosen = lp.gather(1, ids.clamp_min(0)[:, None])[:, 0]
     return DeviceDraw(ids, chosen, top_lp[:, :num_logprobs], top_ids[:, :num_logprobs])

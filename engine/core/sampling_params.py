@@ -8,10 +8,9 @@ from dataclasses import dataclass, field
 @dataclass(frozen=True, slots=True)
 class GrammarSpec:
     """A constraint on the output (engine/core/grammar.py): llguidance grammar text (engine/chat/constraints.py
-    writes it), enforced from the first output token, or only after `after_token` has been drawn."""
+    writes it), enforced from the first output token."""
 
     grammar: str
-    after_token: int | None = None
 
 
 class SamplingError(ValueError):

@@ -6,7 +6,8 @@ decode phase, a prefill is just a request far behind, and it may be cut at any p
 prefill). Running requests go first, in admission order; when a pool runs short the most recently
 admitted request is preempted (its blocks released, recomputed later; its full blocks stay in the
 prefix cache). Then waiting requests are admitted in arrival order, each starting from its longest
-cached prefix.
+cached prefix. Blocks a KV pull in flight holds (KVCacheManager.imports) come back when it ends: a request alone
+and short of blocks then waits for them instead of ending.
 
 Speculative decoding (speculative_tokens K > 0): a request that decodes (one position behind its tokens, past its
 first output) gets a verify chunk: its anchor position plus room for up to K drafts, within its remaining outputs
@@ -83,7 +84,8 @@ class Scheduler:
         self.pending_copies = []
         budget = self.config.max_num_batched_tokens
         i = 0
-        while i < len(self.running) and budget > 0:
+        stalled = False  # the one running request waits for blocks a KV pull in flight holds
+        while i < len(self.running) and budget > 0 and not stalled:
             req = self.running[i]
             num_draft = self._num_draft(req, budget)
             end = req.num_computed + self._chunk_len(req, budget) + num_draft
@@ -91,6 +93,9 @@ class Scheduler:
                 if num_draft:  # drafts never preempt: verify none first
                     end, num_draft = end - num_draft, 0
                     continue
+                if len(self.running) == 1 and self.cache.imports:  # they come back when the pull ends
+                    stalled = True
+                    break
                 if len(self.running) == 1:  # nothing left to preempt: the cache cannot hold this request
                     self.finish(req, FinishReason.LENGTH)
                     out.cannot_grow.append(req)
@@ -105,7 +110,8 @@ class Scheduler:
                 out.chunks.append(ScheduledChunk(req, req.num_computed, end, sample, num_draft))
                 budget -= end - req.num_computed
                 i += 1
-        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs and not out.preempted:
+        while (self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs and not out.preempted
+               and not stalled):
             req = self.waiting[0]
             if not self.cache.admit(req, self.cache.find_prefix(req)):
                 break

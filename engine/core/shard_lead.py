@@ -9,12 +9,15 @@ rank), so rank 0 alone answers block reads; a block write reaches every rank.
 
 Invariant: every rank runs the same commands in the same order. A command that raises on rank 0 (its own error,
 a rank that died, a collective past the step timeout) may have run on some ranks and not on others, so the
-leader fails for good: `ShardGroupFailed` now, and at once for every later command.
+leader fails for good: `ShardGroupFailed` now, and at once for every later command. Rank 0 may send commands from
+two threads (a shard actor's steps, and a KV pull's chunk writes beside them): ShardLeader runs one command at a
+time, from its broadcast to its end on rank 0, so no two commands' collectives interleave.
 """
 
 from __future__ import annotations
 
 import sys
+import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -147,37 +150,41 @@ class ShardLeader:
         self.explain = explain or (lambda e: f"rank 0 saw {type(e).__name__}: {e}")
         self.failure: ShardGroupFailed | None = None
         self.stopped = False
+        self._command = threading.Lock()  # held from a command's broadcast to its end on rank 0
 
     def execute(self, plan: StepPlan) -> StepOutput:
-        self.check()
-        try:
-            self.groups.broadcast_object(Execute(plan))
-            return self.runner.execute(plan)
-        except Exception as e:
-            raise self._fail(e) from e
+        with self._command:
+            self.check()
+            try:
+                self.groups.broadcast_object(Execute(plan))
+                return self.runner.execute(plan)
+            except Exception as e:
+                raise self._fail(e) from e
 
     def read_blocks(self, block_ids: list[int]) -> np.ndarray:
         self.check()
         return kv_blocks.read_blocks(self.kv, block_ids)
 
     def write_blocks(self, block_ids: list[int], data: np.ndarray) -> None:
-        self.check()
-        try:
-            self.groups.broadcast_object(WriteBlocks(list(block_ids), data))
-            kv_blocks.write_blocks(self.kv, block_ids, data)
-        except Exception as e:
-            raise self._fail(e) from e
+        with self._command:
+            self.check()
+            try:
+                self.groups.broadcast_object(WriteBlocks(list(block_ids), data))
+                kv_blocks.write_blocks(self.kv, block_ids, data)
+            except Exception as e:
+                raise self._fail(e) from e
 
     def stop(self) -> None:
         """Tell the other ranks to leave their loop (once; only while the group is in lockstep: a failed group's
         ranks are stopped by their launcher). A rank already gone is no error here."""
-        if self.stopped or self.failure is not None:
-            return
-        self.stopped = True
-        try:
-            self.groups.broadcast_object(Stop())
-        except Exception:  # noqa: BLE001 -- a rank already gone: its launcher stops it all the same
-            pass
+        with self._command:
+            if self.stopped or self.failure is not None:
+                return
+            self.stopped = True
+            try:
+                self.groups.broadcast_object(Stop())
+            except Exception:  # noqa: BLE001 -- a rank already gone: its launcher stops it all the same
+                pass
 
     def check(self) -> None:
         if self.failure is not None:

@@ -20,8 +20,9 @@ from collections.abc import Callable
 import torch
 from torch import Tensor
 
-from engine.core.sampler import DeviceDraw, SampleTensors, SampleVariant, row_flags
+from engine.core.sampler import DeviceDraw, SampleTensors, SampleVariant
 from engine.kernels.gumbel import gumbel_max, gumbel_max_ref
+from engine.kernels.row_max import row_max, row_max_ref
 from engine.parallel import ShardSpec, all_gather
 
 
@@ -33,8 +34,7 @@ def draws_sharded(variant: SampleVariant, num_logprobs: int) -> bool:
 def slice_maxima(local: Tensor, first_id: int) -> Tensor:
     """fp32 [B, V/N] logits of ids first_id .. -> float64 [B, 4]: (max, the lowest id reaching it, 1 if the slice
     holds a NaN or +inf, 1 if it holds a token above -inf)."""
-    bad, drawable = row_flags(local)
-    top, at = local.max(dim=-1)  # first maximum: the lowest id
+    top, at, bad, drawable = (row_max if local.is_cuda else row_max_ref)(local)  # first maximum: the lowest id
     return torch.stack([top.double(), (at + first_id).double(), bad.double(), drawable.double()], dim=-1)
 
 

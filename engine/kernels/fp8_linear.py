@@ -165,10 +165,17 @@ def pick_config(m: int, n: int, k: int, num_sms: int = 132) -> Fp8LinearConfig:
 def split_k_tickets(device: torch.device) -> Tensor:
     """The split-K tickets of `device`'s current stream, zero between launches (the last program of a tile
     resets its own). One buffer per stream: kernels running concurrently on two streams (the decode step's
-    side-stream shared expert beside the main stream's GEMMs) never share a ticket."""
+    side-stream shared expert beside the main stream's GEMMs) never share a ticket.
+
+    A stream's buffer is made (zeroed) on its first eager use: made inside a CUDA-graph capture, its zeroing would be
+    a node of that one graph, so every other graph using the stream's tickets would start from uninitialised memory
+    until that graph first replayed (a tile whose ticket is not 0 never reduces: its output is never written). Warm
+    up on the stream you capture on (DecodeStep.capture does)."""
     stream = torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0
     key = (device, stream)
     if key not in _TICKETS:
+        assert not (device.type == "cuda" and torch.cuda.is_current_stream_capturing()), (
+            f"split-K tickets of stream {stream:#x} made during a CUDA-graph capture: warm up on the capture stream")
         _TICKETS[key] = torch.zeros(MAX_TICKETS, dtype=torch.int32, device=device)
     return _TICKETS[key]
 

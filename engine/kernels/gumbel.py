@@ -40,7 +40,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from engine.kernels.triton_common import cdiv
+from engine.kernels.triton_common import cdiv, row_splits
 
 
 def _f32(v: float) -> float:
@@ -235,11 +235,7 @@ def gumbel_max(x: Tensor, seeds: Tensor, steps: Tensor, first_id: int = 0, num_s
         return (torch.empty(0, dtype=torch.float32, device=x.device),
                 torch.empty(0, dtype=torch.int64, device=x.device))
     num_tiles = cdiv(vocab_size, 4 * block_j)
-    if num_splits is None:
-        sms = torch.cuda.get_device_properties(x.device).multi_processor_count if x.is_cuda else 4
-        num_splits = cdiv(_PROGRAMS_PER_SM * sms, num_rows)
-    tiles_per_split = cdiv(num_tiles, max(1, min(num_splits, num_tiles)))
-    num_splits = cdiv(num_tiles, tiles_per_split)
+    num_splits, tiles_per_split = row_splits(num_rows, num_tiles, x.device, num_splits, _PROGRAMS_PER_SM)
     val = torch.empty(num_rows, num_splits, dtype=torch.float32, device=x.device)
     idx = torch.empty(num_rows, num_splits, dtype=torch.int32, device=x.device)
     _gumbel_argmax_kernel[(num_rows, num_splits)](

@@ -61,7 +61,8 @@ def pick_launch(k: int, n: int = 1, beside: bool = False) -> int:
 
 
 def _tickets(device: torch.device) -> Tensor:
-    if device not in _TICKETS:
+    if device not in _TICKETS:  # zeroed on first eager use (made inside a capture: see fp8_linear.split_k_tickets)
+        assert not torch.cuda.is_current_stream_capturing(), "hc_mixes_cuda tickets made during a CUDA-graph capture"
         _TICKETS[device] = torch.zeros(MAX_ROWS, dtype=torch.int32, device=device)
     return _TICKETS[device]
 

@@ -85,8 +85,14 @@ def smem_bytes(heads_per_cta: int, rows_per_split: int) -> int:
 def params_fit(p: DecodeParams, h: int, n_rows: int) -> bool:
     """Whether the kernel has an instance for p at H = h heads and n_rows = KW + KM rows."""
     p = p.normalised(n_rows)
-    return (p.heads_per_cta in HEADS_PER_CTA and h % p.heads_per_cta == 0 and 1 <= p.splits <= MAX_SPLITS
+    return (p.heads_per_cta in HEADS_PER_CTA and heads_fit(h, p.heads_per_cta) and 1 <= p.splits <= MAX_SPLITS
             and smem_bytes(p.heads_per_cta, p.rows_per_split(n_rows)) <= MAX_SMEM)
+
+
+def heads_fit(h: int, heads_per_cta: int) -> bool:
+    """Whole head blocks, or one partial 16-head block (H < 16: a rank's heads under tensor parallelism; the
+    kernel computes the missing heads on zero queries and stores none of them)."""
+    return h % heads_per_cta == 0 or (heads_per_cta == 16 and 1 <= h < 16)
 
 
 @lru_cache(maxsize=1024)
@@ -127,7 +133,7 @@ def decode_applies(q: Tensor, swa_pool: Tensor, swa_idx: Tensor, main_pool: Tens
         return False
     m, h, d = q.shape
     n_rows = swa_idx.size(-1) + main_idx.size(-1)
-    if not (0 < m <= max_m and d == HEAD_DIM and h % 16 == 0 and n_rows > 0):
+    if not (0 < m <= max_m and d == HEAD_DIM and heads_fit(h, 16) and n_rows > 0):
         return False
     if q.data_ptr() % 16 or swa_pool.data_ptr() % 16 or main_pool.data_ptr() % 16:
         return False
@@ -146,13 +152,13 @@ def sparse_attn_decode(q: Tensor, swa_pool: Tensor, swa_idx: Tensor, main_pool: 
     main_pool uint8 [..., 288]; main_idx int32 [M, KM] (-1 = none); sink fp32 [H] -> bf16 [M, H, 512].
 
     The contract of `sparse_attn_paged` (check_attn_args; slots must be < the pool's slot count, not checked),
-    on one CUDA device, with D = 512, H a multiple of 16 and q / pools 16-byte aligned. params: the launch
+    on one CUDA device, with D = 512, H a multiple of 16 or below 16 and q / pools 16-byte aligned. params: the launch
     shape (default pick_params). Raises RuntimeError when the launch fails.
     """
     check_attn_args(q, swa_pool, swa_idx, main_pool, main_idx, sink)
     m, h, d = q.shape
     assert d == HEAD_DIM, f"sparse_attn_decode is built for head_dim {HEAD_DIM}, got {d}"
-    assert h % 16 == 0, f"heads {h} must be a multiple of 16"
+    assert heads_fit(h, 16), f"heads {h} must be a multiple of 16 or below 16"
     assert q.is_cuda, f"sparse_attn_decode needs a CUDA device, got {q.device}"
     assert m <= MAX_M, f"at most {MAX_M} queries, got {m}"
     assert q.data_ptr() % 16 == 0 and swa_pool.data_ptr() % 16 == 0 and main_pool.data_ptr() % 16 == 0, \

@@ -179,6 +179,17 @@ def cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
+def row_splits(num_rows: int, num_tiles: int, device: torch.device, num_splits: int | None = None,
+               programs_per_sm: int = 4) -> tuple[int, int]:
+    """A split-row reduction's launch: (programs per row, tiles per program). num_splits None: ~programs_per_sm
+    programs per SM over the rows (4 SMs counted off the GPU); never more programs than tiles, none empty."""
+    if num_splits is None:
+        sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 4
+        num_splits = cdiv(programs_per_sm * sms, num_rows)
+    tiles_per_split = cdiv(num_tiles, max(1, min(num_splits, num_tiles)))
+    return cdiv(num_tiles, tiles_per_split), tiles_per_split
+
+
 def launch_sms(device: torch.device) -> int:
     """The SM count the launch shapes are sized by: the CUDA device's, or an H200's 132 elsewhere (the CPU
     interpreter then runs the grid the GPU would)."""

@@ -6,13 +6,16 @@ tool has arguments valid against the tool's parameters (jsonschema)."""
 from __future__ import annotations
 
 import json
+import random
+import re
 
 import jsonschema
 import llguidance
 import pytest
 
 from engine.chat import parse_completion, syntax
-from engine.chat.constraints import GrammarError, auto_tools_grammar, check, json_grammar, tool_calls_grammar
+from engine.chat.constraints import (STRING_TAGS, GrammarError, auto_tools_grammar, check, json_grammar,
+                                     text_without, tool_calls_grammar)
 
 BOOK = {"type": "function", "function": {"name": "book", "parameters": {
     "type": "object", "properties": {"seats": {"type": "integer", "minimum": 1, "maximum": 9},
@@ -61,6 +64,118 @@ def test_named_and_required_tool_calls(accepts):
                 calls(("book", {"seats": 2, "meal": "beef"})), calls(("book", {"meal": "veg", "seats": 2})),
                 calls(("book", {"seats": 2, "meal": "veg", "extra": 1})), "Sure." + good, good + "\n"):
         assert not accepts(named, bad), bad
+
+
+@pytest.mark.parametrize("tags", [(syntax.CALLS_OPEN,), (syntax.CALLS_OPEN, syntax.THINK_END),
+                                  (syntax.INVOKE_CLOSE, syntax.CALLS_CLOSE), ("<｜", "</｜", "<think>", "</think>")])
+def test_text_without_matches_exactly_the_texts_without_the_tags(tags):
+    """Random texts built from the tags, their prefixes and other characters (newlines, a lone "<") against the
+    definition: the regex (Python's re reads it as llguidance does) takes a text iff no tag occurs in it."""
+    any_text, nonempty = (re.compile(text_without(*tags, nonempty=n)) for n in (False, True))
+    pieces = [*tags, *(t[:k] for t in tags for k in range(1, len(t))), "x", "\n", "<", "/", "｜", " "]
+    rng = random.Random(0)
+    for _ in range(5000):
+        text = "".join(rng.choice(pieces) for _ in range(rng.randint(0, 7)))
+        free = not any(tag in text for tag in tags)
+        assert bool(any_text.fullmatch(text)) == free, text
+        assert bool(nonempty.fullmatch(text)) == (free and text != ""), text
+
+
+# Text the parser reads as a tag where a JSON value can be (engine/chat/constraints.py: STRING_TAGS), and text that
+# merely looks like one.
+TAGGED = [syntax.PARAM_CLOSE, syntax.INVOKE_CLOSE, syntax.CALLS_CLOSE, syntax.CALLS_OPEN, syntax.EOS,
+          syntax.PARAM_OPEN + ' name="k" string="true">', syntax.THINK_START, syntax.THINK_END]
+UNTAGGED = ["a < b", "a </b> c", "<thin>", "｜DSML｜ calls>", "<｜"[::-1], "<\n｜", "</ ｜"]
+VALUES = {"type": "object", "properties": {"s": {"type": "string"}, "o": {"type": "object"}, "a": {"type": "array"},
+                                           "e": {"enum": ["x", "y" + syntax.PARAM_CLOSE]}, "any": {}}}
+
+
+def test_json_values_hold_no_tag_text_in_strings_or_keys(accepts, tok):
+    """A string anywhere in a constrained JSON value, object keys and free values included, never holds a tag's text
+    (spelled in any tokens: the whole text's, or one character at a time, which also keeps `<think>` out of special
+    tokens, which JSON refuses anyway); text that only resembles a tag passes."""
+    assert all(any(tag in text for tag in STRING_TAGS) for text in TAGGED)
+    grammar = json_grammar(VALUES)
+
+    def values(text: str) -> list[dict]:
+        return [{"s": f"1{text}2"}, {"o": {"k": text}}, {"o": {text: 1}}, {"o": {"k": [{"j": text}]}}, {"a": [text]},
+                {"e": text}, {"any": text}, {"any": {"k": [text]}}, {"any": {text: None}}]
+
+    def spellings(value: dict) -> list[list[int]]:
+        text = json.dumps(value, ensure_ascii=False)
+        return [tok.encode(text), [i for ch in text for i in tok.encode(ch)]]
+
+    for text in TAGGED:
+        for value in values(text):
+            assert not any(accepts(grammar, ids) for ids in spellings(value)), value
+    for text in UNTAGGED:
+        for value in values(text)[:5] + values(text)[6:]:
+            assert all(accepts(grammar, ids) for ids in spellings(value)), value
+    assert accepts(grammar, json.dumps({"e": "x"}))
+    assert not accepts(grammar, json.dumps({"e": "y" + syntax.PARAM_CLOSE}, ensure_ascii=False))
+
+
+def test_strings_with_their_own_shape_keep_it(accepts, tok):
+    """A string with a pattern, format or length bounds gets no tag-free pattern (constraints.tag_free says why: the
+    intersection would cost ~8x per mask and, with long bounds, not compile): these schemas compile as they did."""
+    shaped = [{"type": "string", "minLength": 100, "maxLength": 200}, {"type": "string", "pattern": "^[a-z]{5000}$"},
+              {"type": "string", "minLength": 3000},
+              {"anyOf": [{"type": "string", "minLength": 100}, {"type": "null"}]},
+              {"type": "object", "additionalProperties": {"type": "string", "minLength": 100}}]
+    for schema in shaped:
+        check(json_grammar(schema))
+        check(tool_calls_grammar([{"type": "function", "function": {"name": "f", "parameters": {
+            "type": "object", "properties": {"p": schema}}}}], "f"))
+    bounded = json_grammar({"type": "string", "maxLength": 40})
+    assert accepts(bounded, json.dumps("a" + syntax.PARAM_CLOSE, ensure_ascii=False))  # the gap
+
+
+def test_tool_call_values_hold_no_tag_text_and_parse_back(accepts, tok):
+    """The same in a forced call's JSON values (a raw value holds no "<" at all): what the grammar takes, the parser
+    reads back as written, streamed or not; a value cut by a tag the grammar refuses."""
+    tool = {"type": "function", "function": {"name": "w", "parameters": VALUES}}
+    grammar = tool_calls_grammar([tool], "w")
+
+    def written(value: dict) -> str:  # every value as JSON (string="false"), which the grammar always allows
+        text = calls(("w", {k: 0 for k in value}))
+        for k, v in value.items():
+            text = text.replace(f'"{k}" string="false">0', f'"{k}" string="false">' + json.dumps(v, ensure_ascii=False))
+        return text
+
+    for text in UNTAGGED:
+        value = {"s": text, "o": {text: [text]}, "any": text}
+        assert accepts(grammar, written(value)), value
+        [call] = parse_completion(written(value), False, [tool]).tool_calls
+        assert json.loads(call.arguments) == value
+    for text in TAGGED:
+        for value in ({"s": text}, {"o": {"k": text}}, {"o": {text: 1}}, {"any": [text]}):
+            assert not accepts(grammar, written(value)), value
+            assert not accepts(grammar, [i for ch in written(value) for i in tok.encode(ch)]), value
+
+
+def test_json_in_thinking_mode_spans_the_reasoning(accepts, tok):
+    """response_format JSON in thinking mode: reasoning (free text, `<think>` tokens), the `</think>` token, then the
+    JSON value, which the parser reads as the whole content. Refused: a `</think>` spelled in plain tokens (the
+    parser's content would start there), a calls block in the reasoning (the parser would read it as a call), any
+    other special token (the end-of-sentence one included: the output cannot end before its answer), text between
+    `</think>` and the JSON, and JSON without the reasoning's end."""
+    schema = {"type": "object", "properties": {"n": {"type": "integer"}}, "required": ["n"]}
+    grammar, answer = json_grammar(schema, thinking=True), json.dumps({"n": 3})
+    think_start, think_end = tok.token_to_id(syntax.THINK_START), tok.token_to_id(syntax.THINK_END)
+    spelled_end = tok.encode("</") + tok.encode("think>")
+    for reasoning in ([], tok.encode("Let me think. <b>bold</b> 🦜 {\"n\": 1} a partial tag: <｜DSML｜ call"),
+                      tok.encode("one") + [think_start] + tok.encode("two")):
+        ids = reasoning + [think_end] + tok.encode(answer)
+        assert accepts(grammar, ids), tok.decode(ids)
+        parsed = parse_completion(tok.decode(ids), True)
+        assert json.loads(parsed.content) == {"n": 3} and not parsed.tool_calls
+    for ids in (tok.encode("x") + spelled_end + tok.encode("y") + [think_end] + tok.encode(answer),
+                tok.encode("x" + calls(("f", {}))) + [think_end] + tok.encode(answer),
+                tok.encode("x") + [tok.token_to_id("<｜place▁holder▁no▁7｜>"), think_end] + tok.encode(answer),
+                tok.encode("x") + [tok.eos_id], tok.encode("x") + [think_end] + tok.encode(" " + answer),
+                tok.encode(answer), tok.encode("x") + [think_end] + tok.encode(json.dumps({"n": "3"}))):
+        assert not accepts(grammar, ids), tok.decode(ids)
+    assert json_grammar(schema) == json_grammar(schema, thinking=False) and accepts(json_grammar(schema), answer)
 
 
 def test_check_names_the_keyword():

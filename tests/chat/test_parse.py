@@ -109,6 +109,30 @@ OUR_SAMPLES = [
      (None, None, [("f", '{"a": "1"}')])),
 ]
 SAMPLES = VLLM_SAMPLES + OUR_SAMPLES
+# Tag text inside argument values. The encoder writes a string value raw (string="true") and any other value as
+# json.dumps: neither escapes tag text, so DSML cannot carry a value holding a tag that ends it. The parser reads
+# such output as vLLM's regexes do: inside a value the tags that end it count (a parameter's close, the next
+# parameter's start, the invoke's or the block's close, the end-of-sentence marker); start tags and the think tags
+# stay in the value. The grammars (engine/chat/constraints.py) write no value the parser would cut.
+IN_VALUE = 'see <｜DSML｜ calls>, <｜DSML｜ invoke name="x">, <think> and </think>'
+TAGS_IN_VALUES = [
+    ("start_tags_in_a_raw_value", False, block(call("get_time", ("tz", "true", IN_VALUE))),
+     (None, None, [("get_time", json.dumps({"tz": IN_VALUE}, ensure_ascii=False))])),
+    ("start_tags_in_a_json_string", True,
+     "r</think>" + block(call("get_time", ("tz", "false", json.dumps(IN_VALUE, ensure_ascii=False)))),
+     ("r", None, [("get_time", json.dumps({"tz": IN_VALUE}, ensure_ascii=False))])),
+    ("a_parameter_close_ends_the_value", False, block(call("get_time", ("tz", "true", "a</｜DSML｜ parameter>b"))),
+     (None, None, [("get_time", '{"tz": "a"}')])),
+    ("the_next_parameter_ends_the_value", False,
+     block(call("get_time", ("tz", "false", '"a<｜DSML｜ parameter name="b" string="true">c"'))),
+     (None, None, [("get_time", '{"tz": "\\"a", "b": "c\\""}')])),
+    ("an_invoke_close_ends_the_call", False, block(call("get_time", ("tz", "true", "a</｜DSML｜ invoke>b"))),
+     (None, None, [("get_time", "{}")])),  # its parameter was still open: dropped
+    ("a_calls_close_ends_the_block", False, block(call("get_time", ("tz", "true", "a</｜DSML｜ calls>b"))),
+     (None, "b</｜DSML｜ parameter>\n</｜DSML｜ invoke>\n</｜DSML｜ calls>", [("get_time", "{}")])),
+    ("the_end_of_sentence_marker_is_dropped", False, block(call("get_time", ("tz", "true", "a" + EOS + "b"))),
+     (None, None, [("get_time", '{"tz": "ab"}')])),
+]
 
 
 def as_vllm(parsed: ParsedCompletion) -> tuple:
@@ -169,6 +193,17 @@ def test_every_split_point_streams_the_same_and_never_shows_a_tag(name, thinking
         assert_no_tag_text(deltas, str(chunks))
 
 
+@pytest.mark.parametrize(("name", "thinking", "text", "expected"), TAGS_IN_VALUES, ids=[s[0] for s in TAGS_IN_VALUES])
+def test_tag_text_inside_values_parses_by_the_tags_every_split_alike(name, thinking, text, expected):
+    whole = parse_completion(text, thinking, TOOLS, id_salt="s")
+    assert as_vllm(whole) == expected
+    for cut in range(len(text) + 1):
+        result, assembled, _ = stream(thinking, [text[:cut], text[cut:]])
+        assert result == whole and assembled == whole, f"split at {cut}: {text[:cut]!r} | {text[cut:]!r}"
+    result, assembled, _ = stream(thinking, list(text))
+    assert result == assembled == whole
+
+
 def test_a_call_streams_name_first_then_each_parameter_as_it_completes():
     parser = CompletionParser(False, TOOLS, id_salt="s")
     assert parser.feed("Let me check.\n\n<｜DSML｜ calls>\n<｜DSML｜ invoke name=\"get_wea").content == "Let me check.\n\n"
@@ -219,6 +254,6 @@ def test_parser_misuse_raises():
 
 
 def test_arguments_are_json_objects():
-    for _, thinking, text, _ in SAMPLES:
+    for _, thinking, text, _ in SAMPLES + TAGS_IN_VALUES:
         for c in parse_completion(text, thinking, TOOLS).tool_calls:
             assert isinstance(json.loads(c.arguments), dict)

@@ -105,20 +105,6 @@ def test_acquire_takes_a_cached_block_out_of_the_evictable_set():
     pool.check_integrity()
 
 
-def test_forget_frees_cached_blocks_and_drops_their_hashes():
-    pool = cached_pool(4, release_order=[0, 1, 2, 3])
-    pool.acquire([1])
-    pool.forget([2, 0])
-    assert pool.lookup(h(0)) is None and pool.lookup(h(2)) is None and pool.hash_of(2) is None
-    assert (pool.num_free, pool.num_cached, pool.num_in_use) == (3, 1, 1)
-    assert pool.allocate(2) == [2, 0]  # plain free blocks first, in the order forgotten
-    pool.check_integrity()
-    before = snapshot(pool)
-    with pytest.raises(AssertionError, match="not cached"):
-        pool.forget([3, 1])  # 1 is in use: nothing changes
-    assert snapshot(pool) == before
-
-
 def test_acquire_of_an_in_use_block_shares_it():
     pool = BlockPool(2)
     [b] = pool.allocate(1)

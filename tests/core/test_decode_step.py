@@ -5,6 +5,7 @@ steps it takes and which buckets it captures. (Its CUDA graphs: tests/gpu/test_d
 from __future__ import annotations
 
 import pytest
+import torch
 
 from engine.core.cache_manager import CacheLayout
 from engine.core.engine import EngineConfig, LLMEngine, LocalExecutor
@@ -93,3 +94,19 @@ def test_which_steps_and_buckets(tiny_model):
     # a bucket is captured when its smallest batch fits at its smallest context: (b_prev + 1) * (c_prev + 1) <= 1280
     assert step.buckets() == [(1, 256), (1, 512), (1, 1024), (2, 256), (2, 512), (2, 1024), (4, 256), (4, 512),
                               (8, 256)]
+
+
+def test_staged_block_tables_equal_the_plans_tables(tiny_model):
+    """The decode step's device block tables (updated in place, engine/core/block_table.py) hold each step's global
+    block lists and -1 after them, across appends, a truncation, rows that move and a batch that shrinks."""
+    layout = CacheLayout(64, 16, 16, 20, 40, 6, 0)
+    step = LocalExecutor(tiny_model.model, layout, True, DecodeOptions(5, 1000)).runner.decode
+    spec = SampleSpec(0, SamplingParams(), 1, 0)
+    steps = [[[3], [4, 5]], [[3, 6], [4, 5]], [[4, 5, 7], [3, 6]], [[4]], [[4], [8, 9, 10], [11], [12]]]
+    for tables in steps:
+        chunks = [_chunk(9, 10, global_blocks=t) for t in tables]
+        v = step.stage(StepPlan(chunks, [], [spec] * len(chunks)))
+        want = torch.full(tuple(v.gtable.shape), -1, dtype=torch.int64)
+        for b, t in enumerate(tables):
+            want[b, :len(t)] = torch.tensor(t)
+        assert torch.equal(v.gtable.cpu(), want), f"{tables}: {v.gtable}"

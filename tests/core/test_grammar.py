@@ -6,7 +6,8 @@ random-weight model: only the grammar can make its output valid, so valid output
 - JSON with enums, booleans, nested objects and bounded arrays, and DSML tool calls, decoded by the engine, parse
   and validate (jsonschema; the tool's parameters schema), with async scheduling off and on (the same tokens: a
   constrained request's mask for step k+1 needs its token k, so the engine reads the step in flight first).
-- A grammar that waits for a token (`</think>` in thinking mode) leaves the draws before it free.
+- JSON in thinking mode: the reasoning is free text up to `</think>`, the content after it the constrained JSON; a
+  `</think>` spelled in plain tokens is refused, and a reasoning that never ends stops at max_tokens ("length").
 - tool_choice required / named in thinking mode: the grammar spans the reasoning; a calls block forced into it is
   refused, a call after `</think>` validates.
 - tool_choice auto with a strict tool: free text; a call the model writes (teacher-forced into the block, which the
@@ -27,6 +28,7 @@ from engine.chat import syntax
 from engine.chat.constraints import auto_tools_grammar, json_grammar, tool_calls_grammar
 from engine.core.engine import LLMEngine, RequestError
 from engine.core.grammar import GrammarCompiler
+from engine.core.grammar import llg_tokenizer as llg_tokenizer_of
 from engine.core.sampler import SampleRow, allowed_tokens, sample
 from engine.core.sampling_params import GrammarSpec, SamplingParams
 from tests.core.conftest import random_prompt
@@ -60,7 +62,7 @@ def grammars(tok) -> GrammarCompiler:
 
 @pytest.fixture(scope="module")
 def llg_tokenizer(tok) -> llguidance.LLTokenizer:
-    return llguidance.LLTokenizer(tok.path.read_text(encoding="utf-8"), eos_token=tok.eos_id)
+    return llg_tokenizer_of(tok.path.read_text(encoding="utf-8"), tok.eos_id)
 
 
 def test_bitmask_unpacks_to_llguidances_verdict(tok, llg_tokenizer):
@@ -133,17 +135,35 @@ def test_constrained_json_and_tool_calls_validate_with_and_without_async_schedul
         jsonschema.validate(json.loads(call.arguments), TOOL["function"]["parameters"])
 
 
-def test_a_grammar_waits_for_its_token(tiny_model, grammars, tok):
-    """Thinking mode: the draws before `</think>` are free (here teacher-forced), the ones after it constrained."""
-    think_end = tok.token_to_id("</think>")
-    forced = tok.encode("Some reasoning") + [think_end]
-    params = SamplingParams(max_tokens=60, temperature=1.0, seed=9, grammar=GrammarSpec(json_grammar(SCHEMA),
-                                                                                          think_end))
-    out = drive(constrained_engine(tiny_model.model, grammars, False),
-                {0: [("add", "t", random_prompt(8, seed=7), params, forced)]})
-    ids, _, reason, _, error = out["t"]
-    assert error is None and reason.value == "stop" and ids[:len(forced)] == forced
-    jsonschema.validate(json.loads(tok.decode(ids[len(forced):])), SCHEMA)
+def test_json_in_thinking_mode_follows_the_reasoning(tiny_model, grammars, tok, llg_tokenizer):
+    """response_format JSON in thinking mode, grammar from the first token. Forced through some reasoning and the
+    `</think>` token, the draws write JSON that validates and the parser reads as the whole content; a `</think>`
+    spelled in plain tokens (where the parser would start the content) ends the request with the grammar's error;
+    left to itself, the random model reasons until max_tokens: finish reason "length", no error, no content, and no
+    special token but the think pair in the reasoning."""
+    think_end, think_start = tok.token_to_id(syntax.THINK_END), tok.token_to_id(syntax.THINK_START)
+    spelled = tok.encode("</") + tok.encode("think>")
+    assert tok.decode(spelled) == syntax.THINK_END and think_end not in spelled
+    cases = {"closed": tok.encode("Some reasoning") + [think_end], "spelled": tok.encode("Some reasoning") + spelled,
+             "open": []}
+    script = {0: [("add", rid, random_prompt(8, seed=7 + i), SamplingParams(
+        max_tokens=30 if rid == "open" else 120, temperature=1.0, seed=9 + i,
+        grammar=GrammarSpec(json_grammar(SCHEMA, thinking=True))), ids) for i, (rid, ids) in enumerate(cases.items())]}
+    out = drive(constrained_engine(tiny_model.model, grammars, False), script)
+    ids, _, reason, _, error = out["closed"]
+    assert error is None and reason.value == "stop" and ids[:len(cases["closed"])] == cases["closed"], (reason, error)
+    parsed = parse_completion(tok.decode(ids), thinking=True)
+    assert parsed.reasoning_content == "Some reasoning" and not parsed.tool_calls
+    jsonschema.validate(json.loads(parsed.content), SCHEMA)
+    assert parsed.content == tok.decode(ids[len(cases["closed"]):])
+    ids, _, reason, _, error = out["spelled"]
+    assert reason.value == "error" and "grammar does not allow" in error, (reason, error)
+    ids, _, reason, _, error = out["open"]
+    assert error is None and reason.value == "length" and len(ids) == 30, (reason, error)
+    assert not {t for t in ids if llg_tokenizer.is_special_token(t)} - {think_start, think_end}
+    if think_end not in ids:  # (the random model draws it about once in 100,000 tokens)
+        parsed = parse_completion(tok.decode(ids), thinking=True)
+        assert parsed.content == "" and parsed.reasoning_content and not parsed.tool_calls
 
 
 def test_a_grammar_that_does_not_compile_is_refused(tiny_model, grammars):
@@ -247,3 +267,28 @@ def test_forced_calls_in_thinking_mode_span_the_reasoning(tiny_model, grammars, 
     special = {t for t in ids if llg_tokenizer.is_special_token(t)} - {think_end, tok.token_to_id(syntax.THINK_START)}
     assert not special and syntax.CALLS_OPEN not in tok.decode(ids[:ids.index(think_end)] if think_end in ids
                                                                 else ids), special
+
+
+def test_the_decode_step_applies_grammar_masks_as_the_eager_step(tiny_model, grammars):
+    """Constrained decode steps run through the decode step (its draw applies the staged bitmasks,
+    engine/kernels/token_mask.py), beside an unconstrained request: the same tokens and logprobs as the kernel
+    path's eager step, whose host sampler applies the masks."""
+    from tests.core.test_decode_step import assert_same_draws, kernel_engine, run
+
+    spec = GrammarSpec(json_grammar(SCHEMA))
+    arrivals = {"greedy": (random_prompt(8, seed=7), SamplingParams(max_tokens=5, grammar=spec, logprobs=1), 0),
+                "sampled": (random_prompt(6, seed=8), SamplingParams(max_tokens=5, temperature=1.0, seed=9,
+                                                                     grammar=spec), 0),
+                "free": (random_prompt(5, seed=10), SamplingParams(max_tokens=4), 1)}
+
+    def with_grammars(e: LLMEngine) -> LLMEngine:
+        e.grammars = grammars
+        return e
+
+    legacy = run(with_grammars(kernel_engine(tiny_model.model, decode_step=False)), arrivals)
+    e = with_grammars(kernel_engine(tiny_model.model, decode_step=True))
+    step, masked = e.executor.runner.decode, []
+    launch = step.launch
+    step.launch = lambda plan: (masked.append(sum(s.allowed is not None for s in plan.samples)), launch(plan))[1]
+    assert_same_draws(run(e, arrivals), legacy)
+    assert max(masked) == 2  # masked draws went through the decode step

@@ -167,3 +167,30 @@ def test_ids_between_equals_slicing_all_ids():
     for a in range(len(ids) + 1):
         for b in range(a, len(ids) + 1):
             assert r.ids_between(a, b) == ids[a:b], (a, b)
+
+
+def test_a_request_alone_short_of_blocks_waits_for_a_pull_in_flight_instead_of_ending():
+    """Blocks a KV pull holds come back when it ends (KVCacheManager.begin_import .. end_import): a request that
+    cannot grow only because of them waits (no chunk, no LENGTH finish, no admission behind it); without a pull in
+    flight the same shortage ends it, as before."""
+    s = make(num_global=3, budget=12, snapshots=0)
+    a = req("a", list(range(8)))
+    s.add(a)
+    step(s)
+    assert a.global_blocks == [0, 1]
+    pending = s.cache.begin_import([bytes([i]) * 32 for i in range(1)])  # holds the last free block
+    assert pending.fresh_blocks == [2]
+    s.add(req("b", list(range(50, 52))))
+    for _ in range(2):
+        chunks, out = step(s)  # a's position 8 needs a third block
+        assert chunks == [] and out.cannot_grow == [] and not a.is_finished and len(s.waiting) == 1
+    s.cache.end_import(pending, is_written=False)
+    chunks, _ = step(s)
+    assert chunks[0] == ("a", 8, 9) and a.global_blocks == [0, 1, 2]
+
+    alone = make(num_global=2, budget=12, snapshots=0)
+    r = req("r", list(range(8)))
+    alone.add(r)
+    step(alone)
+    _, out = step(alone)
+    assert out.cannot_grow == [r] and r.finish_reason is FinishReason.LENGTH

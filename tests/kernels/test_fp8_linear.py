@@ -119,6 +119,24 @@ def test_prefill_splits_k_when_the_tiles_fill_less_than_a_wave():
     assert not split_k_tickets(x.device).any(), "split-K tickets were not reset"
 
 
+
+def test_split_k_tickets_are_never_made_inside_a_graph_capture(monkeypatch):
+    """A stream's tickets are zeroed when made. Made during a CUDA-graph capture, the zeroing is a node of that one
+    graph: the decode step's other graphs captured on the stream started from uninitialised tickets (a tile whose
+    ticket is not 0 never writes its output), so bucket 32's graph drew other tokens than the eager step (batch 17 of
+    tests/gpu/test_decode_graphs.py). A capturing stream stands in for the GPU's here."""
+    import engine.kernels.fp8_linear as fp8_linear_module
+
+    class CapturingStream:
+        cuda_stream = 0x5EED
+
+    monkeypatch.setattr(fp8_linear_module, "_TICKETS", {})
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: CapturingStream())
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
+    with pytest.raises(AssertionError, match="during a CUDA-graph capture"):
+        split_k_tickets(torch.device("cuda", 0))
+    assert fp8_linear_module._TICKETS == {}
+
 def test_leading_dims_and_empty_rows():
     x, qw, sw = fp8_linear_problem(6, 64, 64)
     y = fp8_linear(x.view(2, 3, 64), qw, sw)

@@ -63,7 +63,8 @@ def test_cuda_source_compiles_and_launcher_checks_its_contract(tmp_path):
         return lib.dsv41_sparse_decode(ptr, ptr, ptr, ptr, ptr, ptr, ptr, a["M"], a["H"], a["KW"], a["KM"],
                                        a["scale"], a["hb"], a["R"], a["splits"], a["pdl"], None)
 
-    bad = [dict(M=0), dict(M=65536), dict(H=48, hb=32), dict(H=8), dict(hb=64), dict(R=72), dict(R=0),
+    bad = [dict(M=0), dict(M=65536), dict(H=48, hb=32), dict(H=8, hb=32), dict(H=24), dict(H=0), dict(hb=64),
+           dict(R=72), dict(R=0),
            dict(splits=7), dict(splits=9, R=16, KW=128, KM=16), dict(KW=-1), dict(KW=0, KM=0, splits=1),
            dict(pdl=2), dict(R=256, splits=3, hb=32)]  # the last: 256 rows of kv + HB 32 exceed 227 KB
     for case in bad:
@@ -87,6 +88,11 @@ def test_smem_and_params_cpu():
     for hh, rows in ((16, 20), (48, 640), (64, 1), (64, 1280), (32, 17)):
         p = pick_params(8, hh, rows)
         assert params_fit(p, hh, rows) and hh % p.heads_per_cta == 0, (hh, rows, p)
+    for hh in (1, 4, 8):  # a rank's heads at N = 64 / 16 / 8: one partial 16-head block, never 32
+        p = pick_params(6, hh, n_rows)
+        assert p.heads_per_cta == 16 and params_fit(p, hh, n_rows), (hh, p)
+        assert not params_fit(DecodeParams(32, 8), hh, n_rows)
+    assert not params_fit(DecodeParams(16, 8), 24, n_rows)  # above 16: whole blocks only
     assert not params_fit(DecodeParams(16, 1), h, n_rows)  # 640 rows in one CTA: too much shared memory
     assert DecodeParams(16, 8).normalised(20) == DecodeParams(16, 2)  # 16-row splits: 2 own rows
     assert DecodeParams(32, 3).rows_per_split(640) == 224
@@ -357,6 +363,23 @@ def test_odd_shapes_gpu(m, h, kw, km):
         if p is not None and not (params_fit(p, h, n) and h % p.heads_per_cta == 0):
             continue
         _check(args, 0.03, f"M={m} H={h} KW={kw} KM={km} params {p}", p, triton=p is None)
+
+
+@gpu
+@needs_cuda
+@pytest.mark.parametrize("m", [1, 6])
+@pytest.mark.parametrize("h", [8, 4, 1])
+def test_a_ranks_heads_gpu(m, h):
+    """H < 16 (a rank's heads under tensor parallelism: 8 at N = 8): one partial 16-head block, the missing heads
+    computed on zero queries and never stored; the real record counts (128 window + 512 compressed rows)."""
+    args = sparse_attn_problem(m, h, HEAD_DIM, 128, 512, swa_slots=256, main_slots=1024, device="cuda", seed=h + m)
+    assert decode_applies(*args[:5])
+    out = _check(args, HEAD_DIM ** -0.5, f"M={m} H={h} KW=128 KM=512")
+    assert out.shape == (m, h, HEAD_DIM)
+    whole = torch.cat([args[0], torch.zeros(m, 16 - h, HEAD_DIM, dtype=args[0].dtype, device="cuda")], dim=1)
+    padded = sparse_attn_decode(whole, *args[1:5], torch.cat([args[5], torch.zeros(16 - h, device="cuda")]),
+                                HEAD_DIM ** -0.5)
+    assert torch.equal(out, padded[:, :h]), "a partial block must equal the first heads of a padded whole block"
 
 
 @gpu

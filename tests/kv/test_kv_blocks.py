@@ -1,7 +1,9 @@
 """Global KV blocks leave one engine as flat bytes and enter another as a local prefix-cache hit.
 
 - read_blocks / write_blocks move every global pool's rows of a block, bit for bit;
-- KVCacheManager.import_prefix keeps the blocks it already holds, fills free ones, and stops when short;
+- KVCacheManager.begin_import holds the blocks it already has and fresh ones (unpublished: no hit) and stops when
+  short; end_import publishes the fresh ones, or frees them after a failed write; a block a step registered
+  meanwhile wins; a second import skips the blocks a first one in flight brings;
 - engine A exports a conversation's first turn, engine B (same fingerprint) imports it: B's second turn
   computes only the new tokens plus the replayed window and equals engine C, which computed the first
   turn itself but kept no snapshot (so it too resumes by block hit + encoder replay);
@@ -11,6 +13,10 @@
 from __future__ import annotations
 
 import hashlib
+import importlib.util
+import os
+import pickle
+import time
 
 import numpy as np
 import pytest
@@ -24,6 +30,7 @@ from engine.core.kv_cache import PagedKVCache, global_bytes_per_block
 from engine.core.sampling_params import SamplingParams
 from engine.presets import full_config
 from tests.core.conftest import random_prompt, run_engine
+from tests.kv.gated_reader import TIMEOUT_S, FileGatedReader
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -73,27 +80,83 @@ def chain(n: int) -> list[bytes]:
     return [hashlib.sha256(b"block %d" % i).digest() for i in range(n)]
 
 
-def test_import_prefix_keeps_held_blocks_fills_free_ones_and_stops_when_short():
+def test_an_import_holds_its_blocks_unpublished_then_publishes_them_tail_last_evicted_first():
     cache = KVCacheManager(small_layout(num_global=6), salt=b"s")
     pool = cache.global_pool
     h = chain(8)
-    assert cache.import_prefix(h[1:2]) == [0]  # h1 held (cached) before the import
+    first = cache.begin_import(h[1:2])
+    assert first.fresh_blocks == [0] and cache.end_import(first, is_written=True) == 1  # h1 held (cached)
     busy = pool.allocate(2)  # blocks 1, 2 in use by someone else
-    got = cache.import_prefix(h[:8])
+    pending = cache.begin_import(h[:8])
     # free: 3, 4, 5 (plain) -> h0, h2, h3; h1 kept in block 0; no block left for h4
-    assert got == [3, None, 4, 5]
+    assert pending.hashes == h[:4] and pending.blocks == [3, 0, 4, 5] and pending.fresh == [0, 2, 3]
+    # in flight: all four held (nothing evicts or reuses them), the fresh ones no prefix hit
+    assert [pool.lookup(x) for x in h[:4]] == [None, 0, None, None] and cache.num_leading_held(h) == 0
+    assert all(pool.ref_count(b) == 1 for b in (0, 3, 4, 5)) and pool.num_free == 0
+    pool.check_integrity()
+    assert cache.end_import(pending, is_written=True) == 3
     assert [pool.lookup(x) for x in h[:4]] == [3, 0, 4, 5] and pool.lookup(h[4]) is None
+    assert cache.num_leading_held(h) == 4
     assert all(pool.ref_count(b) == 0 for b in (0, 3, 4, 5)) and pool.num_cached == 4
     # eviction order: the chain's tail first
     pool.release(busy)
     assert pool.allocate(4)[2:] == [5, 4]
-    assert cache.import_prefix(h[:2]) == [None, None]
+    again = cache.begin_import(h[:2])
+    assert again.blocks == [3, 0] and again.fresh == []
+    cache.end_import(again, is_written=True)
     pool.check_integrity()
 
 
-def test_import_prefix_is_a_no_op_without_prefix_caching():
+def test_a_failed_import_frees_its_fresh_blocks_and_publishes_nothing():
+    cache = KVCacheManager(small_layout(num_global=6), salt=b"s")
+    pool = cache.global_pool
+    h = chain(4)
+    cache.end_import(cache.begin_import(h[:1]), is_written=True)  # h0 in block 0, cached
+    pending = cache.begin_import(h)
+    assert pending.blocks == [0, 1, 2, 3] and pending.fresh == [1, 2, 3]
+    cache.check_integrity([])
+    assert cache.end_import(pending, is_written=False) == 0
+    assert cache.num_leading_held(h) == 1 and pool.num_cached == 1 and pool.num_in_use == 0
+    assert [pool.hash_of(b) for b in (1, 2, 3)] == [None] * 3
+    assert not cache.imports
+    cache.check_integrity([])
+
+
+def test_a_block_a_step_registered_during_the_import_wins_over_the_pulled_copy():
+    """A request that computed the same block while the pull was in flight registered its own: the pull's copy
+    is freed at the end, and the chain is whole either way."""
+    cache = KVCacheManager(small_layout(num_global=6), salt=b"s")
+    pool = cache.global_pool
+    h = chain(2)
+    pending = cache.begin_import(h)
+    assert pending.fresh_blocks == [0, 1]
+    [own] = pool.allocate(1)  # the request's block for h0, registered once computed
+    assert pool.register(own, h[0])
+    assert cache.end_import(pending, is_written=True) == 1
+    assert pool.lookup(h[0]) == own and pool.lookup(h[1]) == 1 and pool.hash_of(0) is None
+    assert pool.ref_count(0) == 0 and pool.num_cached == 1
+    pool.check_integrity()
+
+
+def test_a_second_import_of_an_overlapping_prefix_skips_the_blocks_the_first_brings():
+    """At the cache's level two imports may overlap: the second neither reads nor holds the blocks the first
+    holds unpublished, and its run is whole once both ended. (AsyncEngine runs one pull at a time, so in
+    serving the second finds the first's blocks published instead: tests/kv/test_pull_beside_steps.py.)"""
+    cache = KVCacheManager(small_layout(num_global=6), salt=b"s")
+    h = chain(4)
+    first = cache.begin_import(h[:2])
+    second = cache.begin_import(h)
+    assert first.blocks == [0, 1] and second.blocks == [None, None, 2, 3] and second.fresh == [2, 3]
+    cache.check_integrity([])
+    assert cache.end_import(second, is_written=True) == 2 and cache.num_leading_held(h) == 0
+    assert cache.end_import(first, is_written=True) == 2 and cache.num_leading_held(h) == 4
+    cache.check_integrity([])
+
+
+def test_an_import_is_a_no_op_without_prefix_caching():
     cache = KVCacheManager(small_layout(), salt=b"s", enable_prefix_caching=False)
-    assert cache.import_prefix(chain(2)) == []
+    pending = cache.begin_import(chain(2))
+    assert pending.hashes == [] and pending.fresh == [] and cache.end_import(pending, is_written=True) == 0
     assert cache.cached_prefix(list(range(200))) == (0, [], [])
 
 
@@ -155,7 +218,13 @@ def test_a_prefix_from_another_fingerprint_or_format_is_refused(tiny_model):
         assert engine.cache.global_pool.num_cached == 0 and engine.cache.cached_prefix(prompt)[0] == 0
 
 
-def test_the_shard_actor_reads_and_writes_blocks_through_ray(tiny_checkpoint, tiny_cfg, monkeypatch):
+def test_the_shard_actor_reads_writes_and_pulls_blocks(tiny_checkpoint, tiny_cfg, monkeypatch, tmp_path):
+    """Through Ray: block reads and writes, and a pull. A pull runs in the actor's "pull" group: while its read
+    is held, step-group calls (a block read, the barrier) still answer. For a pull over NIXL the replica hands
+    the actor a reader of a few hundred bytes (the owner's agent metadata and block addresses); the actor's own
+    NIXL agent reads the blocks from the owner's host store (here: this process) into the actor's staging
+    buffer, so the block bytes never pass through Ray. A corrupted block raises TransferFailed out of the actor,
+    as the replica's fallback expects. (One test: starting the actor is most of its time.)"""
     ray = pytest.importorskip("ray")
     from serve_app.shard_worker import CONCURRENCY_GROUPS, ShardExecutor, ShardWorker
 
@@ -171,7 +240,50 @@ def test_the_shard_actor_reads_and_writes_blocks_through_ray(tiny_checkpoint, ti
         executor.write_blocks([2, 0], data)
         back = executor.read_blocks([0, 2, 1])
         assert np.array_equal(back[:2], data[::-1]) and not back[2].any()
+        pull_beside_a_step_call(ray, actor, executor, data, tmp_path)
+        if importlib.util.find_spec("nixl_cu13") is not None:
+            pull_into_the_actor(executor, tiny_cfg)
         executor.shutdown()
     finally:
         if started:
             ray.shutdown()
+
+
+def pull_beside_a_step_call(ray, actor, executor, data: np.ndarray, tmp_path) -> None:
+    started, go = tmp_path / "started", tmp_path / "go"
+    pulling = actor.import_blocks.remote([5, 6], FileGatedReader(data, str(started), str(go)))
+    deadline = time.monotonic() + TIMEOUT_S
+    while not started.exists():
+        assert time.monotonic() < deadline, "the pull's read never started"
+        time.sleep(0.05)
+    # the step group answers while the pull's read is held (before the "pull" group it waited for the pull);
+    # well within the gate's own timeout, so that a step call queued behind the pull fails here
+    assert np.array_equal(ray.get(actor.read_blocks.remote([2]), timeout=TIMEOUT_S / 4), data[:1])
+    ray.get(actor.barrier.remote(), timeout=TIMEOUT_S / 4)
+    assert not ray.wait([pulling], timeout=0)[0]
+    go.touch()
+    ray.get(pulling, timeout=TIMEOUT_S)
+    assert np.array_equal(executor.read_blocks([5, 6]), data)
+
+
+def pull_into_the_actor(executor, tiny_cfg) -> None:
+    from serve_app.kv_store import HostKVStore
+    from serve_app.kv_transfer import NixlBlockReader, TransferAgent, TransferFailed
+
+    nbytes = block_bytes(tiny_cfg, 64)
+    store = HostKVStore(b"salt", nbytes, 8 * nbytes)
+    data = np.random.default_rng(4).integers(0, 256, (5, nbytes), dtype=np.uint8)
+    hashes = [bytes([i]) * 32 for i in range(5)]
+    store.put(ExportedPrefix(b"salt", hashes, data))
+    owner = TransferAgent(f"owner-{os.getpid()}-{id(store)}", store)
+    try:
+        executor.prepare_pulls()  # the actor's staging buffer and NIXL agent, before the first pull
+        reader = NixlBlockReader(owner.metadata, store.get_descriptors(hashes), 5.0, agent=owner)
+        assert len(pickle.dumps(reader)) < 2048 < data.nbytes  # what crosses Ray: no block bytes, no agent
+        executor.import_blocks([7, 1, 4], reader.select([0, 3, 4]))
+        assert np.array_equal(executor.read_blocks([7, 1, 4]), data[[0, 3, 4]])
+        store.buffer[1, 5] ^= 1
+        with pytest.raises(TransferFailed, match="checksum mismatch"):
+            executor.import_blocks([2, 3], reader.select([0, 1]))
+    finally:
+        owner.close()

@@ -126,3 +126,29 @@ def test_adjacent_slots_coalesce_into_one_descriptor():
     local, remote = coalesce_reads(1000, [50, 60, 70, 10, 20, 90], 10)
     assert remote == [(50, 30, 0), (10, 20, 0), (90, 10, 0)]
     assert local == [(1000, 30, 0), (1030, 20, 0), (1050, 10, 0)]
+
+
+def test_a_block_reader_reads_chunks_into_a_buffer_it_registers_once_and_travels_without_its_agent(pair, capfd):
+    import pickle
+
+    from serve_app.kv_transfer import NixlBlockReader
+
+    store, owner, reader = pair
+    prefix = blocks(5, seed=7)
+    store.put(prefix)
+    refs = store.get_descriptors(prefix.hashes)
+    staging = np.zeros((2, 2, BLOCK), np.uint8)  # an importer's two slots of two blocks
+    nixl = NixlBlockReader(owner.metadata, refs, 5.0, agent=reader).select([4, 0, 2])
+    registered = len(reader._registered)
+    for _ in range(2):
+        nixl.open(staging.reshape(-1))
+    assert len(reader._registered) == registered + 1
+    nixl.read(0, staging[0, :2])
+    nixl.read(2, staging[1, :1])
+    assert np.array_equal(staging[0], prefix.data[[4, 0]]) and np.array_equal(staging[1, 0], prefix.data[2])
+    travelled = pickle.loads(pickle.dumps(nixl))
+    assert travelled.agent is None and travelled.blocks == nixl.blocks and travelled.num_blocks == 3
+    capfd.readouterr()
+    TransferAgent(f"logged-{os.getpid()}").close()
+    line = f"NIXL agent logged-{os.getpid()}: UCX backend, UCX_TLS={os.environ.get('UCX_TLS', 'unset (all found)')}"
+    assert line in capfd.readouterr().err

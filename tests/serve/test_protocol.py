@@ -367,31 +367,32 @@ def test_tool_choice_controls_the_rendered_tools():
     assert '"get_time"' in prompt and '"get_weather"' not in prompt
 
 
-def test_which_requests_get_a_grammar_and_where_it_starts():
-    """In thinking mode (reasoning_effort null) JSON is constrained after </think>; forced calls (required, named)
-    and the strict tools' grammar of tool_choice auto from the first token, their grammars spanning the reasoning
-    (the parser reads calls in the reasoning too); completions' JSON from the first token. Auto without a strict
-    tool has no grammar (no mask per token)."""
-    think_end = 128822
+def test_which_requests_get_a_grammar():
+    """Every grammar constrains from the first token; in thinking mode (reasoning_effort null) JSON's and the forced
+    calls' (required, named) span the reasoning (the parser reads calls in the reasoning too, and starts the content
+    at a spelled </think>), as the strict tools' grammar of tool_choice auto does; completions' JSON has no
+    reasoning. Auto without a strict tool has no grammar (no mask per token)."""
 
     def spec(req) -> GrammarSpec | None:
-        return p.to_sampling_params(req, num_prompt_tokens=1, max_model_len=100, think_end_id=think_end).grammar
+        return p.to_sampling_params(req, num_prompt_tokens=1, max_model_len=100).grammar
 
     for body in (chat(), chat(tools=[WEATHER, UNIQUE]), chat(tools=[strict(WEATHER)], tool_choice="none"),
                  chat(response_format={"type": "text"})):
         assert spec(p.parse_chat_request(body)) is None, body
     tools = [UNIQUE, strict(WEATHER), TIME]  # UNIQUE is not strict: its parameters are free, never compiled
     auto = p.parse_chat_request(chat(tools=tools))
-    assert spec(auto) == GrammarSpec(auto_tools_grammar(tools), None) and auto.tool_choice == "auto"
+    assert spec(auto) == GrammarSpec(auto_tools_grammar(tools)) and auto.tool_choice == "auto"
     required = p.parse_chat_request(chat(tools=[WEATHER], tool_choice="required"))
-    assert spec(required) == GrammarSpec(tool_calls_grammar([WEATHER], thinking=True), None)
+    assert spec(required) == GrammarSpec(tool_calls_grammar([WEATHER], thinking=True))
     named = p.parse_chat_request(chat(tools=[WEATHER, TIME], tool_choice={"type": "function", "function": {
         "name": "get_time"}}, reasoning_effort=30))
-    assert spec(named) == GrammarSpec(tool_calls_grammar([WEATHER, TIME], "get_time", thinking=True), None)
+    assert spec(named) == GrammarSpec(tool_calls_grammar([WEATHER, TIME], "get_time", thinking=True))
     chat_mode = p.parse_chat_request(chat(tools=[WEATHER], tool_choice="required", reasoning_effort="none"))
-    assert spec(chat_mode) == GrammarSpec(tool_calls_grammar([WEATHER]), None)
+    assert spec(chat_mode) == GrammarSpec(tool_calls_grammar([WEATHER]))
     assert spec(p.parse_chat_request(chat(response_format={"type": "json_object"}))) == GrammarSpec(
-        json_grammar({"type": "object"}), think_end)
+        json_grammar({"type": "object"}, thinking=True))
+    assert spec(p.parse_chat_request(chat(response_format={"type": "json_object"}, reasoning_effort="none"))) == \
+        GrammarSpec(json_grammar({"type": "object"}))
     schema = {"type": "object", "properties": {"n": {"type": "integer"}}, "required": ["n"]}
     fmt = {"type": "json_schema", "json_schema": {"name": "n", "schema": schema, "strict": True}}
     assert spec(p.parse_completion_request(completion(response_format=fmt))) == GrammarSpec(json_grammar(schema))

@@ -363,6 +363,30 @@ def test_every_token_split_of_the_parser_samples_streams_no_tag_text(tok, index)
         assert content == (want["content"] or "") and reasoning == (want.get("reasoning_content") or "")
 
 
+def _tags_in_values():
+    from tests.chat.test_parse import TAGS_IN_VALUES
+
+    return TAGS_IN_VALUES
+
+
+@pytest.mark.parametrize("index", range(len(_tags_in_values())), ids=[s[0] for s in _tags_in_values()])
+def test_every_token_split_of_tag_text_inside_values_streams_as_the_whole(tok, index):
+    """Argument values that hold tag text (tests/chat/test_parse.py: TAGS_IN_VALUES), cut at every token boundary and
+    one token at a time: the deltas join to the non-streamed message, which reads the tags as the parser does."""
+    _, thinking, text, expected = _tags_in_values()[index]
+    tools = _samples()[1]
+    ids = tok.encode(text) + [tok.eos_id]
+    whole, _ = run_chat(tok, thinking, ids, [ids], tools=tools, id_salt="r/0")
+    want = whole.message()
+    assert [(c["function"]["name"], c["function"]["arguments"]) for c in want["tool_calls"]] == expected[2]
+    for chunks in [[[i] for i in ids]] + [[ids[:cut], ids[cut:]] for cut in range(1, len(ids))]:
+        stream, deltas = run_chat(tok, thinking, ids, chunks, tools=tools, id_salt="r/0")
+        reasoning, content, calls = assemble(deltas)
+        assert stream.message() == want
+        assert [c["function"] for c in calls] == [c["function"] for c in want["tool_calls"]]
+        assert content == (want["content"] or "") and reasoning == (want.get("reasoning_content") or "")
+
+
 def test_skip_special_tokens(tok):
     """Tokens flagged special (a placeholder, BOS) are not text by default and are with skip_special_tokens false;
     V4.1's chat tags are added tokens but not special, so they stay text either way."""

@@ -1,5 +1,6 @@
 """Structured output through the real app (tiny random-weight checkpoint, CPU) with the official openai client:
-response_format json_schema (strict and not) and json_object, on chat and legacy completions, tool_choice "required"
+response_format json_schema (strict and not) and json_object, on chat and legacy completions (and in thinking mode,
+where the grammar spans the reasoning), tool_choice "required"
 and a named function, and a strict tool under tool_choice "auto". The random model writes noise, so output that
 parses and validates is the grammar's doing. Streamed tool-call argument deltas join to the non-streamed arguments
 (same seed), and a schema that cannot be enforced is a 400 naming the keyword."""
@@ -79,6 +80,21 @@ def test_json_object_is_one_object(oai):
         assert isinstance(json.loads(r.choices[0].message.content), dict)
     else:
         assert r.choices[0].message.content.startswith("{")
+
+
+def test_json_in_thinking_mode_ends_cleanly_inside_the_reasoning(oai):
+    """response_format JSON in thinking mode: the grammar spans the reasoning, so the output cannot end before its
+    answer, and the random model hardly ever closes its reasoning (tests/core/test_grammar.py forces `</think>`):
+    max_tokens ends it there, finish_reason "length" with the reasoning so far and no content, streamed alike."""
+    fmt = {"type": "json_schema", "json_schema": {"name": "thing", "schema": SCHEMA, "strict": True}}
+    kw = dict(response_format=fmt, reasoning_effort="high", seed=12, max_tokens=24)
+    r = chat(oai, **kw)
+    choice = r.choices[0]
+    assert choice.finish_reason == "length" and r.usage.completion_tokens == 24, choice
+    assert choice.message.reasoning_content and not choice.message.content and not choice.message.tool_calls
+    parts = [c.choices[0] for c in chat(oai, stream=True, **kw) if c.choices]
+    assert "".join(getattr(p.delta, "reasoning_content", None) or "" for p in parts) == choice.message.reasoning_content
+    assert not "".join(p.delta.content or "" for p in parts) and parts[-1].finish_reason == "length"
 
 
 def arguments_of(stream) -> list[tuple[str, str]]:

@@ -1,0 +1,168 @@
+"""Pulled global blocks into the paged pools, in chunks, through one host staging buffer the pools' owner keeps.
+
+    reader thread:  read chunk 0 -> slot 0 | read chunk 1 -> slot 1 | read chunk 2 -> slot 0 (after chunk 0's copy) ...
+    this thread:                           | import chunk 0 (slot 0)  | import chunk 1 (slot 1)                      ...
+
+The buffer is uint8 [2, chunk_blocks, block_bytes]: two slots, so at most two chunks are in flight (one being
+read, one being imported). It is allocated once per pools' owner (a shard actor, an in-process executor) and page-
+locked on CUDA, so a one-sided read (NIXL) can land in it and the host-to-device copy runs asynchronously on the
+importer's own stream; on the CPU it is plain memory and the import is a synchronous copy. A slot is handed back to
+the reader only once the copy out of it has finished (a CUDA event per slot).
+
+Where it runs: beside the steps (the AsyncEngine's pull thread in-process, a shard actor's "pull" group), into
+blocks the engine holds for the pull and has not published (LLMEngine.begin_import), so no step reads, reuses or
+hits them while they are written; the engine publishes them between two steps once this returns (end_import).
+The pools' other blocks are read and written by steps meanwhile: on CUDA the copies run on this importer's stream
+(after the work the steps had queued when the import started), and `import_blocks` returns only once they ended.
+
+Failure: a read that raises stops the pipeline; `import_blocks` waits for the read in flight, then raises. Chunks
+before it may already be in the pools: the caller must not use any of the blocks (LLMEngine.end_import frees them
+unpublished, so the request recomputes). After a failed read the buffer is retired and a fresh one allocated,
+since a one-sided read that timed out may still land in it later (the reader keeps the old one alive).
+"""
+
+from __future__ import annotations
+
+import threading
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Callable, Protocol
+
+import numpy as np
+import torch
+
+from engine.core.kv_blocks import block_bytes, write_rows
+from engine.core.kv_cache import PagedKVCache
+
+DEFAULT_CHUNK_BLOCKS = 64  # 3.6 MB of the real config's records per chunk; two slots: 7.3 MB of pinned memory
+
+
+class BlockReader(Protocol):
+    """A source of flat block records (engine/core/kv_blocks.py), read on the importer's reader thread."""
+
+    @property
+    def num_blocks(self) -> int: ...
+
+    def select(self, rows: list[int]) -> "BlockReader":
+        """The same source restricted to these rows, in this order."""
+        ...
+
+    def open(self, buffer: np.ndarray) -> None:
+        """Once per import, before the first read, on the reader thread: buffer is the whole staging buffer
+        (uint8, C-contiguous), e.g. to register it for one-sided reads."""
+        ...
+
+    def read(self, first: int, dst: np.ndarray) -> None:
+        """Fills dst (uint8 [n, block_bytes], a view of the staging buffer) with blocks first .. first + n - 1,
+        or raises (nothing in dst may be used then)."""
+        ...
+
+
+@dataclass(frozen=True, slots=True)
+class ArrayReader:
+    """Blocks already in host memory (an ExportedPrefix's data, the replica's own host store)."""
+
+    data: np.ndarray  # uint8 [n, block_bytes]
+
+    @property
+    def num_blocks(self) -> int:
+        return self.data.shape[0]
+
+    def select(self, rows: list[int]) -> "ArrayReader":
+        return ArrayReader(self.data[rows])
+
+    def open(self, buffer: np.ndarray) -> None:
+        pass
+
+    def read(self, first: int, dst: np.ndarray) -> None:
+        dst[:] = self.data[first:first + dst.shape[0]]
+
+
+# writes chunk rows (uint8 [n, block_bytes] on the host, a staging-buffer view) into those blocks of every rank's
+# pools; the default writes this process's pools, a shard group's leader broadcasts them (shard_lead.write_blocks)
+BlockSink = Callable[[list[int], torch.Tensor], None]
+
+
+class BlockImporter:
+    """The staging buffer and the pipeline. One import at a time (the engine's pull thread, or a shard actor's
+    "pull" group); the reader thread is this importer's own."""
+
+    def __init__(self, kv: PagedKVCache, chunk_blocks: int = DEFAULT_CHUNK_BLOCKS):
+        assert chunk_blocks >= 1, f"chunk_blocks {chunk_blocks}"
+        self.kv, self.chunk_blocks = kv, chunk_blocks
+        self.block_bytes = block_bytes(kv.cfg, kv.layout.global_block_size)
+        self.device = next(iter(kv.main_kv.values())).device
+        self.is_cuda = self.device.type == "cuda"
+        self.stream = torch.cuda.Stream(self.device) if self.is_cuda else None
+        self.host = self._new_buffer()  # [2, chunk_blocks, block_bytes] uint8
+        self.num_retired = 0  # buffers given up after a failed read
+        self._reader = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kv-import-read")
+        self._lock = threading.Lock()
+
+    @property
+    def buffer(self) -> np.ndarray:
+        """The staging buffer's host memory as numpy (what a reader registers)."""
+        return self.host.numpy()
+
+    @torch.inference_mode()
+    def import_blocks(self, block_ids: list[int], reader: BlockReader, sink: BlockSink | None = None) -> None:
+        """Reads reader's blocks (as many as block_ids) chunk by chunk and writes block i into block_ids[i] of
+        every global pool; returns once all are in the pools. Raises what a read raised (see the module doc)."""
+        assert reader.num_blocks == len(block_ids), f"{reader.num_blocks} blocks read for {len(block_ids)} targets"
+        if not block_ids:
+            return
+        with self._lock:
+            self._run(block_ids, reader, sink or self._write_local)
+
+    def close(self) -> None:
+        self._reader.shutdown(wait=True)
+
+    # ---- internals ----------------------------------------------------------------------------------
+    def _run(self, block_ids: list[int], reader: BlockReader, sink: BlockSink) -> None:
+        C, host = self.chunk_blocks, self.host
+        chunks = [(first, min(first + C, len(block_ids))) for first in range(0, len(block_ids), C)]
+        copied: list[torch.cuda.Event | None] = [None, None]  # per slot: its last copy to the device has ended
+
+        def read(i: int) -> None:  # on the reader thread
+            if copied[i % 2] is not None:
+                copied[i % 2].synchronize()  # the slot's previous chunk has left it
+            first, end = chunks[i]
+            reader.read(first, host[i % 2, :end - first].numpy())
+
+        def opened_then_read() -> None:
+            reader.open(host.numpy())
+            read(0)
+
+        if self.is_cuda:  # work queued before the pull (a launched step that may still write a block freed since)
+            self.stream.wait_stream(torch.cuda.current_stream(self.device))  # goes before this stream's copies
+        pending: Future = self._reader.submit(opened_then_read)
+        try:
+            for i, (first, end) in enumerate(chunks):
+                pending.result()  # chunk i is in slot i % 2 (or its read raised)
+                if i + 1 < len(chunks):
+                    pending = self._reader.submit(read, i + 1)  # overlaps the import below
+                rows = host[i % 2, :end - first]  # [n, block_bytes]
+                sink(block_ids[first:end], rows)
+                if self.is_cuda:
+                    copied[i % 2] = torch.cuda.Event()
+                    copied[i % 2].record(self.stream)
+            if self.is_cuda:
+                self.stream.synchronize()  # the pools are complete before the engine's next step reads them
+        except BaseException:
+            if not pending.done():
+                pending.exception()  # wait: the reader must not write the buffer while someone else uses it
+            if self.is_cuda:
+                self.stream.synchronize()
+            self.host = self._new_buffer()
+            self.num_retired += 1
+            raise
+
+    def _write_local(self, block_ids: list[int], rows: torch.Tensor) -> None:
+        if self.is_cuda:
+            with torch.cuda.stream(self.stream):
+                write_rows(self.kv, block_ids, rows.to(self.device, non_blocking=True))
+        else:
+            write_rows(self.kv, block_ids, rows)
+
+    def _new_buffer(self) -> torch.Tensor:
+        return torch.empty((2, self.chunk_blocks, self.block_bytes), dtype=torch.uint8, pin_memory=self.is_cuda)
