@@ -22,9 +22,11 @@ The printed table's columns: mode, batch, step ms (--steps steps back to back: w
 step, host share of the step ((wall - busy) / wall: the device idle), output tok/s (batch / step).
 
 --speculative-tokens K,..: instead of the modes, speculative decoding (issue 22) with each K (0: the graph mode
-above), the checkpoint's or the random model's DSpark stages drafting. K > 0 runs the kernel runner's eager
-speculative step (draft, verify chunk of K + 1 rows, rollback, DSpark context; no CUDA graphs yet). Per K and batch:
-step ms, the draft's share of it (the drafter's proposals, synchronised), the tokens a step emitted (random weights:
+above), the checkpoint's or the random model's DSpark stages drafting. K > 0 drafts eagerly and, greedy, verifies
+on the verify step's CUDA graphs (engine/core/verify_step.py: verify rows of K + 1 per request, acceptance, rollback,
+DSpark context, one graph per (batch, K, context) bucket); top_p runs the eager speculative step. Per K and batch:
+step ms, the draft's share of it (the drafter's proposals, synchronised), the verify step's time per step it took
+(synchronised; the graph replay, its staging and its read-back), the tokens a step emitted (random weights:
 the drafts are nearly all rejected, so about 1), measured tok/s, and tok/s projected at accept lengths 2.8, 3.5 and
 5.6 (GSM8K, agentic traces, Baseten's synthetic prompts; issue 22): batch x min(a, K + 1) / step, the verify cost
 being what it is whatever is accepted.
@@ -33,6 +35,7 @@ being what it is whatever is accepted.
 from __future__ import annotations
 
 import argparse
+import math
 import sys
 import time
 from dataclasses import replace
@@ -188,12 +191,31 @@ class TimedDrafter:
         return out
 
 
+class TimedVerify:
+    """Wraps a VerifyStep's execute (engine/core/verify_step.py: the verify on device buffers, its graph replayed)
+    and adds up its time (synchronised) and the steps it took."""
+
+    def __init__(self, step, sync):
+        self.inner, self.sync, self.seconds, self.steps = step.execute, sync, 0.0, 0
+        step.execute = self
+
+    def __call__(self, plan, drafts):
+        self.sync()
+        t0 = time.perf_counter()
+        out = self.inner(plan, drafts)
+        self.sync()
+        self.seconds += time.perf_counter() - t0
+        self.steps += 1
+        return out
+
+
 ACCEPT_LENGTHS = (2.8, 3.5, 5.6)
 
 
 def measure_speculative(engine: LLMEngine, batch: int, args: argparse.Namespace, params: SamplingParams
-                        ) -> tuple[float, float, float]:
-    """(step ms, draft ms per step, tokens emitted per step) over --steps steps after the prefill and --warmup."""
+                        ) -> tuple[float, float, float, float, int]:
+    """(step ms, draft ms per step, tokens emitted per step, verify ms per verify step on the verify step's graph
+    path (nan where none ran), verify steps it took) over --steps steps after the prefill and --warmup."""
     from engine.core.drafter import DSparkDrafter
 
     sync = torch.cuda.synchronize if torch.device(args.device).type == "cuda" else (lambda: None)
@@ -201,6 +223,7 @@ def measure_speculative(engine: LLMEngine, batch: int, args: argparse.Namespace,
     timer = None
     if runner.dspark is not None:
         timer = runner.drafter = TimedDrafter(DSparkDrafter(runner.model, runner.kv, runner.dspark), sync)
+    verify = None if runner.verify is None else TimedVerify(runner.verify, sync)
     g = torch.Generator().manual_seed(batch)
     for i in range(batch):
         engine.add_request(f"s{batch}-{i}", torch.randint(0, 120000, (args.prompt_len,), generator=g).tolist(), params)
@@ -211,6 +234,8 @@ def measure_speculative(engine: LLMEngine, batch: int, args: argparse.Namespace,
     sync()
     if timer is not None:
         timer.seconds = 0.0
+    if verify is not None:
+        verify.seconds, verify.steps = 0.0, 0
     tokens, t0 = 0, time.perf_counter()
     for _ in range(args.steps):
         tokens += sum(len(o.new_token_ids) for o in engine.step())
@@ -219,7 +244,11 @@ def measure_speculative(engine: LLMEngine, batch: int, args: argparse.Namespace,
     for rid in list(engine.requests):
         engine.abort(rid)
     draft_ms = 0.0 if timer is None else timer.seconds / args.steps * 1000
-    return step_s * 1000, draft_ms, tokens / args.steps
+    verify_steps = 0 if verify is None else verify.steps
+    verify_ms = verify.seconds / verify_steps * 1000 if verify_steps else math.nan
+    if verify is not None:
+        runner.verify.execute = verify.inner
+    return step_s * 1000, draft_ms, tokens / args.steps, verify_ms, verify_steps
 
 
 def speculative_sweep(model, args: argparse.Namespace, batches: list[int], params: SamplingParams,
@@ -230,22 +259,22 @@ def speculative_sweep(model, args: argparse.Namespace, batches: list[int], param
         config = EngineConfig(max_num_seqs=max(batches), max_num_batched_tokens=max(512, max(batches) * (K + 1)),
                               enable_prefix_caching=False, cache_memory_bytes=args.cache_mib << 20,
                               max_model_len=max_tokens, speculative_tokens=K, **MODES["graph"])
-        engine = LLMEngine.local(model, config, progress=K == 0, eos_token_id=-1)
+        engine = LLMEngine.local(model, config, progress=True, eos_token_id=-1)
         for batch in batches:
-            step_ms, draft_ms, per_step = measure_speculative(engine, batch, args, params)
-            rows.append((K, batch, step_ms, draft_ms, per_step))
-            print(f"K {K} batch {batch}: {step_ms:.3f} ms/step (draft {draft_ms:.3f}), {per_step:.2f} tokens/step",
-                  flush=True)
+            step_ms, draft_ms, per_step, verify_ms, verify_steps = measure_speculative(engine, batch, args, params)
+            rows.append((K, batch, step_ms, draft_ms, verify_ms, per_step))
+            print(f"K {K} batch {batch}: {step_ms:.3f} ms/step (draft {draft_ms:.3f}, verify step {verify_ms:.3f} in "
+                  f"{verify_steps} of {args.steps} steps), {per_step:.2f} tokens/step", flush=True)
         del engine
         torch.cuda.empty_cache()
     name = torch.cuda.get_device_name() if torch.device(args.device).type == "cuda" else "CPU"
     print(f"\n{name}, {args.sampling}, prompt {args.prompt_len}, {args.steps} steps, speculative decoding")
-    print("| K | batch | step ms | draft ms | tokens/step | tok/s | " +
+    print("| K | batch | step ms | draft ms | verify ms | tokens/step | tok/s | " +
           " | ".join(f"tok/s at accept {a}" for a in ACCEPT_LENGTHS) + " |")
-    print("|---|---|---|---|---|---|" + "---|" * len(ACCEPT_LENGTHS))
-    for K, batch, step_ms, draft_ms, per_step in rows:
+    print("|---|---|---|---|---|---|---|" + "---|" * len(ACCEPT_LENGTHS))
+    for K, batch, step_ms, draft_ms, verify_ms, per_step in rows:
         projected = " | ".join(f"{batch * min(a, K + 1) / step_ms * 1000:,.1f}" for a in ACCEPT_LENGTHS)
-        print(f"| {K} | {batch} | {step_ms:.3f} | {draft_ms:.3f} | {per_step:.2f} | "
+        print(f"| {K} | {batch} | {step_ms:.3f} | {draft_ms:.3f} | {verify_ms:.3f} | {per_step:.2f} | "
               f"{batch * per_step / step_ms * 1000:,.1f} | {projected} |")
 
 

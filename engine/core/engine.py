@@ -152,13 +152,13 @@ class LocalExecutor:
 def capture_decode_graphs(runner: ModelRunner, progress: bool = False) -> dict[str, float] | None:
     """Capture the runner's decode graphs (CUDA, graphs on); prints the capture's time and memory when progress.
     Returns capture_decode's summary, None when nothing was captured."""
-    step = runner.decode
+    step = runner.decode or runner.verify  # speculating, the verify step (engine/core/verify_step.py)
     if step is None or step.device.type != "cuda" or not step.options.graphs:
         return None
     summary = step.capture(progress)
     if progress:
-        print(f"captured {summary['graphs']:.0f} decode graphs in {summary['seconds']:.1f} s, "
-              f"{summary['bytes'] / 2**20:.0f} MiB", flush=True)
+        print(f"captured {summary['graphs']:.0f} {'decode' if runner.decode else 'verify'} graphs in "
+              f"{summary['seconds']:.1f} s, {summary['bytes'] / 2**20:.0f} MiB", flush=True)
     return summary
 
 

@@ -57,13 +57,15 @@ class DecodeOptions:
     max_batch: int  # the engine's max_num_seqs
     max_model_len: int
     graphs: bool = True  # capture CUDA graphs (on CUDA); False runs the same step eagerly
+    max_draft: int = 0  # speculative decoding: drafts a verify chunk may hold (engine/core/verify_step.py's K buckets)
 
 
 def decode_options(config: EngineConfig, cfg: ModelConfig) -> DecodeOptions | None:
     """What the runner's decode step needs from the engine's configuration (None: the step is off)."""
     if not config.decode_step:
         return None
-    return DecodeOptions(config.max_num_seqs, config.max_model_len or cfg.max_position_embeddings, config.cuda_graphs)
+    return DecodeOptions(config.max_num_seqs, config.max_model_len or cfg.max_position_embeddings, config.cuda_graphs,
+                         config.speculative_tokens)
 
 
 SPECULATIVE_KERNEL_SHARDS = ("speculative decoding on the kernel runner runs at one shard for now (it has not run "

@@ -111,9 +111,14 @@ class KernelDSpark:
         if kept is None:
             return
         rows, pos, slots = (t.to(main_hidden.device) for t in kept)
+        self.store_context(main_hidden[0, rows], pos, slots)
+
+    def store_context(self, main_hidden: Tensor, pos: Tensor, slots: Tensor) -> None:
+        """main_hidden bf16 [R, taps*D] tap hiddens at positions pos [R] -> every stage's context KV at window slots
+        [R] (-1 = skip): device work only (the verify step's graph body, engine/core/verify_step.py)."""
         first = self.model.mtp[0]
-        main_x = OPS.rms_norm(linear(first.main_proj, main_hidden[0, rows]), first.main_norm.weight,
-                              first.main_norm.eps)  # [R', D]
+        main_x = OPS.rms_norm(linear(first.main_proj, main_hidden), first.main_norm.weight,
+                              first.main_norm.eps)  # [R, D]
         for pool, stage in zip(self.kv.dspark_swa, self.model.mtp):
             attn = stage.attn
             OPS.store_window(linear(attn.wkv, main_x), attn.kv_norm.weight, attn.kv_norm.eps, pos,

@@ -103,6 +103,9 @@ class GlobalWrite:
     gpos: Tensor  # long [G]: their RoPE positions (first token of the group)
     plan: Ratio2Plan | None  # ratio 2: the pooling plan over `rows`
     verify: list["VerifyRows"] = field(default_factory=list)  # ratio 2: the verify chunks among `rows`
+    # ratio 2, the verify step on device buffers (engine/core/verify_step.py): every row's compressor rows are kept,
+    # as Step.groups[(-1, source)] (first = 0: row i of `rows` is row i of the kept tensors)
+    keep_all: bool = False
 
 
 class VerifyRows(NamedTuple):
@@ -416,6 +419,8 @@ class KernelRunner:
             self._store_latent(attn, latent, w.entries, w.gpos, table, main=True)
             return
         kv_rows, score_rows = mm_fp32(xr, comp.wkv.weight), mm_fp32(xr, comp.wgate.weight)  # fp32 [n, hd]
+        if groups is not None and w.keep_all:
+            groups[(-1, source)] = CompressorRows(0, kv_rows[None], score_rows[None])
         if groups is not None:
             for v in w.verify:  # before the launch, which overwrites the pending slot
                 p = v.start % comp.ratio

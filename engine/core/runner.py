@@ -18,7 +18,8 @@ plan and logits, with Triton kernels and fp32 torch ops reading the paged pools 
 Speculative decoding (the pools hold DSpark context, CacheLayout.num_dspark_layers > 0; either path): a step
 drafts for its verify chunks first (engine/core/drafter.py), computes every chunk with the drafts as tokens (on the
 kernel path a verify chunk is a short prefill-like chunk over the request's KV, run eagerly: KernelRunner.forward;
-the decode step's graphs are off while speculating, as every step writes DSpark context), lets
+the decode step's graphs are off while speculating, as every step writes DSpark context; a step of greedy verify chunks
+only runs instead as the verify step on device buffers, its CUDA graphs when captured: engine/core/verify_step.py), lets
 engine/core/speculative.py accept or reject them from the verify rows, rolls back the compressor's pending group
 to the accepted end, and writes the DSpark context KV of every kept position. Over N shards every rank drafts
 from its own slices of the DSpark stages and its own pools and verifies the same tokens (the draft and target logits
@@ -37,7 +38,7 @@ from engine.core.drafter import Draft, DraftRequest, Drafter, DSparkDrafter, DSp
 from engine.core.engine_config import EngineConfigError
 from engine.core.kv_cache import PagedKVCache
 from engine.core.plan import ChunkPlan, StepPlan
-from engine.core.sampler import sample_specs
+from engine.core.sampler import SampleOutput, sample_specs
 from engine.core.speculative import Verified, verify, verify_lengths
 from engine.core.step_rows import (CompressorRows, ForwardState, Segment, StepOutput, decoder_rows, engram_hashes,
                                    head_rows, no_logits, sample_step, segments, split_logits)
@@ -71,6 +72,7 @@ class ModelRunner:
         self._kernel_path = None
         self._spans: OrderedDict[int, torch.Tensor] = OrderedDict()  # image key -> bf16 [span tokens, dim]
         self.decode = None  # the kernel path's decode step on device buffers (engine/core/decode_step.py)
+        self.verify = None  # ... and its verify step, speculating (engine/core/verify_step.py)
         self.dspark: DSparkStages | None = None  # the DSpark stages' math on this path (speculative decoding)
         if kv.dspark_swa:
             if len(model.mtp) != len(kv.dspark_swa):
@@ -92,6 +94,11 @@ class ModelRunner:
                 from engine.core.kernel_drafter import KernelDSpark
 
                 self.dspark = KernelDSpark(self._kernel_path)
+                if decode is not None and decode.max_draft > 0:
+                    from engine.core.verify_step import VerifyStep
+
+                    self._kernel_path.reserve_positions(decode.max_model_len)
+                    self.verify = VerifyStep(self._kernel_path, decode, self.dspark)
             else:
                 self.dspark = GoldenDSpark(model, kv)
 
@@ -136,7 +143,13 @@ class ModelRunner:
     # ---- speculative decoding ---------------------------------------------------------------------------
     def _speculative_step(self, plan: StepPlan) -> StepOutput:
         """Draft, forward, verify, roll back what rejected drafts touched, store the kept positions' context."""
+        on_device = self.verify is not None and self.verify.takes(plan)
         plan, drafts = self._draft(plan)
+        if on_device:  # the verify step on device buffers (its graphs)
+            self.kv.apply(plan.copies)
+            verified = self.verify.execute(plan, drafts)
+            self._check_lockstep(drafts, verified)
+            return StepOutput(SampleOutput([], [], []), {}, verified)
         state = self._forward_state(plan)
         rows = state.logits.rows
         verified = verify([rows[v.chunk][1] for v in plan.verifies], plan.verifies, [d.token_ids for d in drafts],

@@ -57,6 +57,11 @@ def snapshot_records(engine: LLMEngine) -> dict[str, torch.Tensor]:
     every DSpark stage's context at the positions the snapshot keeps for them, every KV source's main-KV and index-key
     entries and its pending group (fp32 rows)."""
     (snap,) = engine.cache.snapshots.values()
+    return snapshot_contents(engine, snap)
+
+
+def snapshot_contents(engine: LLMEngine, snap) -> dict[str, torch.Tensor]:
+    """One snapshot's cache contents (snapshot_records)."""
     kv, cfg, layout = engine.executor.kv, engine.cfg, engine.cache.layout
     L, W, S, G = len(snap.token_ids), cfg.window_size, layout.swa_block_size, layout.global_block_size
     out = {}
