@@ -5,6 +5,7 @@ per step (the union of the kernels' intervals in a torch.profiler trace), and ou
         [--modes graph,device,legacy] [--sampling greedy|top_p] [--device cuda] [--top-kernels N] [--profile-host N]
         [--grammar off|on|both]
     python benchmarks/engine_decode.py --real-width --batches 1,6,16,64,256 --modes graph --layer-sum 1,6
+    python benchmarks/engine_decode.py --real-width --batches 1 --speculative-tokens 0,1,2,3,4,5
 
 --real-width: instead of a checkpoint, ten layers of DeepSeek-V4.1-Flash's real widths with every layer role
 (benchmarks/random_model.py, built on the GPU: ~75 GB); --layer-sum B: at batch B, each layer's own CUDA-graph
@@ -24,11 +25,22 @@ computed by the engine each step (GrammarCompiler.masks, all CPUs) while the dev
 (engine/core/overlap.py); both: each mode without, then with (rows "<mode>+grammar"), target <= 1.05x at batch 64.
 The printed table's columns: mode, batch, step ms (--steps steps back to back: wall / steps), GPU busy ms per
 step, host share of the step ((wall - busy) / wall: the device idle), output tok/s (batch / step).
+
+--speculative-tokens K,..: instead of the modes, speculative decoding (issue 22) with each K (0: the graph mode
+above), the checkpoint's or the random model's DSpark stages drafting. K > 0 drafts eagerly and, greedy, verifies
+on the verify step's CUDA graphs (engine/core/verify_step.py: verify rows of K + 1 per request, acceptance, rollback,
+DSpark context, one graph per (batch, K, context) bucket); top_p runs the eager speculative step. Per K and batch:
+step ms, the draft's share of it (the drafter's proposals, synchronised), the verify step's time per step it took
+(synchronised; the graph replay, its staging and its read-back), the tokens a step emitted (random weights:
+the drafts are nearly all rejected, so about 1), measured tok/s, and tok/s projected at accept lengths 2.8, 3.5 and
+5.6 (GSM8K, agentic traces, Baseten's synthetic prompts; issue 22): batch x min(a, K + 1) / step, the verify cost
+being what it is whatever is accepted.
 """
 
 from __future__ import annotations
 
 import argparse
+import math
 import sys
 import time
 from dataclasses import replace
@@ -170,6 +182,108 @@ def measure(engine: LLMEngine, batch: int, args: argparse.Namespace, params: Sam
     return step_s * 1000, busy_ms(trace, n_prof)
 
 
+class TimedDrafter:
+    """A drafter (engine/core/drafter.py) that adds up its inner drafter's proposal time (synchronised)."""
+
+    def __init__(self, inner, sync):
+        self.inner, self.sync, self.seconds = inner, sync, 0.0
+
+    def propose(self, requests):
+        self.sync()
+        t0 = time.perf_counter()
+        out = self.inner.propose(requests)
+        self.sync()
+        self.seconds += time.perf_counter() - t0
+        return out
+
+
+class TimedVerify:
+    """Wraps a VerifyStep's execute (engine/core/verify_step.py: the verify on device buffers, its graph replayed)
+    and adds up its time (synchronised) and the steps it took."""
+
+    def __init__(self, step, sync):
+        self.inner, self.sync, self.seconds, self.steps = step.execute, sync, 0.0, 0
+        step.execute = self
+
+    def __call__(self, plan, drafts):
+        self.sync()
+        t0 = time.perf_counter()
+        out = self.inner(plan, drafts)
+        self.sync()
+        self.seconds += time.perf_counter() - t0
+        self.steps += 1
+        return out
+
+
+ACCEPT_LENGTHS = (2.8, 3.5, 5.6)
+
+
+def measure_speculative(engine: LLMEngine, batch: int, args: argparse.Namespace, params: SamplingParams
+                        ) -> tuple[float, float, float, float, int]:
+    """(step ms, draft ms per step, tokens emitted per step, verify ms per verify step on the verify step's graph
+    path (nan where none ran), verify steps it took) over --steps steps after the prefill and --warmup."""
+    from engine.core.drafter import DSparkDrafter
+
+    sync = torch.cuda.synchronize if torch.device(args.device).type == "cuda" else (lambda: None)
+    runner = engine.executor.runner
+    timer = None
+    if runner.dspark is not None:
+        timer = runner.drafter = TimedDrafter(DSparkDrafter(runner.model, runner.kv, runner.dspark), sync)
+    verify = None if runner.verify is None else TimedVerify(runner.verify, sync)
+    g = torch.Generator().manual_seed(batch)
+    for i in range(batch):
+        engine.add_request(f"s{batch}-{i}", torch.randint(0, 120000, (args.prompt_len,), generator=g).tolist(), params)
+    while any(r.num_computed < len(r.prompt_ids) for r in engine.scheduler.running) or engine.scheduler.waiting:
+        engine.step()
+    for _ in range(args.warmup):
+        engine.step()
+    sync()
+    if timer is not None:
+        timer.seconds = 0.0
+    if verify is not None:
+        verify.seconds, verify.steps = 0.0, 0
+    tokens, t0 = 0, time.perf_counter()
+    for _ in range(args.steps):
+        tokens += sum(len(o.new_token_ids) for o in engine.step())
+    sync()
+    step_s = (time.perf_counter() - t0) / args.steps
+    for rid in list(engine.requests):
+        engine.abort(rid)
+    draft_ms = 0.0 if timer is None else timer.seconds / args.steps * 1000
+    verify_steps = 0 if verify is None else verify.steps
+    verify_ms = verify.seconds / verify_steps * 1000 if verify_steps else math.nan
+    if verify is not None:
+        runner.verify.execute = verify.inner
+    return step_s * 1000, draft_ms, tokens / args.steps, verify_ms, verify_steps
+
+
+def speculative_sweep(model, args: argparse.Namespace, batches: list[int], params: SamplingParams,
+                      max_tokens: int) -> None:
+    ks = [int(k) for k in args.speculative_tokens.split(",")]
+    rows = []
+    for K in ks:
+        config = EngineConfig(max_num_seqs=max(batches), max_num_batched_tokens=max(512, max(batches) * (K + 1)),
+                              enable_prefix_caching=False, cache_memory_bytes=args.cache_mib << 20,
+                              max_model_len=max_tokens, speculative_tokens=K, **MODES["graph"])
+        engine = LLMEngine.local(model, config, progress=True, eos_token_id=-1)
+        for batch in batches:
+            step_ms, draft_ms, per_step, verify_ms, verify_steps = measure_speculative(engine, batch, args, params)
+            rows.append((K, batch, step_ms, draft_ms, verify_ms, per_step))
+            print(f"K {K} batch {batch}: {step_ms:.3f} ms/step (draft {draft_ms:.3f}, verify step {verify_ms:.3f} in "
+                  f"{verify_steps} of {args.steps} steps), {per_step:.2f} tokens/step", flush=True)
+        del engine
+        torch.cuda.empty_cache()
+    name = torch.cuda.get_device_name() if torch.device(args.device).type == "cuda" else "CPU"
+    print(f"\n{name}, {args.sampling}, prompt {args.prompt_len}, {args.steps} steps, speculative decoding")
+    print("| K | batch | step ms | draft ms | verify ms | tokens/step | tok/s | " +
+          " | ".join(f"tok/s at accept {a}" for a in ACCEPT_LENGTHS) + " |")
+    print("|---|---|---|---|---|---|---|" + "---|" * len(ACCEPT_LENGTHS))
+    for K, batch, step_ms, draft_ms, verify_ms, per_step in rows:
+        projected = " | ".join(f"{batch * min(a, K + 1) / step_ms * 1000:,.1f}" for a in ACCEPT_LENGTHS)
+        print(f"| {K} | {batch} | {step_ms:.3f} | {draft_ms:.3f} | {verify_ms:.3f} | {per_step:.2f} | "
+              f"{batch * per_step / step_ms * 1000:,.1f} | {projected} |")
+
+
 def shard_engine(args: argparse.Namespace, config: EngineConfig) -> LLMEngine:
     """The engine as a replica runs it: its executor a ShardWorker Ray actor (serve_app/shard_worker.py) that loads
     the checkpoint and captures its graphs, each step a Ray call (a launched step: the call sent, read one step
@@ -207,24 +321,30 @@ def main() -> None:
     p.add_argument("--layer-sum", default="", help="batches at which to time each layer's graph")
     p.add_argument("--grammar", choices=("off", "on", "both"), default="off",
                    help="constrain every request by STRING_GRAMMAR (both: measure each mode without and with)")
+    p.add_argument("--speculative-tokens", default="", metavar="K,..",
+                   help="speculative decoding with each K (0 = off) instead of the modes; loads the DSpark stages")
     p.add_argument("--profile-host", type=int, default=0, help="print cProfile's N most costly functions (own time) "
                    "of --steps more steps per batch")
     args = p.parse_args()
     batches = [int(b) for b in args.batches.split(",")]
     args.layer_sum = {int(b) for b in args.layer_sum.split(",") if b}
-    max_tokens = args.prompt_len + args.steps + 64
+    speculative = bool(args.speculative_tokens)
+    max_tokens = args.prompt_len + (args.steps + args.warmup) * (6 if speculative else 1) + 64
     if args.real_width:
         from benchmarks.random_model import random_model, real_width_config
 
         t0 = time.perf_counter()
-        model = random_model(real_width_config(max_model_len=max_tokens), args.device)
+        model = random_model(real_width_config(max_model_len=max_tokens), args.device, with_mtp=speculative)
         print(f"random real-width model built in {time.perf_counter() - t0:.0f} s, "
               f"{torch.cuda.memory_allocated() / 2**30:.1f} GiB on the GPU", flush=True)
     else:
-        model = load_model(Path(args.ckpt) if args.ckpt else tiny_checkpoint(), args.device, with_mtp=False,
+        model = load_model(Path(args.ckpt) if args.ckpt else tiny_checkpoint(), args.device, with_mtp=speculative,
                            progress=False).model
     params = SamplingParams(max_tokens=10**6, ignore_eos=True) if args.sampling == "greedy" else \
         SamplingParams(max_tokens=10**6, ignore_eos=True, temperature=0.7, top_p=0.9, seed=1)
+    if speculative:
+        speculative_sweep(model, args, batches, params, max_tokens)
+        return
     grammars = None
     if args.grammar != "off":
         import tempfile

@@ -6,6 +6,7 @@ checkpoint on this machine's disk could hold (ten real-width layers are ~75 GB).
     real_width_config(n_layers=10) # DeepSeek-V4.1-Flash's widths, every layer role of the tiny preset's order
     released_config()              # the released 40 layers in their own role order (Engram tables shrunk)
     random_model(cfg, device)      # a Transformer (no DSpark stages) with random weights and Engram tables
+    random_model(cfg, device, with_mtp=True)  # ... with the DSpark stages too (speculative decoding)
     random_model(cfg, device, shard=ShardSpec(0, 8, solo=True))  # rank 0's slices of it only (~39 GB of 40 layers)
 """
 
@@ -94,16 +95,17 @@ def released_config(max_model_len: int | None = None) -> ModelConfig:
                    max_position_embeddings=max_model_len or cfg.max_position_embeddings)
 
 
-def random_model(cfg: ModelConfig, device: str | torch.device, seed: int = 0, shard: ShardSpec = SINGLE) -> Transformer:
-    """A Transformer for cfg (no DSpark stages) with random weights on device (Engram tables on the host) and the
-    real Engram hashing tables (from the V4.1 tokenizer's compressed token map, as engine.load builds them). With a
-    shard: only that rank's slices exist (the model classes' split), random like the rest; a solo shard
-    (engine/parallel.py) runs alone, for measurement."""
+def random_model(cfg: ModelConfig, device: str | torch.device, seed: int = 0, shard: ShardSpec = SINGLE,
+                 with_mtp: bool = False) -> Transformer:
+    """A Transformer for cfg (its DSpark stages only with_mtp) with random weights on device (Engram tables on the
+    host) and the real Engram hashing tables (from the V4.1 tokenizer's compressed token map, as engine.load builds
+    them). With a shard: only that rank's slices exist (the model classes' split), random like the rest; a solo
+    shard (engine/parallel.py) runs alone, for measurement."""
     with tempfile.TemporaryDirectory() as tmp:
         write_tokenizer_files(Path(tmp))
         tables = build_engram_tables(cfg, load_tokenizer(Path(tmp)))
     with torch.device("meta"):
-        model = Transformer(cfg, tables, with_mtp=False, shard=shard)
+        model = Transformer(cfg, tables, with_mtp=with_mtp, shard=shard)
     randomize(model, torch.Generator(device=device).manual_seed(seed))
     if tables is not None:
         model.engram_tables = tables.to(device)

@@ -76,23 +76,28 @@ class Views:
     gtable: Tensor  # int64 [B, C / global_block_size] global block ids, -1 past the request's (rows of self.tables)
     rows: Tensor  # int64 [B]: 0 .. B - 1 (every row writes its own global entry)
     mask: Tensor  # int32 [B, mask words]: the draws' grammar bitmasks (staged only for a step that has one)
+    extra: Tensor  # int64 [B, extra_cols]: a user's own per-row columns (the verify step's stop ids), -1 = none
 
 
 class DecodeStep:
-    """The kernel path's decode step (see the module docstring): `takes(plan)`, then `execute(plan)`."""
+    """The kernel path's decode step (see the module docstring): `takes(plan)`, then `execute(plan)`.
+    batches: the row-count buckets (default: batch_buckets(options.max_batch)); extra_cols: int64 columns per row
+    staged after the record's own (engine/core/verify_step.py's stop ids)."""
 
-    def __init__(self, runner: KernelRunner, options: DecodeOptions):
+    def __init__(self, runner: KernelRunner, options: DecodeOptions, batches: tuple[int, ...] | None = None,
+                 extra_cols: int = 0):
         self.runner, self.options = runner, options
         cfg, layout = runner.cfg, runner.kv.layout
         self.cfg, self.device = cfg, runner.device
         self.G, self.S, self.W = layout.global_block_size, layout.swa_block_size, cfg.window_size
         self.R = (self.W - 1) // self.S + 2  # window blocks a query can span
         self.ratios = sorted({cfg.compress_ratios[i] for i in range(cfg.n_layers)})
-        self.batches = batch_buckets(options.max_batch)
+        self.batches = batches or batch_buckets(options.max_batch)
         self.contexts = context_buckets(options.max_model_len)
         self.max_B, self.max_C = self.batches[-1], self.contexts[-1]
         self.capacity = layout.num_global_blocks * self.G  # positions the pool holds
-        self.num_cols = len(FIELDS) + ENGRAM_LOOKBACK + self.R
+        self.extra_cols = extra_cols
+        self.num_cols = len(FIELDS) + ENGRAM_LOOKBACK + self.R + extra_cols
         rec = self.num_cols * self.max_B
         pinned = self.device.type == "cuda"
         # the global block tables, on the device across steps; the host stages the entries that change
@@ -130,7 +135,8 @@ class DecodeStep:
         return decode_takes(plan, self.options, 2 in self.ratios)
 
     # ---- host: one staging buffer, one copy -------------------------------------------------------------------
-    def stage(self, plan: StepPlan) -> Views:
+    def stage(self, plan: StepPlan, extra: list[list[int]] | None = None) -> Views:
+        """extra: per chunk, its extra_cols values (-1 where not given)."""
         chunks, V = plan.chunks, self.cfg.vocab_size
         B = bucket(len(chunks), self.batches)
         C = bucket(max(c.end for c in chunks), self.contexts)
@@ -154,7 +160,7 @@ class DecodeStep:
         recf[FIELDS.index("min_p"), :B] = -np.inf
         rec[FIELDS.index("top_k"), :B] = V
         prev0, ring0 = len(FIELDS), len(FIELDS) + ENGRAM_LOOKBACK
-        rec[prev0:ring0 + self.R, :B] = -1
+        rec[prev0:, :B] = -1
         from_rows = plan.from_rows or [-1] * len(chunks)
         for b, (c, spec, from_row) in enumerate(zip(chunks, plan.samples, from_rows)):
             pos = c.start
@@ -169,6 +175,9 @@ class DecodeStep:
             lo = max(pos - self.W + 1, 0) // self.S
             rec[ring0:ring0 + self.R, b] = [c.swa_blocks.get(lo + j, -1) for j in range(self.R)]
             assert len(c.global_blocks) <= nb, f"row {b}: {len(c.global_blocks)} global blocks past the bucket's {nb}"
+            if extra is not None and extra[b]:
+                assert len(extra[b]) <= self.extra_cols, f"row {b}: {len(extra[b])} extra columns of {self.extra_cols}"
+                rec[ring0 + self.R:ring0 + self.R + len(extra[b]), b] = extra[b]
         idx, vals = self.table_mirror.updates([c.global_blocks for c in chunks], B)
         u = idx.size
         host_np[base:base + u], host_np[base + u:base + 2 * u] = idx, vals
@@ -211,17 +220,19 @@ class DecodeStep:
             gtable = self.tables[:B, :C // self.G]
             mask = self.dev[self.mask_base:self.mask_base + B * self.mask_words // 2].view(torch.int32)
             v = self._views[(B, C)] = Views(B, C, fields, rec[prev0:ring0, :B].t(), rec[ring0:ring0 + self.R, :B].t(),
-                                            gtable, torch.arange(B, device=self.device), mask.view(B, self.mask_words))
+                                            gtable, torch.arange(B, device=self.device), mask.view(B, self.mask_words),
+                                            rec[ring0 + self.R:, :B].t())
         return v
 
     # ---- device: the step (graph body) ------------------------------------------------------------------------
-    def forward(self, v: Views) -> None:
-        """The model over the staged rows -> self.logits[:B] (device work only: capturable)."""
+    def forward(self, v: Views, step: Step | None = None, taps: list[Tensor] | None = None) -> None:
+        """The model over the staged rows -> self.logits[:B] (device work only: capturable). step: the metadata
+        (default: device_step(v)); taps: gets the DSpark tap layers' inputs (KernelRunner.run_layers)."""
         r, f = self.runner, v.fields
         # the input ids (a token the previous step drew and the host has not read yet: its row of that step's draw)
         # and the Engram hash ids, one launch
         ids, hashes = decode_inputs(f["ids"], f["from_row"], self.last_ids, f["pos"], v.prev, self.engram)
-        h, pre_mix = r.run_layers(ids, self.device_step(v), hashes)
+        h, pre_mix = r.run_layers(ids, self.device_step(v) if step is None else step, hashes, taps=taps)
         self.logits[:v.B].copy_(r.head(h, pre_mix, gather=False))
 
     def draw(self, v: Views, variant: str, num_logprobs: int, masked: bool = False):
@@ -269,11 +280,12 @@ class DecodeStep:
         return step
 
     # ---- graphs -----------------------------------------------------------------------------------------------
-    def buckets(self) -> list[tuple[int, int]]:
-        """(batch, context) pairs a batch can reach: its smallest batch at its smallest context fits the pool."""
-        out = []
-        for i, B in enumerate(self.batches):
-            b_min = self.batches[i - 1] + 1 if i else 1
+    def buckets(self, batches: tuple[int, ...] | None = None) -> list[tuple[int, int]]:
+        """(batch, context) pairs a batch can reach: its smallest batch at its smallest context fits the pool.
+        batches: the batch buckets (default: the step's)."""
+        batches, out = batches or self.batches, []
+        for i, B in enumerate(batches):
+            b_min = batches[i - 1] + 1 if i else 1
             for j, C in enumerate(self.contexts):
                 c_min = self.contexts[j - 1] + 1 if j else 1
                 if b_min * c_min <= self.capacity:
@@ -298,16 +310,8 @@ class DecodeStep:
                  for lp in (0, SamplingParams.MAX_LOGPROBS) for masked in (False, True)]
         for kind, B, key in tqdm(work, desc="capturing decode graphs", disable=not progress):
             v = self._views_for(B, key if kind == "model" else self.contexts[0])
-            run = (lambda: self.forward(v)) if kind == "model" else (lambda: self.draw(v, *key))
-            self._reset_rows(v)
-            stream.wait_stream(torch.cuda.current_stream(self.device))
-            with torch.inference_mode():
-                with torch.cuda.stream(stream):
-                    run(), run()  # warm-up: Triton compiles, side streams, cached weights; not in the graph pool
-                torch.cuda.synchronize(self.device)
-                graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graph, pool=self._pool, stream=stream):
-                    out = run()
+            graph, out = self.capture_one(v, stream, (lambda: self.forward(v)) if kind == "model"
+                                          else (lambda: self.draw(v, *key)))
             if kind == "model":
                 self._graphs[(B, key)] = graph
             else:
@@ -316,6 +320,20 @@ class DecodeStep:
         return {"seconds": time.monotonic() - t0, "graphs": len(work),
                 "bytes": torch.cuda.memory_reserved(self.device) - mem0}
 
+    def capture_one(self, v: Views, stream: torch.cuda.Stream, run) -> tuple[torch.cuda.CUDAGraph, object]:
+        """One graph of run() over v's buffers (reset to harmless rows), captured on `stream` into the step's pool
+        after two warm-ups: (the graph, what run returned inside it)."""
+        self._reset_rows(v)
+        stream.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.inference_mode():
+            with torch.cuda.stream(stream):
+                run(), run()  # warm-up: Triton compiles, side streams, cached weights; not in the graph pool
+            torch.cuda.synchronize(self.device)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=self._pool, stream=stream):
+                out = run()
+        return graph, out
+
     def _reset_rows(self, v: Views) -> None:
         """Harmless rows for warm-up and capture: position 0 of nothing (every write skipped)."""
         for name, value in (("ids", 0), ("from_row", -1), ("pos", 0), ("swa_floor", 0), ("dec_floor", 0), ("global_from", NO_WRITES),
@@ -323,7 +341,7 @@ class DecodeStep:
             v.fields[name].fill_(value)
         for name, value in (("temperature", 1.0), ("top_p", 1.0), ("min_p", -float("inf"))):
             v.fields[name].fill_(value)
-        v.prev.fill_(-1), v.ring.fill_(-1), v.mask.fill_(-1)
+        v.prev.fill_(-1), v.ring.fill_(-1), v.mask.fill_(-1), v.extra.fill_(-1)
         self.tables.fill_(-1)
         self.table_mirror.reset()
 

@@ -1,8 +1,10 @@
 """Drafters for speculative decoding (issue 22): a `Drafter` proposes up to k tokens after each verify chunk's
 anchor; `DSparkDrafter` runs the checkpoint's DSpark stages (spec 4.9) over their context KV in the paged pools,
-and `write_context` stores that context: every DSpark stage's window KV of each target position the engine keeps,
-projected from the tap hiddens of the target's own forward (main_x). Tests pass other drafters (an oracle that
-proposes the target's continuation) through the same seam (ModelRunner's `drafter`).
+and the stages' `write_context` stores that context: every DSpark stage's window KV of each target position the
+engine keeps, projected from the tap hiddens of the target's own forward (main_x). The stages' math runs on the
+runner's path: the golden modules (GoldenDSpark) or the kernel path's ops (engine/core/kernel_drafter.py). Tests
+pass other drafters (an oracle that proposes the target's continuation) through the same seam (ModelRunner's
+`drafter`).
 
 Context invariant: a request's DSpark context KV is valid at every position below its num_computed that a draft
 can read (num_computed - window .. num_computed - 1): write_context stores only positions the verify kept (an
@@ -12,6 +14,7 @@ window (CacheLayout.swa_lookback).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -24,7 +27,7 @@ from engine.core.sampling_params import SamplingParams
 from engine.core.speculative import draw_draft, keys
 from engine.core.step_rows import Segment
 from engine.kernels import paged
-from engine.model.dspark import DSparkStage
+from engine.model.dspark import DraftOutput, DSparkStage
 from engine.model.transformer import Transformer
 
 
@@ -59,34 +62,53 @@ class Drafter(Protocol):
         ...
 
 
-class DSparkDrafter:
-    """The DSpark stages of `model` (loaded with its MTP layers) drafting from the context KV in kv.dspark_swa.
-    Per-position math runs batched over the requests; each request's attention reads its own context window."""
+class DSparkStages(Protocol):
+    """The DSpark stages' math on one runner path (spec 4.9): GoldenDSpark here (the golden modules), KernelDSpark
+    (engine/core/kernel_drafter.py) on the kernel path. DSparkDrafter holds the rest of the draft (which context each
+    request reads, the keyed draws), so the draft logic lives in one place for both."""
 
-    def __init__(self, model: Transformer, kv: PagedKVCache):
+    def hidden(self, anchors: Tensor, contexts: list[tuple[int, Tensor]]) -> Tensor:
+        """anchors int64 [B], contexts per request (last context position, its window slots [C] in the DSpark
+        pools) -> x [B, block, D]: the draft block [anchor, noise, ...] through every stage, collapsed."""
+        ...
+
+    def propose(self, x: Tensor, anchors: Tensor, pick: Callable[[int, Tensor], Tensor],
+                num_tokens: int) -> DraftOutput:
+        """Transformer.dspark_propose's contract: the sequential Markov correction and the confidences."""
+        ...
+
+    def write_context(self, main_hidden: Tensor, segs: list[Segment], chunks: list[ChunkPlan],
+                      ends: dict[int, int]) -> None:
+        """main_hidden [1, R, taps*D]: the tap hiddens of the decoder rows segs (the step's final stream) -> every
+        DSpark stage's context KV at those positions, below ends[chunk] where given (a verify chunk: its accepted
+        positions)."""
+        ...
+
+
+class DSparkDrafter:
+    """The DSpark stages drafting from the context KV in the paged pools: `stages` does the stages' math (default:
+    the golden modules of `model`, which it must have been loaded with), batched over the requests; each request's
+    attention reads its own context window."""
+
+    def __init__(self, model: Transformer, kv: PagedKVCache, stages: DSparkStages | None = None):
         if not model.mtp or len(kv.dspark_swa) != len(model.mtp):
             raise ValueError(f"DSpark drafting needs the model's DSpark stages ({len(model.mtp)} loaded) and their "
                              f"context pools ({len(kv.dspark_swa)})")
         self.model, self.kv, self.cfg = model, kv, model.cfg
+        self.stages = stages or GoldenDSpark(model, kv)
 
     @torch.inference_mode()
     def propose(self, requests: list[DraftRequest]) -> list[Draft]:
         if not requests:
             return []
-        model, cfg, S = self.model, self.cfg, self.kv.layout.swa_block_size
-        device = model.embed.weight.device
+        cfg, S = self.cfg, self.kv.layout.swa_block_size
+        device = self.model.embed.weight.device
         anchors = torch.tensor([r.anchor for r in requests], dtype=torch.long, device=device)
-        contexts = []  # per request: the first context position and its slots (the window before the anchor)
+        contexts = []  # per request: the last context position and its slots (the window before the anchor)
         for r in requests:
             lo = max(0, r.position - cfg.window_size)
             contexts.append((r.position - 1, paged.swa_slots(r.swa_blocks, lo, r.position, S)))
-
-        def attend(stage: DSparkStage, x: Tensor) -> Tensor:  # x [B, block, D]
-            pool = self.kv.dspark_swa[stage.role.layer_id - cfg.n_layers]
-            return torch.cat([stage.attn.draft_over(x[b:b + 1], last, paged.gather_swa(pool, slots, cfg.head_dim)[None])
-                              for b, (last, slots) in enumerate(contexts)])
-
-        x = model.dspark_hidden(anchors, attend)
+        x = self.stages.hidden(anchors, contexts)
         seeds, steps = (torch.cat(t) for t in zip(*(keys(r.seed, r.step, 1) for r in requests)))
         params = [r.params for r in requests]
         qs: list[Tensor] = []
@@ -97,31 +119,58 @@ class DSparkDrafter:
             return tokens.to(logits.device)
 
         n = max(r.num_tokens for r in requests)
-        out = model.dspark_propose(x, anchors, pick, n)
+        out = self.stages.propose(x, anchors, pick, n)
         q = torch.stack(qs, dim=1)  # [B, n, V]
         tokens, confidence = out.tokens[:, 1:].tolist(), out.confidence.tolist()
         return [Draft(tokens[b][:r.num_tokens], q[b, :r.num_tokens], confidence[b][:r.num_tokens])
                 for b, r in enumerate(requests)]
 
 
-@torch.inference_mode()
-def write_context(model: Transformer, kv: PagedKVCache, main_hidden: Tensor, segs: list[Segment],
-                  chunks: list[ChunkPlan], ends: dict[int, int]) -> None:
-    """main_hidden [1, R, taps*D]: the tap hiddens of the decoder rows segs (the step's final stream) -> every DSpark
-    stage's context KV at those positions, below ends[chunk] where given (a verify chunk: its accepted positions)."""
+class GoldenDSpark:
+    """DSparkStages on the golden modules (float64 math rounded as the reference rounds)."""
+
+    def __init__(self, model: Transformer, kv: PagedKVCache):
+        self.model, self.kv, self.cfg = model, kv, model.cfg
+
+    def hidden(self, anchors: Tensor, contexts: list[tuple[int, Tensor]]) -> Tensor:
+        cfg = self.cfg
+
+        def attend(stage: DSparkStage, x: Tensor) -> Tensor:  # x [B, block, D]
+            pool = self.kv.dspark_swa[stage.role.layer_id - cfg.n_layers]
+            return torch.cat([stage.attn.draft_over(x[b:b + 1], last, paged.gather_swa(pool, slots, cfg.head_dim)[None])
+                              for b, (last, slots) in enumerate(contexts)])
+
+        return self.model.dspark_hidden(anchors, attend)
+
+    def propose(self, x: Tensor, anchors: Tensor, pick: Callable[[int, Tensor], Tensor],
+                num_tokens: int) -> DraftOutput:
+        return self.model.dspark_propose(x, anchors, pick, num_tokens)
+
+    @torch.inference_mode()
+    def write_context(self, main_hidden: Tensor, segs: list[Segment], chunks: list[ChunkPlan],
+                      ends: dict[int, int]) -> None:
+        kept = context_rows(segs, chunks, ends, self.kv.layout.swa_block_size)
+        if kept is None:
+            return
+        rows, pos, slots = (t.to(main_hidden.device) for t in kept)
+        model = self.model
+        main_x = model.mtp[0].main_x(main_hidden[:, rows])  # [1, R', D]
+        for pool, stage in zip(self.kv.dspark_swa, model.mtp):
+            paged.store_swa(pool, slots, stage.attn.window_kv_unquantized(main_x, pos)[0])
+
+
+def context_rows(segs: list[Segment], chunks: list[ChunkPlan], ends: dict[int, int], block_size: int
+                 ) -> tuple[Tensor, Tensor, Tensor] | None:
+    """The stream rows whose DSpark context is written (segs' rows below ends[chunk] where given), their positions
+    and window slots (CPU long [R'] each); None when there are none."""
     rows, pos, slots = [], [], []
-    S = kv.layout.swa_block_size
     for s in segs:
         end = min(s.end, ends.get(s.index, s.end))
         if end <= s.start:
             continue
         rows.append(torch.arange(s.offset, s.offset + end - s.start))
         pos.append(torch.arange(s.start, end))
-        slots.append(paged.swa_slots(chunks[s.index].swa_blocks, s.start, end, S))
+        slots.append(paged.swa_slots(chunks[s.index].swa_blocks, s.start, end, block_size))
     if not rows:
-        return
-    device = main_hidden.device
-    main_x = model.mtp[0].main_x(main_hidden[:, torch.cat(rows).to(device)])  # [1, R', D]
-    p = torch.cat(pos).to(device)
-    for pool, stage in zip(kv.dspark_swa, model.mtp):
-        paged.store_swa(pool, torch.cat(slots), stage.attn.window_kv_unquantized(main_x, p)[0])
+        return None
+    return torch.cat(rows), torch.cat(pos), torch.cat(slots)

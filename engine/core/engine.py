@@ -159,13 +159,13 @@ class LocalExecutor:
 def capture_decode_graphs(runner: ModelRunner, progress: bool = False) -> dict[str, float] | None:
     """Capture the runner's decode graphs (CUDA, graphs on); prints the capture's time and memory when progress.
     Returns capture_decode's summary, None when nothing was captured."""
-    step = runner.decode
+    step = runner.decode or runner.verify  # speculating, the verify step (engine/core/verify_step.py)
     if step is None or step.device.type != "cuda" or not step.options.graphs:
         return None
     summary = step.capture(progress)
     if progress:
-        print(f"captured {summary['graphs']:.0f} decode graphs in {summary['seconds']:.1f} s, "
-              f"{summary['bytes'] / 2**20:.0f} MiB", flush=True)
+        print(f"captured {summary['graphs']:.0f} {'decode' if runner.decode else 'verify'} graphs in "
+              f"{summary['seconds']:.1f} s, {summary['bytes'] / 2**20:.0f} MiB", flush=True)
     return summary
 
 
@@ -230,9 +230,7 @@ class LLMEngine:
         from engine.config import load_config
         from engine.load import load_model
 
-        kernels = kernels_for(config.runner)
-        # before the weights load
-        check_speculative(config, load_config(ckpt_dir), kernels or (kernels is None and device == "cuda"))
+        check_speculative(config, load_config(ckpt_dir))  # before the weights load
 
         loaded = load_model(ckpt_dir, device, with_mtp=config.is_speculative, progress=progress)
         grammars = GrammarCompiler(loaded.tokenizer.path.read_text(encoding="utf-8"), loaded.tokenizer.eos_id)
@@ -248,7 +246,7 @@ class LLMEngine:
         (config.runner; auto: the kernels on CUDA) with its decode step; step_timeout bounds a collective's wait
         for the other ranks (None: shard_group.STEP_TIMEOUT). Speculative decoding: every rank loads its slices of
         the DSpark stages and drafts over its own pools. A config the shards cannot split (the DSpark experts too
-        when speculating) raises ShardingError, and speculative settings the runner cannot run EngineConfigError,
+        when speculating) raises ShardingError, and speculative settings the checkpoint cannot run EngineConfigError,
         before any process starts."""
         from engine.checkpoint.sharding import check_shardable
         from engine.config import load_config
@@ -258,7 +256,7 @@ class LLMEngine:
         kernels = kernels_for(config.runner)
         kernels = device == "cuda" if kernels is None else kernels
         cfg = load_config(ckpt_dir)
-        check_speculative(config, cfg, kernels)  # speculative decoding: the golden runner only, as at one shard
+        check_speculative(config, cfg, kernels, num_shards)  # the kernel runner speculates at one shard for now
         check_shardable(cfg, num_shards, include_mtp=config.is_speculative)
         tokenizer = load_tokenizer(ckpt_dir)
         path = str(Path(ckpt_dir).resolve())

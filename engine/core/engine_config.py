@@ -57,30 +57,33 @@ class DecodeOptions:
     max_batch: int  # the engine's max_num_seqs
     max_model_len: int
     graphs: bool = True  # capture CUDA graphs (on CUDA); False runs the same step eagerly
+    max_draft: int = 0  # speculative decoding: drafts a verify chunk may hold (engine/core/verify_step.py's K buckets)
 
 
 def decode_options(config: EngineConfig, cfg: ModelConfig) -> DecodeOptions | None:
     """What the runner's decode step needs from the engine's configuration (None: the step is off)."""
     if not config.decode_step:
         return None
-    return DecodeOptions(config.max_num_seqs, config.max_model_len or cfg.max_position_embeddings, config.cuda_graphs)
+    return DecodeOptions(config.max_num_seqs, config.max_model_len or cfg.max_position_embeddings, config.cuda_graphs,
+                         config.speculative_tokens)
 
 
-SPECULATIVE_KERNELS = ("speculative decoding runs on the golden runner only for now (the kernel path's draft and "
-                       "verify graphs are not written yet): use --runner golden")
+SPECULATIVE_KERNEL_SHARDS = ("speculative decoding on the kernel runner runs at one shard for now (it has not run "
+                             "over shards yet): use --num-shards 1, or --runner golden")
 
 
-def check_speculative(config: EngineConfig, cfg: ModelConfig, kernels: bool = False) -> None:
-    """Raises EngineConfigError for speculative settings this checkpoint (or the kernel runner) cannot run."""
+def check_speculative(config: EngineConfig, cfg: ModelConfig, kernels: bool = False, num_shards: int = 1) -> None:
+    """Raises EngineConfigError for speculative settings this checkpoint cannot run, or the kernel runner (kernels)
+    over num_shards > 1 shards."""
     k = config.speculative_tokens
     if not isinstance(k, int) or isinstance(k, bool) or k < 0:
         raise EngineConfigError(f"--speculative-tokens must be an integer >= 0, got {k!r}")
     if k == 0:
         return
-    if kernels:
-        raise EngineConfigError(SPECULATIVE_KERNELS)
     if cfg.n_mtp_layers == 0:
         raise EngineConfigError(f"--speculative-tokens {k}: this checkpoint has no DSpark stages to draft with")
+    if kernels and num_shards > 1:
+        raise EngineConfigError(SPECULATIVE_KERNEL_SHARDS)
     if k > cfg.dspark_block_size:
         raise EngineConfigError(f"--speculative-tokens {k} is past the checkpoint's DSpark block of "
                                 f"{cfg.dspark_block_size} tokens (dspark_block_size): use 1..{cfg.dspark_block_size}, "

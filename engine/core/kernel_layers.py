@@ -34,6 +34,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -44,8 +45,8 @@ from engine.core.kernel_ops import OPS, engram_table, head_logits, linear, mm_fp
 from engine.core.kernel_vision import VisionTower
 from engine.core.kv_cache import PagedKVCache
 from engine.core.plan import ChunkPlan, StepPlan
-from engine.core.step_rows import (Segment, StepLogits, decoder_rows, engram_hashes, head_rows, no_logits, segments,
-                                   split_logits)
+from engine.core.step_rows import (CompressorRows, ForwardState, Segment, StepLogits, decoder_rows, engram_hashes,
+                                   head_rows, no_logits, segments, split_logits)
 from engine.kernels import paged
 from engine.kernels.compressor import Ratio2Chunk, Ratio2Plan, plan_ratio2
 from engine.kernels.engram_gather import EngramPrefetch
@@ -96,6 +97,9 @@ class GroupWrite:
     complete: int  # (pending + rows) // ratio * ratio
     entries: Tensor  # long [groups] flat entry slots
     gpos: Tensor  # long [groups] first-token positions of the groups (RoPE)
+    verify: bool = False  # a verify chunk's: its rows are kept (Step.groups)
+    chunk: int = -1
+    first: int = 0  # position of its first row: start - pending
 
 
 @dataclass(slots=True)
@@ -106,6 +110,21 @@ class GlobalWrite:
     entries: Tensor  # long [G]: flat entry slots of the groups completed now, in chunk order
     gpos: Tensor  # long [G]: their RoPE positions (first token of the group)
     plan: Ratio2Plan | None  # ratio 2: the pooling plan over `rows`
+    verify: list["VerifyRows"] = field(default_factory=list)  # ratio 2: the verify chunks among `rows`
+    # ratio 2, the verify step on device buffers (engine/core/verify_step.py): every row's compressor rows are kept,
+    # as Step.groups[(-1, source)] (first = 0: row i of `rows` is row i of the kept tensors)
+    keep_all: bool = False
+
+
+class VerifyRows(NamedTuple):
+    """A verify chunk's rows among a GlobalWrite's (speculative decoding: its compressor rows are kept, so the
+    pending group can be rolled back to the accepted end)."""
+
+    chunk: int
+    row: int  # its first row in GlobalWrite.rows
+    n: int
+    start: int  # position of that row
+    slot: int  # its pending slot
 
 
 @dataclass(slots=True)
@@ -140,6 +159,8 @@ class Step:
     is_image: Tensor | None = None  # bool [T]: image-span rows of the stream (None: no row is one)
     dec_is_image: Tensor | None = None  # bool: the same of the rows the decoder keeps
     image_at: Tensor | None = None  # long [n]: the image-span rows (their span rows overwrite the embedding)
+    # (verify chunk, ratio > 1 source) -> the compressor rows it saw (None: the step verifies no drafts)
+    groups: dict[tuple[int, int], CompressorRows] | None = None
 
     def phase(self, layer: int, ced_cut: int) -> Phase:
         if layer < ced_cut:
@@ -180,7 +201,7 @@ class KernelRunner:
         self._tables: dict[tuple, RopeTable] = {}
         self._wo_a: dict[int, tuple[Tensor, Tensor]] = {}
         self._prefetch: EngramPrefetch | None = None
-        self._no_main = torch.empty(0, self.cfg.main_kv_entry_bytes, dtype=torch.uint8, device=self.device)
+        self.no_main = torch.empty(0, self.cfg.main_kv_entry_bytes, dtype=torch.uint8, device=self.device)
 
     # ---- one step ---------------------------------------------------------------------------------------------
     def reserve_positions(self, num_positions: int) -> None:
@@ -190,27 +211,39 @@ class KernelRunner:
 
     @torch.inference_mode()
     def execute(self, out: StepPlan) -> StepLogits:
+        return self.forward(out).logits
+
+    @torch.inference_mode()
+    def forward(self, out: StepPlan, taps: bool = False) -> ForwardState:
+        """The step (execute's logits) and what speculative decoding needs besides (as the golden runner's
+        _forward): with taps, the DSpark tap hiddens of the decoder rows [1, R, taps*D]; the compressor rows each
+        verify chunk (num_draft > 0: a prefill-like chunk of anchor + drafts over its request's KV) saw."""
         self.kv.apply(out.copies)
         cfg, chunks = self.cfg, out.chunks
         if not chunks:
-            return no_logits(cfg.vocab_size, self.device)
+            return ForwardState(no_logits(cfg.vocab_size, self.device))
         step = self.prepare(out)
         ids = torch.tensor([t for c in chunks for t in c.token_ids], dtype=torch.long, device=self.device)
+        tapped: list[Tensor] | None = [] if taps else None
         image_rows = None if step.image_at is None else self._spans.stream_rows(chunks)
         h, pre_mix = self.run_layers(ids, step, None if step.hashes is None else step.hashes.to(self.device),
-                                     image_rows)
-        head = head_rows(chunks, step.dec_segs if cfg.ced_cut < cfg.n_layers else step.segs)
-        if not head.picks:
-            return no_logits(cfg.vocab_size, self.device)
-        sel = torch.tensor(head.picks, device=self.device)
-        return split_logits(self.head(h[sel], pre_mix[sel]), head)
+                                     image_rows, tapped)
+        segs = step.dec_segs if cfg.ced_cut < cfg.n_layers else step.segs
+        state = ForwardState(no_logits(cfg.vocab_size, self.device), torch.cat(tapped, -1)[None] if tapped else None,
+                             segs, step.groups or {})
+        head = head_rows(chunks, segs)
+        if head.picks:
+            sel = torch.tensor(head.picks, device=self.device)
+            state.logits = split_logits(self.head(h[sel], pre_mix[sel]), head)
+        return state
 
-    def run_layers(self, ids: Tensor, step: Step, hashes: Tensor | None,
-                   image_rows: Tensor | None = None) -> tuple[Tensor, Tensor]:
+    def run_layers(self, ids: Tensor, step: Step, hashes: Tensor | None, image_rows: Tensor | None = None,
+                   taps: list[Tensor] | None = None) -> tuple[Tensor, Tensor]:
         """The embedding and every layer over the stream ids [T] (device work only, given `step`'s metadata):
         -> (h [T', hc, D], pre_mix fp32 [T', hc]) of the rows the last layer keeps. hashes: the Engram hash ids
         [T, layers, cols] on the device (None without Engram). image_rows bf16 [len(step.image_at), D]: the span rows
-        that replace the embedding of rows step.image_at."""
+        that replace the embedding of rows step.image_at. taps: a list that gets each DSpark tap layer's input
+        stream, mean over the copies (bf16 [rows, D]; spec 4.9), as the golden runner takes it."""
         model, cfg = self.model, self.cfg
         x = F.embedding(ids, model.embed.weight)  # [T, D]
         if image_rows is not None:
@@ -227,6 +260,8 @@ class KernelRunner:
                 rows = prefetch.wait(layer.role.engram_index)
                 h = OPS.engram(layer.engram, h, rows if kept_rows is None else rows[kept_rows],
                                step.is_image if kept_rows is None else step.dec_is_image)
+            if taps is not None and layer.role.is_dspark_tap:
+                taps.append(h.mean(dim=1))
             phase = step.phase(i, cfg.ced_cut)
             h, pre_mix = self.layer_forward(layer, h, pre_mix, step, phase)
             if phase.keep is not None:
@@ -256,7 +291,8 @@ class KernelRunner:
             ids = torch.tensor([t for c in chunks for t in c.token_ids], dtype=torch.long, device=self.device)
             hashes = engram_hashes(tables, chunks, segs, ids)[0]  # [T, layers, cols]
         self._max_pos = max(self._max_pos, max(c.end for c in chunks))
-        step = Step(chunks, segs, dec_segs, keep.to(self.device), hashes, [Shared() for _ in chunks])
+        step = Step(chunks, segs, dec_segs, keep.to(self.device), hashes, [Shared() for _ in chunks],
+                    groups={} if any(c.num_draft for c in chunks) else None)
         mask = stream_image_mask(chunks)
         if mask is not None and any(mask):  # else images only in a chunk's Engram look-back: the hashes hold them
             assert self._spans is not None, "image positions for a model without a vision tower (the engine refuses)"
@@ -266,12 +302,14 @@ class KernelRunner:
         return step
 
     # ---- one layer --------------------------------------------------------------------------------------------
-    def layer_forward(self, layer: Block, h: Tensor, pre_mix: Tensor, step: Step, phase: Phase
-                      ) -> tuple[Tensor, Tensor]:
-        """h [N, hc, D], pre_mix fp32 [N, hc] -> (h [N', hc, D], the FFN sublayer's pre), as Block.forward."""
+    def layer_forward(self, layer: Block, h: Tensor, pre_mix: Tensor, step: Step | None, phase: Phase | None,
+                      attend: Callable[[Tensor], Tensor] | None = None) -> tuple[Tensor, Tensor]:
+        """h [N, hc, D], pre_mix fp32 [N, hc] -> (h [N', hc, D], the FFN sublayer's pre), as Block.forward.
+        attend(x_normed bf16 [N, D]) -> [N, D]: an attention of the caller's instead of the step's over the pools
+        (a DSpark stage's draft attention: engine/core/kernel_drafter.py; step and phase are then unused)."""
         c = self.cfg
         x = OPS.hc_pre_norm(h, pre_mix, layer.attn_norm.weight, layer.attn_norm.eps)
-        resid = h if phase.keep is None else h[phase.keep]
+        resid = h if phase is None or phase.keep is None else h[phase.keep]
         # At decode (the CUDA mixes: N <= 8 on sm_90) both sublayers' mHC mixes run on a side stream with few CTAs
         # (beside=True), off the critical path of latency-bound kernels: the attention's beside the attention (they
         # read only the layer input), the FFN's beside the MoE (only the last hc_post needs them). The attention's
@@ -290,9 +328,14 @@ class KernelRunner:
             return mixes(resid, layer.hc_attn_fn, layer.hc_attn_scale, layer.hc_attn_base)
 
         forked: list[Forked] = []
-        y = self._attention(layer.attn, x, step, phase,
-                            after_first_gemv=(lambda: forked.append(fork("mhc_mixes", h.device, attn_mixes)))
-                            if beside else None)
+        if attend is not None:
+            if beside:
+                forked.append(fork("mhc_mixes", h.device, attn_mixes))
+            y = attend(x)
+        else:
+            y = self._attention(layer.attn, x, step, phase,
+                                after_first_gemv=(lambda: forked.append(fork("mhc_mixes", h.device, attn_mixes)))
+                                if beside else None)
         a_pre, a_post, a_comb = forked.pop().join() if beside else attn_mixes()
         # hc_post then hc_mixes: the fused hc_post_mixes was slower on the H200 (benchmarks/RESULTS.md)
         h = OPS.hc_post(y, resid, a_post, a_comb)
@@ -307,7 +350,7 @@ class KernelRunner:
         f_pre, f_post, f_comb = ffn_forked.join() if beside else ffn_mixes()
         return OPS.hc_post(y, h, f_post, f_comb), f_pre
 
-    def _table(self, rope: RotaryTable) -> RopeTable:
+    def table_for(self, rope: RotaryTable) -> RopeTable:
         """The layer kind's rotation table (the golden's values), grown to the step's positions (a host sync
         only when it grows: outside graph capture)."""
         table = self._tables.get(rope.args)
@@ -323,7 +366,7 @@ class KernelRunner:
         kv, role = self.kv, attn.role
         layer = role.layer_id
         meta = self._meta(step, phase, role.ratio)
-        table = self._table(attn.rope)
+        table = self.table_for(attn.rope)
         # every row queries (decode): wkv and wq_a read the same x, as one launch over their stacked rows
         both = stacked_fp8(attn.wkv, attn.wq_a) if meta.q_rows is None else None
         qa = None
@@ -337,7 +380,7 @@ class KernelRunner:
         OPS.store_window(kv_rows, attn.kv_norm.weight, attn.kv_norm.eps, meta.pos, table, kv.swa[layer],
                          meta.swa_write)
         if attn.compressor is not None:
-            self._store_global(attn, x, meta, table)
+            self._store_global(attn, x, meta, table, step.groups)
         if meta.qpos.numel() == 0:
             return x.new_zeros(0, x.size(-1))
         xq = x if meta.q_rows is None else x[meta.q_rows]
@@ -345,7 +388,7 @@ class KernelRunner:
             qa = linear(attn.wq_a, xq)
         qr = OPS.rms_norm(qa, attn.q_norm.weight, attn.q_norm.eps)  # [M, q_lora]
         q = OPS.rope(linear(attn.wq_b, qr).unflatten(-1, (attn.n_local_heads, attn.head_dim)), meta.qpos, table)
-        main_pool, main_idx = self._no_main, meta.swa_idx.new_empty(meta.qpos.numel(), 0)
+        main_pool, main_idx = self.no_main, meta.swa_idx.new_empty(meta.qpos.numel(), 0)
         if role.ratio > 0:
             main_pool = kv.main_kv[role.kv_source]
             # every query row belongs to one request, whose topk_slots writes all its columns (-1 past its K)
@@ -356,7 +399,7 @@ class KernelRunner:
                 OPS.topk_slots(topk, r.entries, main_idx[r.rows])  # their slots, -1 = none
         o = OPS.sparse_attn(q, kv.swa[layer], meta.swa_idx, main_pool, main_idx, attn.attn_sink,
                             attn.head_dim ** -0.5)
-        return self._output(attn, o, meta.qpos, table)
+        return self.attention_output(attn, o, meta.qpos, table)
 
     def _topk(self, attn: Attention, xq: Tensor, qr: Tensor, qpos: Tensor, r: RequestRows, shared: Shared,
               table: RopeTable) -> Tensor:
@@ -381,14 +424,18 @@ class KernelRunner:
         shared.topk[role.layer_id] = topk
         return topk
 
-    def _store_global(self, attn: Attention, x: Tensor, meta: AttnMeta, table: RopeTable) -> None:
+    def _store_global(self, attn: Attention, x: Tensor, meta: AttnMeta, table: RopeTable,
+                      groups: dict[tuple[int, int], CompressorRows] | None = None) -> None:
         """A KV source: compress the rows >= global_from of every chunk; store the completed groups' main
-        KV and index keys (incomplete groups wait in their request's pending slot)."""
+        KV and index keys (incomplete groups wait in their request's pending slot). groups (a step with verify
+        chunks): gets each verify chunk's compressor rows, from its first group's start (the runner rolls the
+        pending slot back from them; entries of groups past the accepted end are rewritten before any query reads
+        them, as on the golden path: runner._store_global)."""
         kv, role, comp = self.kv, attn.role, attn.compressor
         source = role.kv_source
         if meta.writes is None:  # ratio > 2: per chunk, torch
             for g in meta.groups:
-                latent = self._compress(comp, x[g.rows], g, source)
+                latent = self._compress(comp, x[g.rows], g, source, groups)
                 if latent is not None:
                     self._store_latent(attn, latent, g.entries, g.gpos, table, main=True)
             return
@@ -400,9 +447,17 @@ class KernelRunner:
             latent = OPS.rms_norm(linear(comp.wkv, xr), comp.norm.weight, comp.norm.eps)
             self._store_latent(attn, latent, w.entries, w.gpos, table, main=True)
             return
-        latent = OPS.compress_ratio2(mm_fp32(xr, comp.wkv.weight), mm_fp32(xr, comp.wgate.weight),
-                                     kv.pending_kv[source], kv.pending_score[source], w.plan, comp.norm.weight,
-                                     comp.norm.eps, kv.main_kv[source], w.entries, table)
+        kv_rows, score_rows = mm_fp32(xr, comp.wkv.weight), mm_fp32(xr, comp.wgate.weight)  # fp32 [n, hd]
+        if groups is not None and w.keep_all:
+            groups[(-1, source)] = CompressorRows(0, kv_rows[None], score_rows[None])
+        if groups is not None:
+            for v in w.verify:  # before the launch, which overwrites the pending slot
+                p = v.start % comp.ratio
+                groups[(v.chunk, source)] = CompressorRows(
+                    v.start - p, torch.cat([kv.pending_kv[source][v.slot, :p], kv_rows[v.row:v.row + v.n]])[None],
+                    torch.cat([kv.pending_score[source][v.slot, :p], score_rows[v.row:v.row + v.n]])[None])
+        latent = OPS.compress_ratio2(kv_rows, score_rows, kv.pending_kv[source], kv.pending_score[source], w.plan,
+                                     comp.norm.weight, comp.norm.eps, kv.main_kv[source], w.entries, table)
         self._store_latent(attn, latent, w.entries, w.gpos, table, main=False)
 
     def _store_latent(self, attn: Attention, latent: Tensor, entries: Tensor, gpos: Tensor, table: RopeTable,
@@ -415,14 +470,17 @@ class KernelRunner:
         if main:
             OPS.store_main_kv(kv.main_kv[source], entries, latent, gpos, table)
 
-    def _compress(self, comp: Compressor, x: Tensor, g: GroupWrite, source: int) -> Tensor | None:
+    def _compress(self, comp: Compressor, x: Tensor, g: GroupWrite, source: int,
+                  groups: dict[tuple[int, int], CompressorRows] | None = None) -> Tensor | None:
         """bf16 rows -> pre-RoPE latents bf16 [groups, hd] of the groups completed now (Compressor math in
-        fp32 torch, any ratio > 1)."""
+        fp32 torch, any ratio > 1); a verify chunk's rows go into groups (see _store_global)."""
         r = comp.ratio
         kv, score = mm_fp32(x, comp.wkv.weight), mm_fp32(x, comp.wgate.weight)  # fp32 [n, hd]
         pend_kv, pend_score = self.kv.pending_kv[source][g.slot], self.kv.pending_score[source][g.slot]
         if g.pending:
             kv, score = torch.cat([pend_kv[:g.pending], kv]), torch.cat([pend_score[:g.pending], score])
+        if groups is not None and g.verify:
+            groups[(g.chunk, source)] = CompressorRows(g.first, kv[None], score[None])
         rest = kv.size(0) - g.complete
         if rest:
             pend_kv[:rest] = kv[g.complete:]
@@ -433,7 +491,7 @@ class KernelRunner:
         pooled = (kv * score.softmax(dim=1)).sum(dim=1)  # [G, hd]
         return rms_norm_torch(pooled.to(x.dtype), comp.norm.weight, comp.norm.eps)
 
-    def _output(self, attn: Attention, o: Tensor, qpos: Tensor, table: RopeTable) -> Tensor:
+    def attention_output(self, attn: Attention, o: Tensor, qpos: Tensor, table: RopeTable) -> Tensor:
         """Undo the K=V rotation, the grouped wo_a over the rank's groups (decode on CUDA: the FP8 weight read
         directly by fp8_gemv_grouped, bf16-exact products summed in fp32; else bf16 weights, fp32 accumulation),
         then wo_b (row-parallel over the groups' features)."""
@@ -470,7 +528,7 @@ class KernelRunner:
         pos = cat([torch.arange(s.start, s.end) for s in phase.segs_in])
         write = cat([paged.swa_slots(chunks[s.index].swa_blocks, s.start, s.end, S) for s in phase.segs_in])
         q_rows, qpos, swa_idx, requests, groups = [], [], [], [], []
-        g_rows, g_entries, g_pos, r2_chunks = [], [], [], []
+        g_rows, g_entries, g_pos, r2_chunks, verify = [], [], [], [], []
         for si, so in zip(phase.segs_in, phase.segs_out):
             q_rows.append(torch.arange(si.offset + so.start - si.start, si.offset + si.rows))
             p = torch.arange(so.start, so.end)
@@ -493,19 +551,22 @@ class KernelRunner:
             gpos = (first + torch.arange(count)) * ratio
             if ratio <= 2:
                 if ratio == 2:
-                    r2_chunks.append(Ratio2Chunk(sum(r.numel() for r in g_rows), si.end - start, start,
-                                                 req.pending_slot))
+                    row = sum(r.numel() for r in g_rows)
+                    r2_chunks.append(Ratio2Chunk(row, si.end - start, start, req.pending_slot))
+                    if req.num_draft:
+                        verify.append(VerifyRows(si.index, row, si.end - start, start, req.pending_slot))
                 g_rows.append(torch.arange(si.offset + start - si.start, si.offset + si.rows))
                 g_entries.append(entries)
                 g_pos.append(gpos)
             else:
                 pending = start % ratio
                 groups.append(GroupWrite(slice(si.offset + start - si.start, si.offset + si.rows), pending,
-                                         req.pending_slot, count * ratio, entries.to(dev), gpos.to(dev)))
+                                         req.pending_slot, count * ratio, entries.to(dev), gpos.to(dev),
+                                         req.num_draft > 0, si.index, start - pending))
         writes = None
         if 0 < ratio <= 2:
             writes = GlobalWrite(cat(g_rows).to(dev), cat(g_entries).to(dev), cat(g_pos).to(dev),
-                                 plan_ratio2(r2_chunks, dev) if ratio == 2 else None)
+                                 plan_ratio2(r2_chunks, dev) if ratio == 2 else None, verify)
         q_rows = cat(q_rows)
         every_row = 0 < q_rows.numel() == pos.numel() and bool((q_rows == torch.arange(pos.numel())).all())
         return AttnMeta(pos.to(dev), write.to(dev), None if every_row else q_rows.to(dev), cat(qpos).to(dev),

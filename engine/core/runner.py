@@ -15,8 +15,11 @@ and its span rows overwrite those positions' embedding rows; they route with bia
 On CUDA (or with kernels=True) the step runs instead through engine/core/kernel_layers.py: the same
 plan and logits, with Triton kernels and fp32 torch ops reading the paged pools in place.
 
-Speculative decoding (the pools hold DSpark context, CacheLayout.num_dspark_layers > 0; golden path only): a step
-drafts for its verify chunks first (engine/core/drafter.py), computes every chunk with the drafts as tokens, lets
+Speculative decoding (the pools hold DSpark context, CacheLayout.num_dspark_layers > 0; either path): a step
+drafts for its verify chunks first (engine/core/drafter.py), computes every chunk with the drafts as tokens (on the
+kernel path a verify chunk is a short prefill-like chunk over the request's KV, run eagerly: KernelRunner.forward;
+the decode step's graphs are off while speculating, as every step writes DSpark context; a step of greedy verify chunks
+only runs instead as the verify step on device buffers, its CUDA graphs when captured: engine/core/verify_step.py), lets
 engine/core/speculative.py accept or reject them from the verify rows, rolls back the compressor's pending group
 to the accepted end, and writes the DSpark context KV of every kept position. Over N shards every rank drafts
 from its own slices of the DSpark stages and its own pools and verifies the same tokens (the draft and target logits
@@ -25,20 +28,20 @@ are gathered, the noise keyed), which each step checks (_check_lockstep).
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 from typing import TYPE_CHECKING
 
 import torch
 
-from engine.core.drafter import Draft, DraftRequest, Drafter, DSparkDrafter, write_context
-from engine.core.engine_config import SPECULATIVE_KERNELS, EngineConfigError
+from engine.core.drafter import Draft, DraftRequest, Drafter, DSparkDrafter, DSparkStages, GoldenDSpark
+from engine.core.engine_config import EngineConfigError
 from engine.core.image_spans import SpanCache, image_patches, stream_image_mask
 from engine.core.kv_cache import PagedKVCache
 from engine.core.plan import ChunkPlan, StepPlan
-from engine.core.sampler import sample_specs
+from engine.core.sampler import SampleOutput, sample_specs
 from engine.core.speculative import Verified, verify, verify_lengths
-from engine.core.step_rows import (Segment, StepLogits, StepOutput, decoder_rows, engram_hashes, head_rows, no_logits,
-                                   sample_step, segments, split_logits)
+from engine.core.step_rows import (CompressorRows, ForwardState, Segment, StepOutput, decoder_rows, engram_hashes,
+                                   head_rows, no_logits, sample_step, segments, split_logits)
 from engine.kernels import paged
 from engine.model.attention import Attention, sparse_attn, window_indices
 from engine.model.cache import SourceCache, StepShared
@@ -51,25 +54,6 @@ if TYPE_CHECKING:
     from engine.core.decode_step import PendingDraw, PendingForward
     from engine.core.engine_config import DecodeOptions
 
-@dataclass(frozen=True, slots=True)
-class CompressorRows:
-    """The fp32 rows a ratio-r compressor saw for one verify chunk, from its first group's start (the pending
-    tokens, then the chunk's): what the pending group is rolled back from."""
-
-    first: int  # position of row 0
-    kv: torch.Tensor  # fp32 [1, n, hd]
-    score: torch.Tensor  # fp32 [1, n, hd]
-
-
-@dataclass(slots=True)
-class ForwardState:
-    """What a golden forward leaves besides its logits: the decoder rows' tap hiddens (DSpark context on) and
-    segments, and the compressor rows of each (verify chunk index, ratio > 1 KV source)."""
-
-    logits: StepLogits
-    main_hidden: torch.Tensor | None = None  # [1, R, taps*D]
-    segs: list[Segment] = field(default_factory=list)
-    groups: dict[tuple[int, int], CompressorRows] = field(default_factory=dict)
 
 
 class ModelRunner:
@@ -87,9 +71,9 @@ class ModelRunner:
         self._kernel_path = None
         self._spans = SpanCache(self._golden_spans)  # the golden path's span rows by image key
         self.decode = None  # the kernel path's decode step on device buffers (engine/core/decode_step.py)
+        self.verify = None  # ... and its verify step, speculating (engine/core/verify_step.py)
+        self.dspark: DSparkStages | None = None  # the DSpark stages' math on this path (speculative decoding)
         if kv.dspark_swa:
-            if self.kernels:
-                raise EngineConfigError(SPECULATIVE_KERNELS)
             if len(model.mtp) != len(kv.dspark_swa):
                 raise EngineConfigError(f"speculative decoding needs the checkpoint's DSpark stages: "
                                         f"{len(model.mtp)} loaded, {len(kv.dspark_swa)} expected")
@@ -99,11 +83,23 @@ class ModelRunner:
             from engine.core.kernel_layers import KernelRunner  # imports Triton: only on the kernel path
 
             self._kernel_path = KernelRunner(model, kv)
-            if decode is not None:
+            if decode is not None and not kv.dspark_swa:  # speculating, every step writes DSpark context: eager
                 from engine.core.decode_step import DecodeStep
 
                 self._kernel_path.reserve_positions(decode.max_model_len)
                 self.decode = DecodeStep(self._kernel_path, decode)
+        if kv.dspark_swa:
+            if self._kernel_path is not None:
+                from engine.core.kernel_drafter import KernelDSpark
+
+                self.dspark = KernelDSpark(self._kernel_path)
+                if decode is not None and decode.max_draft > 0:
+                    from engine.core.verify_step import VerifyStep
+
+                    self._kernel_path.reserve_positions(decode.max_model_len)
+                    self.verify = VerifyStep(self._kernel_path, decode, self.dspark)
+            else:
+                self.dspark = GoldenDSpark(model, kv)
 
     @torch.inference_mode()
     def execute(self, plan: StepPlan) -> StepOutput:
@@ -144,11 +140,23 @@ class ModelRunner:
             return self._kernel_path.execute(out)
         return self._forward(out).logits
 
+    def _forward_state(self, plan: StepPlan) -> ForwardState:
+        """The step's forward with its tap hiddens and the verify chunks' compressor rows, on either path."""
+        if self._kernel_path is None:
+            return self._forward(plan)
+        return self._kernel_path.forward(plan, taps=True)
+
     # ---- speculative decoding ---------------------------------------------------------------------------
     def _speculative_step(self, plan: StepPlan) -> StepOutput:
         """Draft, forward, verify, roll back what rejected drafts touched, store the kept positions' context."""
+        on_device = self.verify is not None and self.verify.takes(plan)
         plan, drafts = self._draft(plan)
-        state = self._forward(plan)
+        if on_device:  # the verify step on device buffers (its graphs)
+            self.kv.apply(plan.copies)
+            verified = self.verify.execute(plan, drafts)
+            self._check_lockstep(drafts, verified)
+            return StepOutput(SampleOutput([], [], []), {}, verified)
+        state = self._forward_state(plan)
         rows = state.logits.rows
         verified = verify([rows[v.chunk][1] for v in plan.verifies], plan.verifies, [d.token_ids for d in drafts],
                           [d.q for d in drafts])
@@ -156,7 +164,7 @@ class ModelRunner:
         ends = {v.chunk: plan.chunks[v.chunk].start + len(r.token_ids) for v, r in zip(plan.verifies, verified)}
         self._roll_back_pending(plan, state.groups, ends)
         if state.main_hidden is not None:
-            write_context(self.model, self.kv, state.main_hidden, state.segs, plan.chunks, ends)
+            self.dspark.write_context(state.main_hidden, state.segs, plan.chunks, ends)
         kept = {i: (first, r[:ends[i] - first] if i in ends else r) for i, (first, r) in rows.items()
                 if plan.chunks[i].keep_logits}
         return StepOutput(sample_specs(state.logits.sample, plan.samples), kept, verified)
@@ -167,7 +175,7 @@ class ModelRunner:
         if not plan.verifies:
             return plan, []
         if self.drafter is None:
-            self.drafter = DSparkDrafter(self.model, self.kv)
+            self.drafter = DSparkDrafter(self.model, self.kv, self.dspark)
         requests = []
         for v in plan.verifies:
             c = plan.chunks[v.chunk]
@@ -350,3 +358,4 @@ class ModelRunner:
             topk = shared.topk[role.index_source]
             assert topk.size(1) == qpos.numel(), f"layer {role.layer_id}: index source rows differ from its queries"
         return main, topk
+

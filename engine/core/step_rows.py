@@ -35,6 +35,27 @@ class StepLogits:
     rows: dict[int, tuple[int, torch.Tensor]]  # chunk index -> (first position, fp32 [rows, vocab])
 
 
+@dataclass(frozen=True, slots=True)
+class CompressorRows:
+    """The fp32 rows a ratio-r compressor saw for one verify chunk, from its first group's start (the pending
+    tokens, then the chunk's): what the pending group is rolled back from."""
+
+    first: int  # position of row 0
+    kv: torch.Tensor  # fp32 [1, n, hd]
+    score: torch.Tensor  # fp32 [1, n, hd]
+
+
+@dataclass(slots=True)
+class ForwardState:
+    """What a forward leaves (either path) besides its logits: the decoder rows' tap hiddens (DSpark context on) and
+    segments, and the compressor rows of each (verify chunk index, ratio > 1 KV source)."""
+
+    logits: StepLogits
+    main_hidden: torch.Tensor | None = None  # [1, R, taps*D]
+    segs: list[Segment] = field(default_factory=list)
+    groups: dict[tuple[int, int], CompressorRows] = field(default_factory=dict)
+
+
 @dataclass(slots=True)
 class StepOutput:
     """What a step returns to the engine: one token per plan.samples entry (engine/core/sampler.py), the

@@ -67,7 +67,7 @@ def test_two_shards_draft_verify_and_accept_as_one_shard(one_and_two_shards):
 
 
 def test_the_kernel_runner_is_refused_before_any_rank_starts(tiny_checkpoint):
-    with pytest.raises(EngineConfigError, match="golden runner"):
+    with pytest.raises(EngineConfigError, match="kernel runner runs at one shard"):
         LLMEngine.sharded(tiny_checkpoint, EngineConfig(speculative_tokens=2, runner="kernels"), "cpu", 2)
 
 

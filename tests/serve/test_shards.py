@@ -127,10 +127,10 @@ def test_four_shards_are_refused_when_the_settings_are_built(tiny_checkpoint, ca
     speculative = ServeSettings.from_cli(["--checkpoint", str(tiny_checkpoint), "--num-shards", "2",
                                           "--speculative-tokens", "2"], environ={})
     assert (speculative.num_shards, speculative.speculative_tokens) == (2, 2)  # the DSpark stages split too
-    # still refused before Ray: speculative decoding on the kernel runner (any shard count)
+    # still refused before Ray: speculative decoding on the kernel runner over several shards
     assert serve_main(["--checkpoint", str(tiny_checkpoint), "--num-shards", "2", "--speculative-tokens", "2",
                        "--runner", "kernels"]) == 2
-    assert "golden runner" in capsys.readouterr().err
+    assert "kernel runner runs at one shard" in capsys.readouterr().err
     assert serve_main(["--checkpoint", str(tiny_checkpoint), "--num-shards", "4"]) == 2  # make serve: before Ray
     assert "o_groups=2 is not divisible by 4 shards" in capsys.readouterr().err
 
