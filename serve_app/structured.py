@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import json
 import re
+from collections.abc import Callable
 from typing import Any
 
 from engine.chat import constraints
@@ -82,7 +83,7 @@ def output_grammar(schema: dict | None, tools: list[dict] | None, tool_choice: s
         if tool_choice in ("required", "function"):
             raise bad_request("response_format: a JSON response_format cannot be combined with tool_choice "
                               f"{'required' if tool_choice == 'required' else 'naming a function'}", "response_format")
-        return _compiled(constraints.json_grammar(schema, thinking), "response_format.json_schema.schema")
+        return _compiled(lambda: constraints.json_grammar(schema, thinking), "response_format.json_schema.schema")
     if not tools or tool_choice == "none":
         return None
     if tool_choice == "auto":
@@ -106,12 +107,13 @@ def _tools_compiled(grammar: str, tools: list[dict], constrained: list[int]) -> 
             params = tools[i]["function"].get("parameters") or {}
             for key, prop in (params.get("properties") or {}).items():
                 where = f"tools[{i}].function.parameters.properties.{key}"
-                _compiled(constraints.json_grammar(prop if isinstance(prop, dict) else {}), where)
+                _compiled(lambda: constraints.json_grammar(prop if isinstance(prop, dict) else {}), where)
         raise bad_request(f"tools: the tools' parameters cannot be enforced: {e}", "tools") from None
 
 
-def _compiled(grammar: str, where: str) -> str:
+def _compiled(build: Callable[[], str], where: str) -> str:
+    """build()'s grammar, compiled; else a 400 naming `where` (a schema llguidance cannot take or compile)."""
     try:
-        return constraints.check(grammar)
+        return constraints.check(build())
     except constraints.GrammarError as e:
         raise bad_request(f"{where}: cannot be enforced: {e}", where) from None

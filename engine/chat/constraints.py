@@ -76,10 +76,14 @@ def check(grammar: str) -> str:
 def json_grammar(schema: dict[str, Any], thinking: bool = False) -> str:
     """thinking: the completion opens with the reasoning, which must end with `</think>`; the JSON value is the
     content after it."""
-    if not thinking:
-        return llguidance.LLMatcher.grammar_from_json_schema(tag_free(schema), defaults=JSON_OPTIONS)
-    answer = f"%json{json.dumps({**tag_free(schema), 'x-guidance': JSON_OPTIONS}, ensure_ascii=False)}"
-    return llguidance.LLMatcher.grammar_from_lark("\n".join(["start: reasoning " + answer, *_reasoning_rules()]) + "\n")
+    try:
+        if not thinking:
+            return llguidance.LLMatcher.grammar_from_json_schema(tag_free(schema), defaults=JSON_OPTIONS)
+        answer = f"%json{json.dumps({**tag_free(schema), 'x-guidance': JSON_OPTIONS}, ensure_ascii=False)}"
+        return llguidance.LLMatcher.grammar_from_lark("\n".join(["start: reasoning " + answer, *_reasoning_rules()])
+                                                      + "\n")
+    except ValueError as e:  # e.g. "Value is not JSON serializable: <an integer past 64 bits>"
+        raise GrammarError(str(e).strip().splitlines()[0]) from None
 
 
 # The texts the parser reads as tags where a constrained JSON value can be: every DSML tag ("<｜DSML｜ ..." and

@@ -34,6 +34,12 @@ UNIQUE = {"type": "function", "function": {"name": "tag", "parameters": {"type":
     "tags": {"type": "array", "uniqueItems": True}}}}}  # llguidance cannot enforce uniqueItems
 UNIQUE_JSON_SCHEMA = {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "array",
                                                                                       "uniqueItems": True}}}
+# an integer past 64 bits: llguidance's JSON-schema entry cannot read it (found by tests/reliability/test_fuzz_openapi
+# as a 500); in thinking mode (chat's default) the schema goes through a lark grammar, which takes it as a number
+HUGE = 10638638380251029063375781888
+HUGE_JSON_SCHEMA = {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "integer", "maximum": HUGE}}}
+HUGE_TOOL = {"type": "function", "function": {"name": "big", "strict": True, "parameters": {
+    "type": "object", "properties": {"n": {"type": "integer", "minimum": -HUGE}}}}}
 
 
 def strict(tool: dict) -> dict:
@@ -196,6 +202,8 @@ CHAT_REJECTIONS = [
     ({"response_format": {"type": "json_object"}, "tools": [WEATHER], "tool_choice": "required"}, "response_format"),
     ({"tools": [{**WEATHER, "function": {**WEATHER["function"], "strict": 1}}]}, "tools[0].function.strict"),
     ({"tools": [WEATHER, strict(UNIQUE)]}, "tools[1].function.parameters.properties.tags"),  # auto, strict
+    ({"tools": [WEATHER, HUGE_TOOL]}, "tools[1].function.parameters.properties.n"),  # auto, strict
+    ({"tools": [HUGE_TOOL], "tool_choice": "required"}, "tools[0].function.parameters.properties.n"),
     ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": {
       "d": {"type": "string", "format": "bogus"}}}}}], "tool_choice": "required"},
      "tools[0].function.parameters.properties.d"),
@@ -432,6 +440,7 @@ COMPLETION_REJECTIONS = [
     ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": []}}},
      "response_format.json_schema.schema", "an object"),
     ({"response_format": UNIQUE_JSON_SCHEMA}, "response_format.json_schema.schema", "uniqueItems"),
+    ({"response_format": HUGE_JSON_SCHEMA}, "response_format.json_schema.schema", "not JSON serializable"),
 ]
 
 
