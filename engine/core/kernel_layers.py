@@ -346,7 +346,7 @@ class KernelRunner:
         # the FFN collapses with the attention sublayer's pre (Block.forward)
         x = OPS.hc_pre_norm(h, a_pre, layer.ffn_norm.weight, layer.ffn_norm.eps)
         ffn_forked = fork("mhc_mixes", h.device, ffn_mixes) if beside else None
-        y = OPS.moe(x, layer.ffn, phase.is_image)
+        y = OPS.moe(x, layer.ffn, None if phase is None else phase.is_image)  # a DSpark stage: no image rows
         f_pre, f_post, f_comb = ffn_forked.join() if beside else ffn_mixes()
         return OPS.hc_post(y, h, f_post, f_comb), f_pre
 
