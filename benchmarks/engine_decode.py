@@ -254,7 +254,7 @@ def measure_speculative(engine: LLMEngine, batch: int, args: argparse.Namespace,
     verify_ms = verify.seconds / verify_steps * 1000 if verify_steps else math.nan
     if verify is not None:
         runner.verify.execute = verify.inner
-    return step_s * 1000, draft_ms, tokens / args.steps, verify_ms, verify_steps
+    return step_s * 1000, draft_ms, tokens / args.steps / batch, verify_ms, verify_steps
 
 
 def speculative_sweep(model, args: argparse.Namespace, batches: list[int], params: SamplingParams,
@@ -270,12 +270,12 @@ def speculative_sweep(model, args: argparse.Namespace, batches: list[int], param
             step_ms, draft_ms, per_step, verify_ms, verify_steps = measure_speculative(engine, batch, args, params)
             rows.append((K, batch, step_ms, draft_ms, verify_ms, per_step))
             print(f"K {K} batch {batch}: {step_ms:.3f} ms/step (draft {draft_ms:.3f}, verify step {verify_ms:.3f} in "
-                  f"{verify_steps} of {args.steps} steps), {per_step:.2f} tokens/step", flush=True)
+                  f"{verify_steps} of {args.steps} steps), {per_step:.2f} tokens/step per request", flush=True)
         del engine
         torch.cuda.empty_cache()
     name = torch.cuda.get_device_name() if torch.device(args.device).type == "cuda" else "CPU"
     print(f"\n{name}, {args.sampling}, prompt {args.prompt_len}, {args.steps} steps, speculative decoding")
-    print("| K | batch | step ms | draft ms | verify ms | tokens/step | tok/s | " +
+    print("| K | batch | step ms | draft ms | verify ms | tokens/step/request | tok/s | " +
           " | ".join(f"tok/s at accept {a}" for a in ACCEPT_LENGTHS) + " |")
     print("|---|---|---|---|---|---|---|" + "---|" * len(ACCEPT_LENGTHS))
     for K, batch, step_ms, draft_ms, verify_ms, per_step in rows:
