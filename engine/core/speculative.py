@@ -104,8 +104,14 @@ def draw_draft(logits: Tensor, params: Sequence[SamplingParams], seeds: Tensor, 
     """One draft position of a batch of requests: fp32 [B, V] draft logits -> (tokens int64 [B], q float64 [B, V]) with
     each token drawn from q = sampling_distributions(its row, its params) by Gumbel-max of stream STREAM_DRAFT."""
     q = sampling_distributions(logits, params)
-    g = keyed_gumbel(seeds, steps, STREAM_DRAFT, logits.size(1)).to(logits.device)
-    return (q.log() + g.double()).argmax(dim=-1), q
+    tokens = q.argmax(dim=-1)  # a greedy row's q is one-hot: Gumbel-max picks its one token whatever the noise
+    drawn = [i for i, p in enumerate(params) if not p.is_greedy]
+    if drawn:  # the noise only where it decides (a vocabulary of Philox draws per row costs ~ms on the host)
+        idx = torch.tensor(drawn)
+        g = keyed_gumbel(seeds[idx], steps[idx], STREAM_DRAFT, logits.size(1)).to(logits.device)
+        at = idx.to(logits.device)
+        tokens[at] = (q[at].log() + g.double()).argmax(dim=-1)
+    return tokens, q
 
 
 # ---- a step's verify chunks -------------------------------------------------------------------------------------

@@ -165,3 +165,21 @@ def test_survival_and_verify_lengths():
     assert verify_lengths(conf, DraftPolicy(max_draft_tokens=4)) == [2, 0, 2]  # the 4 best slots: 1, 1, .88, .78
     assert verify_lengths(conf, DraftPolicy(max_draft_tokens=0)) == [0, 0, 0]
     assert verify_lengths([[1.0, 1.0], [1.0, 1.0]], DraftPolicy(max_draft_tokens=3)) == [2, 1]  # ties: lower request
+
+
+def test_draft_draws_of_a_mixed_batch_are_gumbel_max_over_every_row():
+    """draw_draft draws noise only for sampled rows; every row's token is still Gumbel-max of log q + its keyed noise
+    (the rule with noise on every row, computed here)."""
+    g = torch.Generator().manual_seed(3)
+    logits = torch.randn(5, V, generator=g)
+    params = [SamplingParams(temperature=0.0), SamplingParams(temperature=0.8), SamplingParams(temperature=0.0),
+              SamplingParams(temperature=1.3, top_k=3), SamplingParams(temperature=0.0)]
+    seeds = torch.tensor([11, 12, 13, 14, 15])
+    steps = torch.tensor([0, 7, 2, 9, 4])
+    for trial in range(20):
+        tokens, q = draw_draft(logits, params, seeds + trial, steps)
+        full = (q.log() + keyed_gumbel(seeds + trial, steps, STREAM_DRAFT, V).double()).argmax(dim=-1)
+        assert torch.equal(tokens, full)
+        assert torch.equal(q, sampling_distributions(logits, params))
+    greedy = [SamplingParams(temperature=0.0)] * 5
+    assert torch.equal(draw_draft(logits, greedy, seeds, steps)[0], logits.argmax(dim=-1))
