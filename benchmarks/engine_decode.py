@@ -27,9 +27,10 @@ The printed table's columns: mode, batch, step ms (--steps steps back to back: w
 step, host share of the step ((wall - busy) / wall: the device idle), output tok/s (batch / step).
 
 --speculative-tokens K,..: instead of the modes, speculative decoding (issue 22) with each K (0: the graph mode
-above), the checkpoint's or the random model's DSpark stages drafting. K > 0 drafts eagerly and, greedy, verifies
-on the verify step's CUDA graphs (engine/core/verify_step.py: verify rows of K + 1 per request, acceptance, rollback,
-DSpark context, one graph per (batch, K, context) bucket); top_p runs the eager speculative step. Per K and batch:
+above), the checkpoint's or the random model's DSpark stages drafting. K > 0, greedy, drafts on the draft step's
+CUDA graphs (engine/core/draft_step.py) and verifies on the verify step's CUDA graphs (engine/core/verify_step.py:
+verify rows of K + 1 per request, acceptance, rollback, DSpark context, one graph per (batch, K, context) bucket);
+top_p drafts eagerly and runs the eager speculative step. Per K and batch:
 step ms, the draft's share of it (the drafter's proposals, synchronised), the verify step's time per step it took
 (synchronised; the graph replay, its staging and its read-back), the tokens a step emitted (random weights:
 the drafts are nearly all rejected, so about 1), measured tok/s, and tok/s projected at accept lengths 2.8, 3.5 and
@@ -228,7 +229,8 @@ def measure_speculative(engine: LLMEngine, batch: int, args: argparse.Namespace,
     runner = engine.executor.runner
     timer = None
     if runner.dspark is not None:
-        timer = runner.drafter = TimedDrafter(DSparkDrafter(runner.model, runner.kv, runner.dspark), sync)
+        drafter = DSparkDrafter(runner.model, runner.kv, runner.dspark, runner.draft_step)  # greedy: on device
+        timer = runner.drafter = TimedDrafter(drafter, sync)
     verify = None if runner.verify is None else TimedVerify(runner.verify, sync)
     g = torch.Generator().manual_seed(batch)
     for i in range(batch):

@@ -48,11 +48,11 @@ class DraftRequest:
 @dataclass(slots=True)
 class Draft:
     token_ids: list[int]  # [k]
-    q: Tensor  # float64 [k, V]: the distribution each token was drawn from (one-hot when greedy)
+    q: Tensor | None  # float64 [k, V]: the distribution each token was drawn from; None: greedy (one-hot at each)
     confidence: list[float]  # [k] logits of the drafter's estimate that each draft is accepted (sigmoid)
 
     def prefix(self, k: int) -> "Draft":
-        return Draft(self.token_ids[:k], self.q[:k], self.confidence[:k])
+        return Draft(self.token_ids[:k], None if self.q is None else self.q[:k], self.confidence[:k])
 
 
 class Drafter(Protocol):
@@ -88,19 +88,23 @@ class DSparkStages(Protocol):
 class DSparkDrafter:
     """The DSpark stages drafting from the context KV in the paged pools: `stages` does the stages' math (default:
     the golden modules of `model`, which it must have been loaded with), batched over the requests; each request's
-    attention reads its own context window."""
+    attention reads its own context window. on_device: the kernel path's draft step (engine/core/draft_step.py),
+    which drafts the requests it takes (greedy) on device buffers and their CUDA graphs."""
 
-    def __init__(self, model: Transformer, kv: PagedKVCache, stages: DSparkStages | None = None):
+    def __init__(self, model: Transformer, kv: PagedKVCache, stages: DSparkStages | None = None, on_device=None):
         if not model.mtp or len(kv.dspark_swa) != len(model.mtp):
             raise ValueError(f"DSpark drafting needs the model's DSpark stages ({len(model.mtp)} loaded) and their "
                              f"context pools ({len(kv.dspark_swa)})")
         self.model, self.kv, self.cfg = model, kv, model.cfg
         self.stages = stages or GoldenDSpark(model, kv)
+        self.on_device = on_device
 
     @torch.inference_mode()
     def propose(self, requests: list[DraftRequest]) -> list[Draft]:
         if not requests:
             return []
+        if self.on_device is not None and self.on_device.takes(requests):
+            return self.on_device.propose(requests)
         cfg, S = self.cfg, self.kv.layout.swa_block_size
         device = self.model.embed.weight.device
         anchors = torch.tensor([r.anchor for r in requests], dtype=torch.long, device=device)

@@ -166,6 +166,12 @@ def capture_decode_graphs(runner: ModelRunner, progress: bool = False) -> dict[s
     if progress:
         print(f"captured {summary['graphs']:.0f} {'decode' if runner.decode else 'verify'} graphs in "
               f"{summary['seconds']:.1f} s, {summary['bytes'] / 2**20:.0f} MiB", flush=True)
+    if runner.decode is None and runner.draft_step is not None:  # speculating: the greedy drafts' graphs too
+        drafts = runner.draft_step.capture(progress)
+        if progress:
+            print(f"captured {drafts['graphs']:.0f} draft graphs in {drafts['seconds']:.1f} s, "
+                  f"{drafts['bytes'] / 2**20:.0f} MiB", flush=True)
+        summary = {key: summary[key] + drafts[key] for key in summary}
     return summary
 
 

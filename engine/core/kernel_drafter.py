@@ -11,7 +11,8 @@ one row of `window + block` records per request, which the paged sparse attentio
 every query sees its request's whole row). The head, the Markov correction and the confidence head are fp32 products
 of bf16 weights (mm_fp32), as the reference computes them.
 
-Eager only: the drafts run outside the decode step's CUDA graphs (issue 22's graph buckets are left to do).
+Greedy drafts also run on persistent buffers in CUDA graphs (engine/core/draft_step.py, the same hidden_rows and
+propose); sampled drafts run here eagerly.
 """
 
 from __future__ import annotations
@@ -39,32 +40,38 @@ class KernelDSpark:
 
     @torch.inference_mode()
     def hidden(self, anchors: Tensor, contexts: list[tuple[int, Tensor]]) -> Tensor:
+        """DSparkStages.hidden: the contexts as device tensors (context_slots), then hidden_rows."""
+        dev = anchors.device
+        positions = torch.tensor([last + 1 for last, _ in contexts], device=dev)
+        self.runner.reserve_positions(int(positions.max()) + self.cfg.dspark_block_size)
+        return self.hidden_rows(anchors, positions, context_slots([slots for _, slots in contexts],
+                                                                  self.cfg.window_size).to(dev))
+
+    def hidden_rows(self, anchors: Tensor, positions: Tensor, slots: Tensor) -> Tensor:
+        """anchors int64 [B] at positions [B], each request's context: the window slots [B, W] of its positions
+        max(0, p - W) .. p - 1 in order, then -1 -> x [B, block, D] (device work only: the draft step's graph
+        body, engine/core/draft_step.py). The RoPE tables must cover positions + block (reserve_positions)."""
         cfg, dev = self.cfg, anchors.device
         B, blk, W = anchors.numel(), cfg.dspark_block_size, cfg.window_size
-        ids = anchors.new_full((B, blk), cfg.dspark_noise_token_id)
-        ids[:, 0] = anchors
+        ids = torch.where(torch.arange(blk, device=dev) == 0, anchors[:, None], cfg.dspark_noise_token_id)
         width = W + blk  # a request's records: its context (padded to the window), then its block
         base = torch.arange(B, device=dev) * width
-        qpos = (torch.tensor([last + 1 for last, _ in contexts], device=dev)[:, None]
-                + torch.arange(blk, device=dev)).flatten()  # [B*blk]
+        qpos = (positions[:, None] + torch.arange(blk, device=dev)).flatten()  # [B*blk]
         block_slots = (base[:, None] + W + torch.arange(blk, device=dev)).flatten()  # [B*blk]
-        idx = torch.full((B, width), -1, dtype=torch.int32, device=dev)
-        src, dst = [], []
-        for b, (_, slots) in enumerate(contexts):
-            idx[b, :slots.numel()] = torch.arange(slots.numel(), device=dev, dtype=torch.int32) + b * width
-            src.append(slots)
-            dst.append(torch.arange(slots.numel()) + b * width)
-        idx[:, W:] = block_slots.view(B, blk).to(torch.int32)
+        held = slots >= 0
+        ctx = torch.where(held, base[:, None] + torch.arange(W, device=dev), -1)
+        idx = torch.cat([ctx, block_slots.view(B, blk)], dim=1).to(torch.int32)
         idx = idx.repeat_interleave(blk, dim=0)  # [B*blk, width]: each query sees its request's whole row
-        src, dst = torch.cat(src).to(dev), torch.cat(dst).to(dev)
+        src = slots.clamp_min(0)  # a missing record reads slot 0: never attended (idx -1)
         rec = self.kv.dspark_swa[0].size(-1)
 
         def attend(stage: DSparkStage, x: Tensor) -> Tensor:  # x bf16 [B*blk, D] normed
             attn, runner = stage.attn, self.runner
             table = runner.table_for(attn.rope)
             pool = self.kv.dspark_swa[stage.role.layer_id - cfg.n_layers].view(-1, rec)
-            scratch = torch.empty(B * width, rec, dtype=torch.uint8, device=dev)
-            scratch[dst] = pool[src]
+            scratch = torch.empty(B, width, rec, dtype=torch.uint8, device=dev)
+            scratch[:, :W] = pool[src]
+            scratch = scratch.view(B * width, rec)
             OPS.store_window(linear(attn.wkv, x), attn.kv_norm.weight, attn.kv_norm.eps, qpos, table, scratch,
                              block_slots)
             qr = OPS.rms_norm(linear(attn.wq_a, x), attn.q_norm.weight, attn.q_norm.eps)
@@ -76,7 +83,6 @@ class KernelDSpark:
         h = F.embedding(ids.flatten(), self.model.embed.weight).unsqueeze(1).repeat(1, cfg.hc_mult, 1)  # [B*blk, hc, D]
         pre_mix = torch.zeros(B * blk, cfg.hc_mult, dtype=torch.float32, device=dev)
         pre_mix[:, 0] = 1.0
-        self.runner.reserve_positions(int(qpos.max()) + 1)
         for stage in self.model.mtp:
             h, pre_mix = self.runner.layer_forward(stage, h, pre_mix, None, None,
                                                    attend=lambda x, s=stage: attend(s, x))
@@ -123,3 +129,12 @@ class KernelDSpark:
             attn = stage.attn
             OPS.store_window(linear(attn.wkv, main_x), attn.kv_norm.weight, attn.kv_norm.eps, pos,
                              self.runner.table_for(attn.rope), pool, slots)
+
+
+def context_slots(contexts: list[Tensor], window: int) -> Tensor:
+    """Each request's context window slots (CPU long [n <= window], its positions in order) -> int64 [B, window],
+    -1 past each one's."""
+    out = torch.full((len(contexts), window), -1, dtype=torch.long)
+    for b, slots in enumerate(contexts):
+        out[b, :slots.numel()] = slots
+    return out

@@ -72,6 +72,7 @@ class ModelRunner:
         self._spans = SpanCache(self._golden_spans)  # the golden path's span rows by image key
         self.decode = None  # the kernel path's decode step on device buffers (engine/core/decode_step.py)
         self.verify = None  # ... and its verify step, speculating (engine/core/verify_step.py)
+        self.draft_step = None  # ... and its greedy drafts on device buffers (engine/core/draft_step.py)
         self.dspark: DSparkStages | None = None  # the DSpark stages' math on this path (speculative decoding)
         if kv.dspark_swa:
             if len(model.mtp) != len(kv.dspark_swa):
@@ -96,8 +97,11 @@ class ModelRunner:
                 if decode is not None and decode.max_draft > 0:
                     from engine.core.verify_step import VerifyStep
 
+                    from engine.core.draft_step import DraftStep
+
                     self._kernel_path.reserve_positions(decode.max_model_len)
                     self.verify = VerifyStep(self._kernel_path, decode, self.dspark)
+                    self.draft_step = DraftStep(self.dspark, decode)
             else:
                 self.dspark = GoldenDSpark(model, kv)
 
@@ -175,7 +179,7 @@ class ModelRunner:
         if not plan.verifies:
             return plan, []
         if self.drafter is None:
-            self.drafter = DSparkDrafter(self.model, self.kv, self.dspark)
+            self.drafter = DSparkDrafter(self.model, self.kv, self.dspark, self.draft_step)
         requests = []
         for v in plan.verifies:
             c = plan.chunks[v.chunk]

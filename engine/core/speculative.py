@@ -117,15 +117,16 @@ def draw_draft(logits: Tensor, params: Sequence[SamplingParams], seeds: Tensor, 
 # ---- a step's verify chunks -------------------------------------------------------------------------------------
 
 def verify(rows: Sequence[Tensor], specs: Sequence[VerifySpec], drafts: Sequence[list[int]],
-           qs: Sequence[Tensor]) -> list[Verified]:
+           qs: Sequence[Tensor | None]) -> list[Verified]:
     """Per verify chunk: rows fp32 [k+1, V] the target's logits of its anchor and k drafts, its spec, the drafts and
-    their distributions q float64 [k, V] -> the tokens it emits: the accepted drafts and the token after them, cut
-    after the first stop id. The keyed draws and distributions of every row are computed at once (memory
-    O(rows x vocab) in float64)."""
+    their distributions q float64 [k, V] (None: greedy drafts, one-hot at each) -> the tokens it emits: the accepted
+    drafts and the token after them, cut after the first stop id. The keyed draws and distributions of every row are
+    computed at once (memory O(rows x vocab) in float64)."""
     if not specs:
         return []
     sizes = [len(d) + 1 for d in drafts]
-    assert all(r.size(0) == n and q.size(0) == n - 1 for r, q, n in zip(rows, qs, sizes)), "rows, drafts and q differ"
+    assert all(r.size(0) == n and (q is None or q.size(0) == n - 1) for r, q, n in zip(rows, qs, sizes)), \
+        "rows, drafts and q differ"
     logits = torch.cat(list(rows)).cpu()
     params = [spec.params for spec, n in zip(specs, sizes) for _ in range(n)]
     p = sampling_distributions(logits, params)
@@ -139,7 +140,10 @@ def verify(rows: Sequence[Tensor], specs: Sequence[VerifySpec], drafts: Sequence
         if forced:  # teacher forcing: the target's token is the forced one
             rows_p[:len(forced)] = 0.0
             rows_p[torch.arange(len(forced)), torch.tensor(forced)] = 1.0
-        m, token = accept_drafts(rows_p, q.cpu(), torch.tensor(draft, dtype=torch.long), u[at:at + n - 1], g[at:at + n])
+        ids = torch.tensor(draft, dtype=torch.long)
+        q = torch.zeros(n - 1, logits.size(1), dtype=torch.float64).scatter_(1, ids[:, None], 1.0) if q is None \
+            else q.cpu()
+        m, token = accept_drafts(rows_p, q, ids, u[at:at + n - 1], g[at:at + n])
         out.append(_emitted(logits[at:at + n], spec, draft[:m] + [token], n - 1, m))
         at += n
     return out
