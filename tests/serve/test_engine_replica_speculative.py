@@ -61,4 +61,5 @@ def test_serve_refuses_k_past_the_dspark_block_before_starting_ray(tiny_checkpoi
 
     assert main(["--checkpoint", str(tiny_checkpoint), "--speculative-tokens", "4"]) == 2
     err = capsys.readouterr().err
-    assert err.startswith("error:") and "DSpark block of 3 tokens" in err
+    # stderr may also hold an earlier test's Ray replica logs (they stream to the driver): the error is its own line
+    assert any(line.startswith("error:") and "DSpark block of 3 tokens" in line for line in err.splitlines()), err
