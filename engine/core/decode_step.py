@@ -324,15 +324,7 @@ class DecodeStep:
         """One graph of run() over v's buffers (reset to harmless rows), captured on `stream` into the step's pool
         after two warm-ups: (the graph, what run returned inside it)."""
         self._reset_rows(v)
-        stream.wait_stream(torch.cuda.current_stream(self.device))
-        with torch.inference_mode():
-            with torch.cuda.stream(stream):
-                run(), run()  # warm-up: Triton compiles, side streams, cached weights; not in the graph pool
-            torch.cuda.synchronize(self.device)
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=self._pool, stream=stream):
-                out = run()
-        return graph, out
+        return capture_graph(self.device, stream, self._pool, run)
 
     def _reset_rows(self, v: Views) -> None:
         """Harmless rows for warm-up and capture: position 0 of nothing (every write skipped)."""
@@ -415,6 +407,20 @@ class PendingForward:
     def draw(self, allowed: list[bytes | None]) -> "PendingDraw":
         """allowed: per draw row (chunk), its grammar bitmask or None."""
         return self.step.launch_draw(self, allowed)
+
+
+def capture_graph(device: torch.device, stream: torch.cuda.Stream, pool, run) -> tuple[torch.cuda.CUDAGraph, object]:
+    """One CUDA graph of run() on `stream` into `pool`, after two warm-ups outside it (Triton compiles, side streams,
+    cached weights): (the graph, what run returned inside it)."""
+    stream.wait_stream(torch.cuda.current_stream(device))
+    with torch.inference_mode():
+        with torch.cuda.stream(stream):
+            run(), run()
+        torch.cuda.synchronize(device)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=pool, stream=stream):
+            out = run()
+    return graph, out
 
 
 def lookback_ids(c: ChunkPlan) -> list[int]:

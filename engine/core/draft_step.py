@@ -25,6 +25,7 @@ import torch
 from torch import Tensor
 
 from engine.core.decode_buckets import batch_buckets, bucket
+from engine.core.decode_step import capture_graph
 from engine.core.drafter import Draft, DraftRequest
 from engine.core.engine_config import DecodeOptions
 from engine.core.kernel_drafter import KernelDSpark
@@ -108,8 +109,8 @@ class DraftStep:
 
     # ---- graphs --------------------------------------------------------------------------------------------------
     def capture(self, progress: bool = False) -> dict[str, float]:
-        """Warm up (twice, on harmless rows) and capture every (request bucket, n) graph on one stream into one
-        pool. Returns the capture's seconds, graph count and device memory."""
+        """Capture every (request bucket, n) graph on one stream into one pool (decode_step.capture_graph). Returns
+        the capture's seconds, graph count and device memory."""
         assert self.device.type == "cuda" and self.options.graphs
         from tqdm import tqdm
 
@@ -120,16 +121,8 @@ class DraftStep:
         work = [(B, n) for B in self.requests for n in range(1, self.max_draft + 1)]
         for B, n in tqdm(work, desc="capturing draft graphs", disable=not progress):
             v = self.views(B)
-            v.anchors.zero_(), v.positions.zero_(), v.blocks.fill_(-1)
-            stream.wait_stream(torch.cuda.current_stream(self.device))
-            with torch.inference_mode():
-                with torch.cuda.stream(stream):
-                    self.body(v, n), self.body(v, n)  # warm-up: Triton compiles, cached weights
-                torch.cuda.synchronize(self.device)
-                graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graph, pool=self._pool, stream=stream):
-                    out = self.body(v, n)
-            self._graphs[(B, n)] = (graph, out)
+            v.anchors.zero_(), v.positions.zero_(), v.blocks.fill_(-1)  # harmless rows: no context
+            self._graphs[(B, n)] = capture_graph(self.device, stream, self._pool, lambda: self.body(v, n))
         torch.cuda.synchronize(self.device)
         return {"seconds": time.monotonic() - t0, "graphs": len(work),
                 "bytes": torch.cuda.memory_reserved(self.device) - mem0}
