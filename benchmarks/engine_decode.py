@@ -3,7 +3,7 @@ per step (the union of the kernels' intervals in a torch.profiler trace), and ou
 
     python benchmarks/engine_decode.py [--ckpt DIR] [--batches 1,16,64] [--prompt-len 100] [--steps 50]
         [--modes graph,device,legacy] [--sampling greedy|top_p] [--device cuda] [--top-kernels N] [--profile-host N]
-        [--grammar off|on|both]
+        [--grammar off|on|both] [--grammar-threads N]
     python benchmarks/engine_decode.py --real-width --batches 1,6,16,64,256 --modes graph --layer-sum 1,6
     python benchmarks/engine_decode.py --real-width --batches 1 --speculative-tokens 0,1,2,3,4,5
 
@@ -323,6 +323,8 @@ def main() -> None:
     p.add_argument("--layer-sum", default="", help="batches at which to time each layer's graph")
     p.add_argument("--grammar", choices=("off", "on", "both"), default="off",
                    help="constrain every request by STRING_GRAMMAR (both: measure each mode without and with)")
+    p.add_argument("--grammar-threads", type=int, default=None,
+                   help="llguidance's threads for the masks (default: GrammarCompiler's, every CPU up to 32)")
     p.add_argument("--speculative-tokens", default="", metavar="K,..",
                    help="speculative decoding with each K (0 = off) instead of the modes; loads the DSpark stages")
     p.add_argument("--profile-host", type=int, default=0, help="print cProfile's N most costly functions (own time) "
@@ -360,7 +362,7 @@ def main() -> None:
         folder = Path(tempfile.mkdtemp())
         write_tokenizer_files(folder)
         tok = load_tokenizer(folder)
-        grammars = GrammarCompiler(tok.path.read_text(encoding="utf-8"), tok.eos_id)
+        grammars = GrammarCompiler(tok.path.read_text(encoding="utf-8"), tok.eos_id, num_threads=args.grammar_threads)
         constrained = replace(params, grammar=GrammarSpec(llguidance.LLMatcher.grammar_from_lark(STRING_GRAMMAR)))
         print(f"grammar masks on {grammars.num_threads} threads", flush=True)
     settings = {"off": [False], "on": [True], "both": [False, True]}[args.grammar]
