@@ -91,6 +91,13 @@ def test_verify_greedy_forced_stops_and_logprobs():
     bad[0, 2] = float("nan")
     (out,) = verify([bad], [VerifySpec(0, SamplingParams(), 1, 5)], [d], [one_hot(d)])
     assert out.error is not None and out.token_ids == []
+    # greedy drafts may come without their q (None: one-hot at each, as the draft step returns them), also when the
+    # target samples: the same verdicts as with the one-hot rows
+    for params in (greedy, SamplingParams(temperature=0.9)):
+        for draft in (d, target[:3], [target[0]], []):
+            specs = [VerifySpec(0, params, 4, 5)]
+            rows_k = rows[:len(draft) + 1]
+            assert verify([rows_k], specs, [draft], [None]) == verify([rows_k], specs, [draft], [one_hot(draft)])
 
 
 def spec_draws(rows: torch.Tensor, draft_logits: torch.Tensor, params: SamplingParams, num: int) -> list[list[int]]:
