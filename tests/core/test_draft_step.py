@@ -46,12 +46,13 @@ def test_context_slots_are_the_hosts_window_slots(tiny_model_mtp):
     assert torch.equal(got, want)
 
 
-@pytest.mark.parametrize("K", [1, 2])
-def test_draft_step_drafts_what_the_eager_drafter_drafts(tiny_model_mtp, K):
-    """Every draft of a greedy speculative run (3 requests: a padded bucket of 4) from the draft step = the eager
-    drafter's on the same requests and pools: tokens, and confidences up to the fp32 head's rounding at another row
-    count (the eager drafter runs 3 rows, the step 4)."""
-    engine = speculative_engine(tiny_model_mtp.model, K)
+def test_draft_step_drafts_what_the_eager_drafter_drafts(tiny_model_mtp):
+    """Every draft of a greedy speculative run (3 requests: a padded bucket of 4; K = 2, so calls of 1 and 2 drafts
+    as the requests near their ends) from the draft step = the eager drafter's on the same requests and pools:
+    tokens, and confidences up to the fp32 head's rounding at another row count (the eager drafter runs 3 rows, the
+    step 4). (K = 1 passed too when measured; each K costs minutes under the interpreter.)"""
+    engine = speculative_engine(tiny_model_mtp.model, 2)
+    sizes = []
     runner = engine.executor.runner
     step = runner.draft_step
     eager = DSparkDrafter(runner.model, runner.kv, runner.dspark)
@@ -62,6 +63,7 @@ def test_draft_step_drafts_what_the_eager_drafter_drafts(tiny_model_mtp, K):
         drafts = propose(requests)
         want = eager.propose(requests)
         calls.append(len(requests))
+        sizes.append(max(r.num_tokens for r in requests))
         assert [d.token_ids for d in drafts] == [d.token_ids for d in want]
         for d, w in zip(drafts, want):
             assert d.q is None and len(d.confidence) == len(w.confidence)
@@ -77,6 +79,7 @@ def test_draft_step_drafts_what_the_eager_drafter_drafts(tiny_model_mtp, K):
             outputs[o.request_id] += o.new_token_ids
         engine.scheduler.check_integrity()
     assert calls and max(calls) == 3, calls
+    assert set(sizes) == {1, 2}, sizes
     assert all(len(ids) == NUM_NEW for ids in outputs.values())
 
 
