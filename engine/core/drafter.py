@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 from torch import Tensor
@@ -29,6 +29,9 @@ from engine.core.step_rows import Segment
 from engine.kernels import paged
 from engine.model.dspark import DraftOutput, DSparkStage
 from engine.model.transformer import Transformer
+
+if TYPE_CHECKING:
+    from engine.core.draft_step import DraftStep
 
 
 @dataclass(frozen=True, slots=True)
@@ -91,7 +94,8 @@ class DSparkDrafter:
     attention reads its own context window. on_device: the kernel path's draft step (engine/core/draft_step.py),
     which drafts the requests it takes (greedy) on device buffers and their CUDA graphs."""
 
-    def __init__(self, model: Transformer, kv: PagedKVCache, stages: DSparkStages | None = None, on_device=None):
+    def __init__(self, model: Transformer, kv: PagedKVCache, stages: DSparkStages | None = None,
+                 on_device: DraftStep | None = None):
         if not model.mtp or len(kv.dspark_swa) != len(model.mtp):
             raise ValueError(f"DSpark drafting needs the model's DSpark stages ({len(model.mtp)} loaded) and their "
                              f"context pools ({len(kv.dspark_swa)})")

@@ -95,9 +95,8 @@ class ModelRunner:
 
                 self.dspark = KernelDSpark(self._kernel_path)
                 if decode is not None and decode.max_draft > 0:
-                    from engine.core.verify_step import VerifyStep
-
                     from engine.core.draft_step import DraftStep
+                    from engine.core.verify_step import VerifyStep
 
                     self._kernel_path.reserve_positions(decode.max_model_len)
                     self.verify = VerifyStep(self._kernel_path, decode, self.dspark)
