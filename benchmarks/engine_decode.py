@@ -8,7 +8,8 @@ per step (the union of the kernels' intervals in a torch.profiler trace), and ou
     python benchmarks/engine_decode.py --real-width --batches 1 --speculative-tokens 0,1,2,3,4,5
 
 --real-width: instead of a checkpoint, ten layers of DeepSeek-V4.1-Flash's real widths with every layer role
-(benchmarks/random_model.py, built on the GPU: ~75 GB); --layer-sum B: at batch B, each layer's own CUDA-graph
+(benchmarks/random_model.py, built on the GPU: ~75 GB; --real-width-layers 8: eight of them, less the second
+ratio-2 source, ~60 GB, which fits an 80 GB GPU with the DSpark stages and the step's transients); --layer-sum B: at batch B, each layer's own CUDA-graph
 time on the decode step's metadata (its Engram mix included, the Engram row gather left out: the step overlaps
 it) plus the head's, against the step's model graph (target: step <= 1.1x the sum).
 
@@ -320,6 +321,8 @@ def main() -> None:
     p.add_argument("--cache-mib", type=int, default=2048)
     p.add_argument("--top-kernels", type=int, default=0, help="print the N most costly kernels of each run")
     p.add_argument("--real-width", action="store_true", help="ten random real-width layers instead of --ckpt")
+    p.add_argument("--real-width-layers", type=int, choices=(8, 10), default=10,
+                   help="8: the real-width roles less the second ratio-2 source (fits an 80 GB GPU)")
     p.add_argument("--layer-sum", default="", help="batches at which to time each layer's graph")
     p.add_argument("--grammar", choices=("off", "on", "both"), default="off",
                    help="constrain every request by STRING_GRAMMAR (both: measure each mode without and with)")
@@ -338,8 +341,9 @@ def main() -> None:
         from benchmarks.random_model import random_model, real_width_config
 
         t0 = time.perf_counter()
-        model = random_model(real_width_config(max_model_len=max_tokens), args.device, with_mtp=speculative)
-        print(f"random real-width model built in {time.perf_counter() - t0:.0f} s, "
+        model = random_model(real_width_config(args.real_width_layers, max_tokens), args.device,
+                             with_mtp=speculative)
+        print(f"random real-width model ({args.real_width_layers} layers) built in {time.perf_counter() - t0:.0f} s, "
               f"{torch.cuda.memory_allocated() / 2**30:.1f} GiB on the GPU", flush=True)
     else:
         model = load_model(Path(args.ckpt) if args.ckpt else tiny_checkpoint(), args.device, with_mtp=speculative,

@@ -4,6 +4,7 @@ checkpoint on this machine's disk could hold (ten real-width layers are ~75 GB).
 
     randomize(module, generator)   # every buffer of module and its children, in place
     real_width_config(n_layers=10) # DeepSeek-V4.1-Flash's widths, every layer role of the tiny preset's order
+    real_width_config(n_layers=8)  # the same roles less the second ratio-2 source (fits one 80 GB GPU)
     released_config()              # the released 40 layers in their own role order (Engram tables shrunk)
     random_model(cfg, device)      # a Transformer (no DSpark stages) with random weights and Engram tables
     random_model(cfg, device, with_mtp=True)  # ... with the DSpark stages too (speculative decoding)
@@ -72,16 +73,22 @@ def randomize(module: torch.nn.Module, g: torch.Generator, engram_rows: int | No
 def real_width_config(n_layers: int = 10, max_model_len: int | None = None) -> ModelConfig:
     """The release's widths (dim, heads, experts, indexer, Engram heads, vocabulary) over the tiny preset's
     role order: 0-1 SWA (1 = Engram), 2 Full r2, 3 Reuse, 4 Full r2 + Engram, 5 Reuse, 6 Full r1 + candidate
-    source + CED cut, 7 Reuse, 8 Reindex with candidates, 9 Reuse. Engram hashes into ENGRAM_VOCAB-sized tables.
-    Text-only (no vision tower)."""
-    assert n_layers == 10, "the role order is the tiny preset's ten layers"
+    source + CED cut, 7 Reuse, 8 Reindex with candidates, 9 Reuse. n_layers=8 (~15 GB less: fits one 80 GB
+    GPU with the DSpark stages) drops layers 4-5 (the second ratio-2 source, the second Engram layer and a
+    Reuse): 0-1 SWA (1 = Engram), 2 Full r2, 3 Reuse, 4 Full r1 + candidate source + CED cut, 5 Reuse,
+    6 Reindex with candidates, 7 Reuse. Engram hashes into ENGRAM_VOCAB-sized tables. Text-only (no vision
+    tower)."""
+    assert n_layers in (8, 10), f"n_layers: the role orders are of 8 or 10 layers, got {n_layers}"
     cfg = full_config()
-    ids = (1, 4)
+    if n_layers == 10:
+        ids, ratios, kv, index, cand = (1, 4), (0, 0, 2, 2, 2, 2, 1, 1, 1, 1), (2, 4, 6), (2, 4, 6, 8), 6
+    else:
+        ids, ratios, kv, index, cand = (1,), (0, 0, 2, 2, 1, 1, 1, 1), (2, 4), (2, 4, 6), 4
     primes = engram_primes(ids, cfg.engram_max_ngram_size, cfg.engram_n_heads, ENGRAM_VOCAB)
-    return replace(cfg, n_layers=n_layers, compress_ratios=(0, 0, 2, 2, 2, 2, 1, 1, 1, 1) + (0,) * cfg.n_mtp_layers,
-                   kv_source_layers=(2, 4, 6), index_source_layers=(2, 4, 6, 8), candidate_source_layer=6,
+    return replace(cfg, n_layers=n_layers, compress_ratios=ratios + (0,) * cfg.n_mtp_layers,
+                   kv_source_layers=kv, index_source_layers=index, candidate_source_layer=cand,
                    engram_layer_ids=ids, engram_num_embeddings=tuple(sum(p) for p in primes),
-                   engram_vocab_size=ENGRAM_VOCAB, dspark_target_layer_ids=(7, 8, 9),
+                   engram_vocab_size=ENGRAM_VOCAB, dspark_target_layer_ids=tuple(range(n_layers - 3, n_layers)),
                    max_position_embeddings=max_model_len or cfg.max_position_embeddings,
                    vision_n_layers=0)  # text-only: no vision tower to build
 

@@ -476,3 +476,29 @@ def test_vision_errors_name_the_key():
     _raises_naming("vision_n_heads", replace, ModelConfig(), vision_dim=1020, vision_n_heads=10)  # head_dim 102: odd pairs
     _raises_naming("vision_max_n_token", replace, ModelConfig(), vision_max_n_token=3)
     replace(tiny_config(), vision_max_n_token=3)  # a text-only config checks no vision field
+
+
+@pytest.mark.parametrize("n_layers", [8, 10])
+def test_real_width_configs_keep_every_layer_role(n_layers):
+    """The benchmarks' real-width models (benchmarks/random_model.py): the release's widths, and every role the
+    released 40 layers have (SWA, SWA + Engram, ratio-2 source and its Reuse, the ratio-1 candidate source at the
+    CED cut, its Reuse, a Reindex with candidates), DSpark tapping the last three layers."""
+    from benchmarks.random_model import real_width_config
+
+    cfg = real_width_config(n_layers)
+    full = full_config()
+    assert (cfg.dim, cfg.n_heads, cfg.n_routed_experts, cfg.vocab_size) == (
+        full.dim, full.n_heads, full.n_routed_experts, full.vocab_size)
+
+    def kind(r):
+        return (r.mode, r.ratio, r.has_engram, r.is_candidate_source, r.uses_candidates, r.is_decoder)
+
+    kinds = {kind(r) for r in cfg.roles[:n_layers]}
+    released = {kind(r) for r in full.roles[:full.n_layers]}
+    assert kinds <= released, f"roles the release does not have: {kinds - released}"
+    for role in [("swa", 0, False, False, False, False), ("swa", 0, True, False, False, False),
+                 ("full", 2, False, False, False, False), ("reuse", 2, False, False, False, False),
+                 ("full", 1, False, True, False, True), ("reuse", 1, False, False, False, True),
+                 ("reindex", 1, False, False, True, True)]:
+        assert role in kinds, f"{n_layers} layers lack the role {role}"
+    assert [r.layer_id for r in cfg.roles if r.is_dspark_tap] == list(range(n_layers - 3, n_layers))
