@@ -162,6 +162,14 @@ def pick_config(m: int, n: int, k: int, num_sms: int = 132) -> Fp8LinearConfig:
                            fuse_quant=fused)
 
 
+def interpreter_config(m: int, n: int, k: int) -> Fp8LinearConfig:
+    """Launch shape off the GPU (TRITON_INTERPRET=1): the fewest programs and loop steps. The interpreter's cost is
+    per op and program (each op ~0.1 ms of Python; numpy does a tile's elements at once), so one program covers up
+    to 256 output rows x 64 tokens with x quantised inside it, and K in steps of up to 512; no split."""
+    return Fp8LinearConfig(min(256, max(16, triton.next_power_of_2(n))), min(64, max(16, triton.next_power_of_2(m))),
+                           512, 1, num_warps=4, num_stages=1, fuse_quant=True)
+
+
 def split_k_tickets(device: torch.device) -> Tensor:
     """The split-K tickets of `device`'s current stream, zero between launches (the last program of a tile
     resets its own). One buffer per stream: kernels running concurrently on two streams (the decode step's
@@ -240,7 +248,7 @@ def fp8_linear(x: Tensor, weight: Tensor, scale: Tensor, config: Fp8LinearConfig
     y = torch.empty(m, n, dtype=out_dtype, device=x.device)
     if m == 0:
         return y.view(*x.shape[:-1], n)
-    cfg = config or pick_config(m, n, k, launch_sms(x.device))
+    cfg = config or (pick_config(m, n, k, launch_sms(x.device)) if x.is_cuda else interpreter_config(m, n, k))
     block_k = _block_k(k, cfg.block_k)
     k_per_split = block_k * cdiv(k // block_k, max(1, cfg.split_k))
     num_splits = cdiv(k, k_per_split)

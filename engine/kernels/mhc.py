@@ -304,6 +304,21 @@ def post_mixes_launch_shape(m: int, d: int, hc: int, num_sms: int = 132) -> tupl
     return block_m, block_d, max(1, min(2 * num_sms // max(1, cdiv(m, block_m)), hc * d // 512))
 
 
+def interpreter_launch_shape(m: int, k: int, most: int) -> tuple[int, int, int]:
+    """(block_m, block_k or block_d, splits) of hc_mixes / hc_post_mixes off the GPU (TRITON_INTERPRET=1), where
+    each op of each program costs ~0.1 ms of Python: up to 64 rows a tile, the largest power-of-two step <= most
+    that divides k, no split."""
+    step = min(most, triton.next_power_of_2(k))
+    while k % step:
+        step //= 2
+    return min(64, max(16, triton.next_power_of_2(m))), step, 1
+
+
+def _interpreter_d_block(d: int) -> int:
+    """hc_pre / hc_post's D tile off the GPU: one program a row."""
+    return triton.next_power_of_2(d)
+
+
 def _check_mix_params(fn: Tensor, scale: Tensor, base: Tensor, hc: int, d: int, iters: int,
                       device: torch.device) -> None:
     mix = (2 + hc) * hc
@@ -344,7 +359,8 @@ def hc_mixes(x: Tensor, fn: Tensor, scale: Tensor, base: Tensor, hc: int, iters:
     _check_mix_params(fn, scale, base, hc, d, iters, x.device)
     if launch is None and mixes_cuda_applies(x, hc):
         return hc_mixes_cuda(x, fn, scale, base, hc, iters, hc_eps, norm_eps, beside=beside)
-    block_m, block_k, splits = launch or mixes_launch_shape(n, k, launch_sms(x.device))
+    block_m, block_k, splits = launch or (mixes_launch_shape(n, k, launch_sms(x.device)) if x.is_cuda
+                                          else interpreter_launch_shape(n, k, 4096))
     assert k % block_k == 0 and block_k >= 16, f"block_k = {block_k} must divide K = {k} (and be >= 16)"
     k_per_split = block_k * cdiv(k // block_k, max(1, splits))
     num_splits, tiles = cdiv(k, k_per_split), cdiv(n, block_m)
@@ -367,7 +383,8 @@ def hc_post_mixes(y: Tensor, residual: Tensor, post: Tensor, comb: Tensor, fn: T
     bounds. launch = (block_m, block_d, splits) overrides post_mixes_launch_shape."""
     n, d, hc = _check_post(y, residual, post, comb)
     _check_mix_params(fn, scale, base, hc, d, iters, y.device)
-    block_m, block_d, splits = launch or post_mixes_launch_shape(n, d, hc, launch_sms(y.device))
+    block_m, block_d, splits = launch or (post_mixes_launch_shape(n, d, hc, launch_sms(y.device)) if y.is_cuda
+                                          else interpreter_launch_shape(n, d, 1024))
     assert d % block_d == 0 and hc * block_d >= 16, f"block_d = {block_d} must divide D = {d} (hc·block_d >= 16)"
     d_per_split = block_d * cdiv(d // block_d, max(1, splits))
     num_splits, tiles = cdiv(d, d_per_split), cdiv(n, block_m)
@@ -389,7 +406,7 @@ def _collapse(x: Tensor, pre: Tensor, w: Tensor | None, eps: float) -> Tensor:
     if n == 0:
         return out
     if w is None:
-        bd = _d_block(n, d, launch_sms(x.device))
+        bd = _d_block(n, d, launch_sms(x.device)) if x.is_cuda else _interpreter_d_block(d)
         _hc_pre_kernel[(n, cdiv(d, bd))](x, pre, x, out.view(torch.int16), d, 0.0, HC=x.size(1), BLOCK_D=bd,
                                           NORM=False, num_warps=4)
     else:
@@ -418,7 +435,7 @@ def hc_post(y: Tensor, residual: Tensor, post: Tensor, comb: Tensor) -> Tensor:
     n, d, hc = _check_post(y, residual, post, comb)
     out = torch.empty_like(residual)
     if n:
-        bd = _d_block(n, d, launch_sms(y.device))
+        bd = _d_block(n, d, launch_sms(y.device)) if y.is_cuda else _interpreter_d_block(d)
         _hc_post_kernel[(n, cdiv(d, bd))](y, residual, post, comb, out.view(torch.int16), d, HC=hc, BLOCK_D=bd,
                                            num_warps=4)
     return out

@@ -433,6 +433,12 @@ def pick_gemm_config(max_tiles: int, n: int, k: int, block_m: int, num_sms: int 
     return MoeGemmConfig(block_n, 128, split, num_warps=8, num_stages=3, fuse_quant=block_m <= 16)
 
 
+def interpreter_gemm_config(n: int) -> MoeGemmConfig:
+    """Launch shape off the GPU (TRITON_INTERPRET=1), where each op of each program costs ~0.1 ms of Python: one
+    tile of up to 256 weight rows, K in steps of up to 512, no split, x quantised inside the up GEMM."""
+    return MoeGemmConfig(min(256, max(32, triton.next_power_of_2(n))), 512, 1, num_warps=4, num_stages=1)
+
+
 def _block_k(k: int, want: int) -> int:
     while k % want:
         want //= 2
@@ -445,7 +451,8 @@ def _launch(x: Tensor, w: Tensor, ws: Tensor, out: Tensor, rw: Tensor, plan: Moe
     r, max_tiles = plan.sorted_pairs.numel(), plan.tile_rows.numel()
     if max_tiles == 0:
         return
-    cfg = config or pick_gemm_config(max_tiles, n, k, plan.block_m, launch_sms(x.device))
+    cfg = config or (pick_gemm_config(max_tiles, n, k, plan.block_m, launch_sms(x.device)) if x.is_cuda
+                     else interpreter_gemm_config(n))
     assert n % 32 == 0 and cfg.block_n % 32 == 0, f"N = {n} and block_n = {cfg.block_n} must be multiples of 32"
     assert not (cfg.dot_scaled and not x.is_cuda), "dot_scaled needs CUDA"
     quant_x = up and cfg.fuse_quant

@@ -192,5 +192,7 @@ def row_splits(num_rows: int, num_tiles: int, device: torch.device, num_splits: 
 
 def launch_sms(device: torch.device) -> int:
     """The SM count the launch shapes are sized by: the CUDA device's, or an H200's 132 elsewhere (the CPU
-    interpreter then runs the grid the GPU would)."""
+    interpreter then runs the grid the GPU would, except where a kernel picks an interpreter shape: fp8_linear, the
+    expert GEMMs and the mHC kernels launch few large programs off the GPU, since the interpreter's cost is per op
+    and program)."""
     return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 132

@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from engine.kernels.fp8_linear import (Fp8LinearConfig, split_k_tickets, fp8_act_qdq, fp8_act_quant, fp8_linear,
-                                       fp8_linear_ref, layer_shapes, pick_config)
+                                       fp8_linear_ref, interpreter_config, layer_shapes, pick_config)
 from engine.presets import full_config
 from engine.quant import act_quant, act_quant_qdq, linear, quant_fp8_weight
 from tests.kernels.numeric import (FP8_LINEAR_CPU_EPS, FP8_LINEAR_GPU_EPS, assert_fp8_linear_close,
@@ -104,7 +104,8 @@ def test_fp32_out_is_the_sum_before_its_rounding(m, cfg):
 
 def test_prefill_path_prequantises_x():
     x, qw, sw = fp8_linear_problem(70, 64, 96)  # M > 64: act_quant runs once, the GEMM reads FP8 x
-    y = fp8_linear(x, qw, sw)
+    assert not pick_config(70, 64, 96).fuse_quant
+    y = fp8_linear(x, qw, sw, pick_config(70, 64, 96))  # the GPU's shape (off the GPU auto is interpreter_config)
     assert_fp8_linear_close(y, fp8_linear_ref(x, qw, sw), x, qw, sw, FP8_LINEAR_CPU_EPS, "M=70 N=64 K=96")
 
 
@@ -114,7 +115,7 @@ def test_prefill_splits_k_when_the_tiles_fill_less_than_a_wave():
     assert pick_config(512, 5120, 8192).split_k == 1  # wo_b: 160 tiles
     x, qw, sw = fp8_linear_problem(70, 64, 2048)  # one tile: K split in two (>= 1024 per split)
     assert pick_config(70, 64, 2048).split_k == 2
-    y = fp8_linear(x, qw, sw)
+    y = fp8_linear(x, qw, sw, pick_config(70, 64, 2048))
     assert_fp8_linear_close(y, fp8_linear_ref(x, qw, sw), x, qw, sw, FP8_LINEAR_CPU_EPS, "M=70 N=64 K=2048 split")
     assert not split_k_tickets(x.device).any(), "split-K tickets were not reset"
 
@@ -197,3 +198,16 @@ def test_fp8_linear_prefill_gpu(name, m):
     assert_fp8_linear_close(y, fp8_linear_ref(x, qw, sw), x, qw, sw, FP8_LINEAR_GPU_EPS, f"{name} M={m} N={n} K={k}")
     assert torch.equal(y, fp8_linear(x, qw, sw)), "split-K result is not deterministic"  # wq_a / wkv at 512 / 333
     assert not split_k_tickets(x.device).any(), "split-K tickets were not reset"
+
+
+@pytest.mark.parametrize("m,n,k", [(1, 64, 96), (17, 160, 256), (64, 256, 2048), (70, 300, 96)])
+def test_interpreter_launches_few_programs(m, n, k):
+    """Off the GPU (the interpreter: each op of each program costs Python time) the automatic shape covers up to
+    256 rows x 64 tokens in one program, K in steps of up to 512, no split, x quantised inside; and it is what runs."""
+    cfg = interpreter_config(m, n, k)
+    assert cfg.split_k == 1 and cfg.fuse_quant
+    assert cfg.block_n >= min(n, 256) and cfg.block_m >= min(m, 64) and cfg.block_k == 512
+    x, qw, sw = fp8_linear_problem(m, n, k)
+    assert torch.equal(fp8_linear(x, qw, sw), fp8_linear(x, qw, sw, cfg))
+    assert_fp8_linear_close(fp8_linear(x, qw, sw), fp8_linear_ref(x, qw, sw), x, qw, sw, FP8_LINEAR_CPU_EPS,
+                            f"M={m} N={n} K={k} {cfg}")
