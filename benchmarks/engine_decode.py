@@ -321,8 +321,9 @@ def main() -> None:
     p.add_argument("--cache-mib", type=int, default=2048)
     p.add_argument("--top-kernels", type=int, default=0, help="print the N most costly kernels of each run")
     p.add_argument("--real-width", action="store_true", help="ten random real-width layers instead of --ckpt")
-    p.add_argument("--real-width-layers", type=int, choices=(8, 10), default=10,
-                   help="8: the real-width roles less the second ratio-2 source (fits an 80 GB GPU)")
+    p.add_argument("--real-width-layers", type=int, choices=(6, 8, 10), default=10,
+                   help="8: the real-width roles less the second ratio-2 source (fits an 80 GB GPU); 6: less the "
+                   "ratio-2 Reuse, Engram on the ratio-2 source (fits one with the DSpark stages)")
     p.add_argument("--layer-sum", default="", help="batches at which to time each layer's graph")
     p.add_argument("--grammar", choices=("off", "on", "both"), default="off",
                    help="constrain every request by STRING_GRAMMAR (both: measure each mode without and with)")

@@ -70,20 +70,26 @@ def randomize(module: torch.nn.Module, g: torch.Generator, engram_rows: int | No
                 setattr(mod, name, (randn(*buf.shape) * (0.05 if name in ("bias", "bias_vl") else 0.5)).to(buf.dtype))
 
 
+ROLE_ORDERS = {  # layers: (Engram layers, compress ratios, KV sources, index sources, candidate source)
+    10: ((1, 4), (0, 0, 2, 2, 2, 2, 1, 1, 1, 1), (2, 4, 6), (2, 4, 6, 8), 6),
+    8: ((1,), (0, 0, 2, 2, 1, 1, 1, 1), (2, 4), (2, 4, 6), 4),
+    6: ((1,), (0, 2, 1, 1, 1, 1), (1, 2), (1, 2, 4), 2),
+}
+
+
 def real_width_config(n_layers: int = 10, max_model_len: int | None = None) -> ModelConfig:
     """The release's widths (dim, heads, experts, indexer, Engram heads, vocabulary) over the tiny preset's
     role order: 0-1 SWA (1 = Engram), 2 Full r2, 3 Reuse, 4 Full r2 + Engram, 5 Reuse, 6 Full r1 + candidate
-    source + CED cut, 7 Reuse, 8 Reindex with candidates, 9 Reuse. n_layers=8 (~15 GB less: fits one 80 GB
-    GPU with the DSpark stages) drops layers 4-5 (the second ratio-2 source, the second Engram layer and a
-    Reuse): 0-1 SWA (1 = Engram), 2 Full r2, 3 Reuse, 4 Full r1 + candidate source + CED cut, 5 Reuse,
-    6 Reindex with candidates, 7 Reuse. Engram hashes into ENGRAM_VOCAB-sized tables. Text-only (no vision
+    source + CED cut, 7 Reuse, 8 Reindex with candidates, 9 Reuse. n_layers=8 (~58 GiB: fits one 80 GB GPU,
+    without the DSpark stages) drops layers 4-5 (the second ratio-2 source, the second Engram layer and a Reuse):
+    0-1 SWA (1 = Engram), 2 Full r2, 3 Reuse, 4 Full r1 + candidate source + CED cut, 5 Reuse, 6 Reindex with
+    candidates, 7 Reuse. n_layers=6 (~51 GiB: fits one with the DSpark stages, whose three taps must follow the
+    CED cut): 0 SWA, 1 Full r2 + Engram, 2 Full r1 + candidate source + CED cut, 3 Reuse, 4 Reindex with
+    candidates, 5 Reuse (no SWA + Engram layer, no ratio-2 Reuse). Engram hashes into ENGRAM_VOCAB-sized tables. Text-only (no vision
     tower)."""
-    assert n_layers in (8, 10), f"n_layers: the role orders are of 8 or 10 layers, got {n_layers}"
+    assert n_layers in ROLE_ORDERS, f"n_layers: the role orders are of {sorted(ROLE_ORDERS)} layers, got {n_layers}"
     cfg = full_config()
-    if n_layers == 10:
-        ids, ratios, kv, index, cand = (1, 4), (0, 0, 2, 2, 2, 2, 1, 1, 1, 1), (2, 4, 6), (2, 4, 6, 8), 6
-    else:
-        ids, ratios, kv, index, cand = (1,), (0, 0, 2, 2, 1, 1, 1, 1), (2, 4), (2, 4, 6), 4
+    ids, ratios, kv, index, cand = ROLE_ORDERS[n_layers]
     primes = engram_primes(ids, cfg.engram_max_ngram_size, cfg.engram_n_heads, ENGRAM_VOCAB)
     return replace(cfg, n_layers=n_layers, compress_ratios=ratios + (0,) * cfg.n_mtp_layers,
                    kv_source_layers=kv, index_source_layers=index, candidate_source_layer=cand,

@@ -478,11 +478,12 @@ def test_vision_errors_name_the_key():
     replace(tiny_config(), vision_max_n_token=3)  # a text-only config checks no vision field
 
 
-@pytest.mark.parametrize("n_layers", [8, 10])
+@pytest.mark.parametrize("n_layers", [6, 8, 10])
 def test_real_width_configs_keep_every_layer_role(n_layers):
     """The benchmarks' real-width models (benchmarks/random_model.py): the release's widths, and every role the
     released 40 layers have (SWA, SWA + Engram, ratio-2 source and its Reuse, the ratio-1 candidate source at the
-    CED cut, its Reuse, a Reindex with candidates), DSpark tapping the last three layers."""
+    CED cut, its Reuse, a Reindex with candidates; 6 layers have Engram on the ratio-2 source instead of an SWA layer,
+    and no ratio-2 Reuse), DSpark tapping the last three layers."""
     from benchmarks.random_model import real_width_config
 
     cfg = real_width_config(n_layers)
@@ -496,9 +497,10 @@ def test_real_width_configs_keep_every_layer_role(n_layers):
     kinds = {kind(r) for r in cfg.roles[:n_layers]}
     released = {kind(r) for r in full.roles[:full.n_layers]}
     assert kinds <= released, f"roles the release does not have: {kinds - released}"
-    for role in [("swa", 0, False, False, False, False), ("swa", 0, True, False, False, False),
-                 ("full", 2, False, False, False, False), ("reuse", 2, False, False, False, False),
-                 ("full", 1, False, True, False, True), ("reuse", 1, False, False, False, True),
+    for role in [("swa", 0, False, False, False, False), ("full", 1, False, True, False, True), ("reuse", 1, False, False, False, True),
                  ("reindex", 1, False, False, True, True)]:
         assert role in kinds, f"{n_layers} layers lack the role {role}"
+    for role in [("swa", 0, True, False, False, False), ("reuse", 2, False, False, False, False)]:
+        assert (role in kinds) == (n_layers > 6), f"{n_layers} layers: {role}"
+    assert ("full", 2, n_layers == 6, False, False, False) in kinds  # ratio-2 source, with Engram at 6 layers
     assert [r.layer_id for r in cfg.roles if r.is_dspark_tap] == list(range(n_layers - 3, n_layers))
