@@ -22,8 +22,8 @@ engine before issue 19); shard = graph, with the engine's executor a ShardWorker
 drives it (needs Ray; its GPU busy time is not traced: another process). Sampling: greedy, or temperature 0.7 + top_p 0.9 (seeded).
 --grammar on: every request is constrained by STRING_GRAMMAR, the text of a JSON string that never closes (so no
 request ends; its masks take llguidance's token slice, as inside any JSON string: ~126K allowed ids), its masks
-computed by the engine each step (GrammarCompiler.masks, all CPUs) while the device runs the step's forward
-(engine/core/overlap.py); both: each mode without, then with (rows "<mode>+grammar"), target <= 1.05x at batch 64.
+computed by the engine each step (GrammarCompiler.masks on grammar.MASK_THREADS threads) while the device runs
+the step's forward (engine/core/overlap.py); both: each mode without, then with (rows "<mode>+grammar"), target <= 1.05x at batch 64.
 The printed table's columns: mode, batch, step ms (--steps steps back to back: wall / steps), GPU busy ms per
 step, host share of the step ((wall - busy) / wall: the device idle), output tok/s (batch / step).
 
@@ -328,7 +328,7 @@ def main() -> None:
     p.add_argument("--grammar", choices=("off", "on", "both"), default="off",
                    help="constrain every request by STRING_GRAMMAR (both: measure each mode without and with)")
     p.add_argument("--grammar-threads", type=int, default=None,
-                   help="llguidance's threads for the masks (default: GrammarCompiler's, every CPU up to 32)")
+                   help="llguidance's threads for the masks (default: GrammarCompiler's, grammar.MASK_THREADS)")
     p.add_argument("--speculative-tokens", default="", metavar="K,..",
                    help="speculative decoding with each K (0 = off) instead of the modes; loads the DSpark stages")
     p.add_argument("--profile-host", type=int, default=0, help="print cProfile's N most costly functions (own time) "

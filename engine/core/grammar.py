@@ -72,16 +72,22 @@ class GrammarMatcher:
         return self._matcher.get_error()
 
 
+MASK_THREADS = 2  # default llguidance threads: a constrained batch-64 step on the H100 (2026-12-06, H100 host with 16
+# CPUs, engine_decode --grammar on) took 2.7-2.9 ms with 2 threads, 3.1-4.3 with 1, 3.9-4.2 with 4, 3.9-4.8 with 16:
+# 64 masks of a JSON string cost ~0.6 ms on one thread, and more threads added more waiting than they saved
+
+
 class GrammarCompiler:
     """tokenizer_json: the tokenizer.json text; eos_id: the end-of-sentence id (allowed once a grammar accepts);
-    num_threads: llguidance's threads for a step's masks (None: every CPU this process may run on, at most 32)."""
+    num_threads: llguidance's threads for a step's masks (None: MASK_THREADS, at most the CPUs this process may run
+    on)."""
 
     def __init__(self, tokenizer_json: str, eos_id: int, max_cached: int = 256, num_threads: int | None = None) -> None:
         self._tokenizer = llg_tokenizer(tokenizer_json, eos_id)
         self._cache: OrderedDict[str, llguidance.LLMatcher] = OrderedDict()
         self._max_cached = max_cached
         self.num_compiled = 0
-        self.num_threads = num_threads or min(32, len(os.sched_getaffinity(0)))
+        self.num_threads = num_threads or min(MASK_THREADS, len(os.sched_getaffinity(0)))
         self._executor = llguidance.LLExecutor(num_threads=self.num_threads)
         self.mask_words = (self._tokenizer.vocab_size + 31) // 32  # int32 words of one mask
 
