@@ -14,6 +14,11 @@
   per 32-block it measured errors up to ~5e-4 · Σ|a||w| at M = 1 (hundreds of bf16 ULPs on small
   outputs) and was no faster; the bf16 path is ~fp32-accurate and the weight still streams as FP8.
 
+Prefill on CUDA (M >= DEQUANT_MIN_M): `dequant_linear` instead, x QDQ'd once and the weight dequantised once to
+bf16 (both exact), then one cuBLAS bf16 GEMM with fp32 sums (its bf16 split-K reduction switched off): the same
+exact products, another fp32 order, a transient bf16 copy of the weight. The Triton kernel at M = 512 ran at
+0.1-0.5x cuBLAS bf16 (RESULTS.md); this path is cuBLAS plus the weight's dequantisation.
+
 fp32 output (out_dtype=torch.float32): y is the fp32 sum itself, before the bf16 rounding, bit for bit the
 bf16 form's pre-rounding value (same launch shape, same order): a row-parallel product's partial, summed over
 the model's shards and rounded once (engine/core/kernel_ops.py `row_parallel`).
@@ -48,6 +53,7 @@ from engine.model.layers import Linear
 from engine.quant import BLOCK, act_quant, cat_8bit, check_fp8_linear_args
 
 MAX_TICKETS = 1 << 16
+DEQUANT_MIN_M = 128  # from this many rows on CUDA: the weight dequantised once, then cuBLAS (dequant_linear)
 _TICKETS: dict[tuple[torch.device, int], Tensor] = {}  # (device, stream) -> its tickets
 
 
@@ -124,6 +130,18 @@ def _fp8_linear_kernel(
                 total += tl.load(part_ptr + s * M * N + out, mask=mask, other=0.0, cache_modifier=".cg")
             tl.store(y_ptr + out, total if OUT_F32 else bf16_bits(total), mask=mask)
             tl.atomic_xchg(ticket_ptr + pid_n * num_m_tiles + pid_m, 0)
+
+
+@triton.jit
+def _weight_bf16_kernel(w_ptr, s_ptr, out_ptr, N, K, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """out[n, k] = bf16(qw[n, k] * sw[n // 32, k // 32]): exact (<= 4 significant bits times a power of two)."""
+    rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    cols = tl.program_id(1) * BLOCK_K + tl.arange(0, BLOCK_K)
+    ok = (rows < N)[:, None] & (cols < K)[None, :]
+    offs = rows.to(tl.int64)[:, None] * K + cols[None, :]
+    w = tl.load(w_ptr + offs, mask=ok, other=0.0).to(tl.float32)
+    sw = e8m0_to_fp32(tl.load(s_ptr + (rows // 32)[:, None] * (K // 32) + (cols // 32)[None, :], mask=ok, other=127))
+    tl.store(out_ptr + offs, bf16_bits(w * sw), mask=ok)
 
 
 @dataclass(frozen=True, slots=True)
@@ -227,6 +245,43 @@ def fp8_act_qdq(x: Tensor) -> Tensor:
     return _act_quant_launch(x.view(-1, x.size(-1)), qdq=True)[0].view(x.shape)
 
 
+def fp8_weight_bf16(weight: Tensor, scale: Tensor) -> Tensor:
+    """The FP8 weight dequantised: float8_e4m3fn [N, K] x E8M0 [ceil(N/32), K/32] -> bf16 [N, K], exactly
+    engine.quant.dequant_fp8_weight's values (each is exact in bf16), in one launch."""
+    n, k = weight.shape
+    assert weight.dtype == torch.float8_e4m3fn and k % BLOCK == 0, f"weight {weight.dtype} [{n}, {k}]"
+    out = torch.empty(n, k, dtype=torch.bfloat16, device=weight.device)
+    if n:
+        block_n, block_k = (32, 256) if weight.is_cuda else (min(256, triton.next_power_of_2(n)), 512)
+        _weight_bf16_kernel[(cdiv(n, block_n), cdiv(k, block_k))](
+            weight, scale.view(torch.uint8), out.view(torch.int16), n, k, BLOCK_N=block_n, BLOCK_K=block_k)
+    return out
+
+
+class _ExactBf16Reduction:
+    """cuBLAS without its reduced-precision (bf16) split-K reduction for the calls inside: every partial sum in fp32."""
+
+    def __enter__(self) -> None:
+        self.saved = torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction
+        torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction = False
+
+    def __exit__(self, *exc) -> None:
+        torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction = self.saved
+
+
+def dequant_linear(x2: Tensor, weight: Tensor, scale: Tensor, out_dtype: torch.dtype) -> Tensor:
+    """Prefill's FP8 linear on CUDA (M >= DEQUANT_MIN_M): x quantised and dequantised once (fp8_act_qdq, exact in
+    bf16), the weight dequantised once to bf16 (fp8_weight_bf16, exact), then one cuBLAS bf16 GEMM with fp32
+    accumulation: the exact block products summed in fp32 (cuBLAS's order), as the Triton kernel's bf16 MMAs do.
+    Costs a transient bf16 copy of the weight (2 bytes per weight byte written and read): worth it where the GEMM
+    is compute-bound, not at decode M."""
+    xq, w = fp8_act_qdq(x2), fp8_weight_bf16(weight, scale)
+    if out_dtype == torch.float32:
+        return torch.mm(xq, w.t(), out_dtype=torch.float32)
+    with _ExactBf16Reduction():
+        return torch.mm(xq, w.t())
+
+
 def fp8_linear(x: Tensor, weight: Tensor, scale: Tensor, config: Fp8LinearConfig | None = None,
                out_dtype: torch.dtype = torch.bfloat16) -> Tensor:
     """y = act_quant(x) @ weight^T with per-block scales: bf16 [..., K] x FP8 [N, K] -> bf16 [..., N], or with
@@ -243,6 +298,8 @@ def fp8_linear(x: Tensor, weight: Tensor, scale: Tensor, config: Fp8LinearConfig
     m = x2.size(0)
     if config is None and gemv_applies(x, weight):
         return fp8_gemv(x, weight, scale, out_dtype=out_dtype)  # decode shapes: the CUDA GEMV (cuda/fp8_gemv.cu)
+    if config is None and x.is_cuda and m >= DEQUANT_MIN_M:
+        return dequant_linear(x2, weight, scale, out_dtype).view(*x.shape[:-1], n)  # prefill: cuBLAS bf16
     assert max(n, m) * max(k, n) < 2**31, f"int32 offsets: M={m} N={n} K={k} too large"
     out_f32 = out_dtype == torch.float32
     y = torch.empty(m, n, dtype=out_dtype, device=x.device)

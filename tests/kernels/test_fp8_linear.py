@@ -15,10 +15,11 @@ design) measured err up to ~5e-4 * S at M = 1.
 import pytest
 import torch
 
-from engine.kernels.fp8_linear import (Fp8LinearConfig, split_k_tickets, fp8_act_qdq, fp8_act_quant, fp8_linear,
-                                       fp8_linear_ref, interpreter_config, layer_shapes, pick_config)
+from engine.kernels.fp8_linear import (Fp8LinearConfig, dequant_linear, fp8_act_qdq, fp8_act_quant, fp8_linear,
+                                       fp8_linear_ref, fp8_weight_bf16, interpreter_config, layer_shapes, pick_config,
+                                       split_k_tickets)
 from engine.presets import full_config
-from engine.quant import act_quant, act_quant_qdq, linear, quant_fp8_weight
+from engine.quant import act_quant, act_quant_qdq, dequant_fp8_weight, linear, quant_fp8_weight
 from tests.kernels.numeric import (FP8_LINEAR_CPU_EPS, FP8_LINEAR_GPU_EPS, assert_fp8_linear_close,
                                    assert_fp8_partial_close, awkward_act_rows, fp8_linear_problem)
 
@@ -190,14 +191,40 @@ def test_fp8_linear_real_shapes_gpu(name, m):
 
 @gpu
 @needs_cuda
-@pytest.mark.parametrize("name,m", [("wq_a", 4096), ("wo_b", 512), ("shared_w2", 333), ("wq_a", 512), ("wkv", 333)])
-def test_fp8_linear_prefill_gpu(name, m):
+@pytest.mark.parametrize("path", ["auto", "triton"])
+@pytest.mark.parametrize("name,m", [("wq_a", 4096), ("wo_b", 512), ("shared_w2", 333), ("wq_a", 512), ("wkv", 333),
+                                    ("wq_b", 128)])
+def test_fp8_linear_prefill_gpu(name, m, path):
+    """Prefill M: the automatic path (from DEQUANT_MIN_M rows: the weight dequantised, then cuBLAS) and the Triton
+    kernel's prefill shape, both within the stated tolerance and deterministic; the fp32 forms within eps S."""
     n, k = real_shapes()[name]
     x, qw, sw = fp8_linear_problem(m, n, k, "cuda")
-    y = fp8_linear(x, qw, sw)
+    cfg = None if path == "auto" else pick_config(m, n, k, torch.cuda.get_device_properties(0).multi_processor_count)
+    y = fp8_linear(x, qw, sw, cfg)
     assert_fp8_linear_close(y, fp8_linear_ref(x, qw, sw), x, qw, sw, FP8_LINEAR_GPU_EPS, f"{name} M={m} N={n} K={k}")
-    assert torch.equal(y, fp8_linear(x, qw, sw)), "split-K result is not deterministic"  # wq_a / wkv at 512 / 333
+    assert torch.equal(y, fp8_linear(x, qw, sw, cfg)), "not deterministic"  # split-K: wq_a / wkv at 512 / 333
     assert not split_k_tickets(x.device).any(), "split-K tickets were not reset"
+    y32 = fp8_linear(x, qw, sw, cfg, out_dtype=torch.float32)
+    # the Triton launch's fp32 form is its bf16 form before rounding; cuBLAS may pick another kernel per out dtype
+    assert_fp8_partial_close(y32, fp8_linear_ref(x, qw, sw, torch.float32), x, qw, sw, FP8_LINEAR_GPU_EPS,
+                             f"fp32 {name} M={m}", y if path == "triton" else None)
+
+
+@pytest.mark.parametrize("n,k", [(64, 96), (70, 256), (300, 1024)])
+def test_weight_bf16_is_the_dequantised_weight(n, k):
+    """fp8_weight_bf16: every element bit for bit engine.quant's dequantised weight (exact in bf16), partial scale
+    blocks (N = 70, 300) included."""
+    _, qw, sw = fp8_linear_problem(1, n, k)
+    assert torch.equal(fp8_weight_bf16(qw, sw), dequant_fp8_weight(qw, sw).bfloat16())
+
+
+@pytest.mark.parametrize("m", [1, 70])
+def test_dequant_linear_matches_reference(m):
+    """The prefill path's math (act QDQ, bf16 weight, one bf16 GEMM with fp32 sums) on the CPU's BLAS: within the
+    tolerance of the kernel's; the GPU test runs it through cuBLAS."""
+    x, qw, sw = fp8_linear_problem(m, 96, 256)
+    y = dequant_linear(x, qw, sw, torch.bfloat16)
+    assert_fp8_linear_close(y, fp8_linear_ref(x, qw, sw), x, qw, sw, FP8_LINEAR_CPU_EPS, f"M={m}")
 
 
 @pytest.mark.parametrize("m,n,k", [(1, 64, 96), (17, 160, 256), (64, 256, 2048), (70, 300, 96)])
