@@ -17,7 +17,7 @@
 Prefill on CUDA (M >= DEQUANT_MIN_M): `dequant_linear` instead, x QDQ'd once and the weight dequantised once to
 bf16 (both exact), then one cuBLAS bf16 GEMM with fp32 sums (its bf16 split-K reduction switched off): the same
 exact products, another fp32 order, a transient bf16 copy of the weight. The Triton kernel at M = 512 ran at
-0.1-0.5x cuBLAS bf16 (RESULTS.md); this path is cuBLAS plus the weight's dequantisation.
+0.24-0.57x cuBLAS bf16 at M = 512..4096 on an H100; this path 0.46-1.01x, 1.2-2.4x the Triton kernel (RESULTS.md).
 
 fp32 output (out_dtype=torch.float32): y is the fp32 sum itself, before the bf16 rounding, bit for bit the
 bf16 form's pre-rounding value (same launch shape, same order): a row-parallel product's partial, summed over
@@ -53,7 +53,9 @@ from engine.model.layers import Linear
 from engine.quant import BLOCK, act_quant, cat_8bit, check_fp8_linear_args
 
 MAX_TICKETS = 1 << 16
-DEQUANT_MIN_M = 128  # from this many rows on CUDA: the weight dequantised once, then cuBLAS (dequant_linear)
+DEQUANT_MIN_M = 512  # from this many rows on CUDA: the weight dequantised once, then cuBLAS (dequant_linear); at
+# 512 it beat the Triton kernel on every layer matrix on an H100 (1.2-1.8x), at 128 it lost on the large ones (wq_b,
+# wo_b, shared W1|W3, Engram wkv: 0.46-0.76x; benchmarks/kernel_benches/fp8_prefill.py, RESULTS.md)
 _TICKETS: dict[tuple[torch.device, int], Tensor] = {}  # (device, stream) -> its tickets
 
 
