@@ -16,7 +16,7 @@
 
 Prefill on CUDA (M >= DEQUANT_MIN_M): `dequant_linear` instead, x QDQ'd once and the weight dequantised once to
 bf16 (both exact), then one cuBLAS bf16 GEMM with fp32 sums (its bf16 split-K reduction switched off): the same
-exact products, another fp32 order, a transient bf16 copy of the weight. The Triton kernel at M = 512 ran at
+exact products, another fp32 order, a transient bf16 copy of the weight. The Triton kernel ran at
 0.24-0.57x cuBLAS bf16 at M = 512..4096 on an H100; this path 0.46-1.01x, 1.2-2.4x the Triton kernel (RESULTS.md).
 
 fp32 output (out_dtype=torch.float32): y is the fp32 sum itself, before the bf16 rounding, bit for bit the
