@@ -223,6 +223,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "with --batch a folder of <line>.safetensors")
     p.add_argument("--prefix-cache", action="store_true", help="keep the prefix cache across the lines of a batch")
     p.add_argument("--chunk-size", type=int, help="cap on one request's prompt positions per step (chunked prefill)")
+    p.add_argument("--max-prefill-beside-decode", type=int, metavar="N",
+                   help="while a request decodes, the step's prefill chunks take at most N positions together")
     p.add_argument("--max-batch-tokens", type=int, default=DEFAULTS.max_num_batched_tokens,
                    help="positions computed per step, all requests together")
     p.add_argument("--max-seqs", type=int, default=DEFAULTS.max_num_seqs, help="requests running at once")
@@ -264,7 +266,8 @@ def check_args(args: argparse.Namespace) -> None:
     if args.speculative_tokens < 0:
         raise UsageError(f"--speculative-tokens must be >= 0 (0 = off), got {args.speculative_tokens}")
     for flag, value in (("--chunk-size", args.chunk_size), ("--max-batch-tokens", args.max_batch_tokens),
-                        ("--max-seqs", args.max_seqs), ("--num-shards", args.num_shards)):
+                        ("--max-seqs", args.max_seqs), ("--num-shards", args.num_shards),
+                        ("--max-prefill-beside-decode", args.max_prefill_beside_decode)):
         if value is not None and value < 1:
             raise UsageError(f"{flag} must be >= 1, got {value}")
     if args.device == "cuda" and not torch.cuda.is_available():
@@ -274,6 +277,7 @@ def check_args(args: argparse.Namespace) -> None:
 def engine_config(args: argparse.Namespace) -> EngineConfig:
     return EngineConfig(max_num_seqs=args.max_seqs, max_num_batched_tokens=args.max_batch_tokens,
                         max_chunk_tokens=args.chunk_size, bounded_replay=not args.no_bounded_replay,
+                        max_prefill_beside_decode=args.max_prefill_beside_decode,
                         enable_prefix_caching=args.prefix_cache, runner=args.runner,
                         speculative_tokens=args.speculative_tokens)
 

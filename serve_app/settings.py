@@ -57,6 +57,7 @@ class ServeSettings:
     max_num_seqs: int = _DEFAULT_ENGINE.max_num_seqs
     max_num_batched_tokens: int = _DEFAULT_ENGINE.max_num_batched_tokens
     max_chunk_tokens: int | None = _DEFAULT_ENGINE.max_chunk_tokens
+    max_prefill_beside_decode: int | None = _DEFAULT_ENGINE.max_prefill_beside_decode
     max_model_len: int | None = _DEFAULT_ENGINE.max_model_len  # None: the model's context window
     bounded_replay: bool = _DEFAULT_ENGINE.bounded_replay
     enable_prefix_caching: bool = _DEFAULT_ENGINE.enable_prefix_caching
@@ -124,8 +125,9 @@ class ServeSettings:
             self._check_shards()
         for name in ("bounded_replay", "enable_prefix_caching", "kv_sharing"):
             need(isinstance(getattr(self, name), bool), name, "true or false")
-        need(self.max_chunk_tokens is None or (_is_int(self.max_chunk_tokens) and self.max_chunk_tokens >= 1),
-             "max_chunk_tokens", "an integer >= 1 or unset")
+        for name in ("max_chunk_tokens", "max_prefill_beside_decode"):
+            value = getattr(self, name)
+            need(value is None or (_is_int(value) and value >= 1), name, "an integer >= 1 or unset")
         need(self.max_model_len is None or (_is_int(self.max_model_len) and self.max_model_len >= 2),
              "max_model_len", "an integer >= 2 or unset")
         need(self.max_output_tokens is None or (_is_int(self.max_output_tokens) and self.max_output_tokens >= 1),
@@ -170,6 +172,7 @@ class ServeSettings:
     def to_engine_config(self) -> EngineConfig:
         return EngineConfig(max_num_seqs=self.max_num_seqs, max_num_batched_tokens=self.max_num_batched_tokens,
                             max_chunk_tokens=self.max_chunk_tokens, bounded_replay=self.bounded_replay,
+                            max_prefill_beside_decode=self.max_prefill_beside_decode,
                             enable_prefix_caching=self.enable_prefix_caching,
                             cache_memory_bytes=self.cache_memory_bytes, max_model_len=self.max_model_len,
                             runner=self.runner, speculative_tokens=self.speculative_tokens)
@@ -228,6 +231,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-num-seqs")
     p.add_argument("--max-num-batched-tokens")
     p.add_argument("--max-chunk-tokens")
+    p.add_argument("--max-prefill-beside-decode", help="while a request decodes, a step's prefill chunks take at most "
+                   "this many positions together (default: the step budget); bounds the inter-token latency of "
+                   "streams while a long prompt prefills")
     p.add_argument("--max-model-len", help="context window cap (default: the model's)")
     p.add_argument("--bounded-replay", help="true or false (default true)")
     p.add_argument("--prefix-caching", dest="enable_prefix_caching", help="true or false (default true)")
@@ -343,7 +349,8 @@ def _as_text(raw: str, where: str) -> str:
 _PARSERS: dict[str, Callable[[str, str], object]] = {
     "num_replicas": parse_int, "num_shards": parse_int, "device": parse_device, "gpu_fraction": parse_float,
     "cache_memory_bytes": parse_bytes, "max_num_seqs": parse_int, "max_num_batched_tokens": parse_int,
-    "max_chunk_tokens": parse_optional_int, "max_model_len": parse_optional_int,
+    "max_chunk_tokens": parse_optional_int, "max_prefill_beside_decode": parse_optional_int,
+    "max_model_len": parse_optional_int,
     "bounded_replay": parse_bool, "enable_prefix_caching": parse_bool, "max_n": parse_int, "max_messages": parse_int, "max_output_tokens": parse_optional_int,
     "max_body_bytes": parse_bytes, "max_prompt_chars": parse_int, "max_images": parse_int,
     "max_image_bytes": parse_bytes, "max_image_pixels": parse_int, "max_request_image_bytes": parse_bytes,

@@ -208,7 +208,8 @@ class LLMEngine:
         self.cache = KVCacheManager(layout, salt, config.enable_prefix_caching, exact_hits=not config.bounded_replay)
         self.scheduler = Scheduler(SchedulerConfig(cfg.window_size, config.max_num_seqs, config.max_num_batched_tokens,
                                                    config.max_chunk_tokens, config.bounded_replay,
-                                                   config.speculative_tokens), self.cache)
+                                                   config.speculative_tokens, config.max_prefill_beside_decode),
+                                   self.cache)
         self.draft_policy = DraftPolicy(config.speculative_min_survival, config.max_draft_tokens)
         self.executor = make_executor(layout)
         self.requests: dict[str, Request] = {}

@@ -28,6 +28,7 @@ class EngineConfig:
     max_num_seqs: int = 16
     max_num_batched_tokens: int = 512
     max_chunk_tokens: int | None = None
+    max_prefill_beside_decode: int | None = None  # prefill positions a step with decodes may add (None: the budget)
     bounded_replay: bool = True
     enable_prefix_caching: bool = True
     cache_memory_bytes: int = 256 << 20

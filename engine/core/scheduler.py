@@ -5,9 +5,12 @@ up to `max_chunk_tokens`, within a step budget of `max_num_batched_tokens`: ther
 decode phase, a prefill is just a request far behind, and it may be cut at any position (chunked
 prefill). Running requests go first, in admission order; when a pool runs short the most recently
 admitted request is preempted (its blocks released, recomputed later; its full blocks stay in the
-prefix cache). Then waiting requests are admitted in arrival order, each starting from its longest
-cached prefix. Blocks a KV pull in flight holds (KVCacheManager.imports) come back when it ends: a request alone
-and short of blocks then waits for them instead of ending.
+prefix cache); a decoding request's position is reserved before any prefill chunk ahead of it takes the budget,
+and with max_prefill_beside_decode a step that has decodes gives its prefill chunks at most that many positions
+together (a stream's inter-token latency stays near a decode step's while a long prompt prefills beside it). Then
+waiting requests are admitted in arrival order, each starting from its longest cached prefix. Blocks a KV pull in
+flight holds (KVCacheManager.imports) come back when it ends: a request alone and short of blocks then waits for
+them instead of ending.
 
 Speculative decoding (speculative_tokens K > 0): a request that decodes (one position behind its tokens, past its
 first output) gets a verify chunk: its anchor position plus room for up to K drafts, within its remaining outputs
@@ -36,12 +39,17 @@ class SchedulerConfig:
     max_chunk_tokens: int | None = None  # cap on one request's positions per step; None = the budget
     bounded_replay: bool = True
     speculative_tokens: int = 0  # drafts a decoding request may verify per step (0: off)
+    # while a request decodes in the step, all prefill chunks together take at most this many positions (None: the
+    # budget): a decode's inter-token latency stays near a decode step's while a long prompt prefills beside it
+    max_prefill_beside_decode: int | None = None
 
     def __post_init__(self) -> None:
         if self.max_num_seqs < 1 or self.max_num_batched_tokens < 1:
             raise ValueError("max_num_seqs and max_num_batched_tokens must be >= 1")
         if self.max_chunk_tokens is not None and self.max_chunk_tokens < 1:
             raise ValueError(f"max_chunk_tokens must be >= 1, got {self.max_chunk_tokens}")
+        if self.max_prefill_beside_decode is not None and self.max_prefill_beside_decode < 1:
+            raise ValueError(f"max_prefill_beside_decode must be >= 1, got {self.max_prefill_beside_decode}")
 
 
 @dataclass(frozen=True, slots=True)
@@ -83,12 +91,27 @@ class Scheduler:
         out = SchedulerOutput(copies=self.pending_copies)
         self.pending_copies = []
         budget = self.config.max_num_batched_tokens
+        # decoding requests' positions are reserved ahead of any prefill chunk before them in admission order, and
+        # with max_prefill_beside_decode the prefill chunks of a step with decodes share that many positions
+        room = 1 + self.config.speculative_tokens  # what a decode may take (its anchor and drafts)
+        decodes = [_decodes(r) for r in self.running]
+        reserved = room * sum(decodes)
+        cap = self.config.max_prefill_beside_decode
+        prefill_left = budget if cap is None or not reserved else cap
         i = 0
         stalled = False  # the one running request waits for blocks a KV pull in flight holds
         while i < len(self.running) and budget > 0 and not stalled:
             req = self.running[i]
-            num_draft = self._num_draft(req, budget)
-            end = req.num_computed + self._chunk_len(req, budget) + num_draft
+            if decodes[i]:
+                reserved -= room
+                allowed = budget
+            else:
+                allowed = min(budget - reserved, prefill_left)
+                if allowed <= 0:  # the decodes after it take this step's room
+                    i += 1
+                    continue
+            num_draft = self._num_draft(req, allowed)
+            end = req.num_computed + self._chunk_len(req, allowed) + num_draft
             while not self.cache.allocate(req, end):
                 if num_draft:  # drafts never preempt: verify none first
                     end, num_draft = end - num_draft, 0
@@ -101,6 +124,8 @@ class Scheduler:
                     out.cannot_grow.append(req)
                     break
                 victim = self.running.pop()
+                if decodes.pop() and victim is not req:
+                    reserved -= room
                 self._preempt(victim)
                 out.preempted.append(victim.request_id)
                 if victim is req:
@@ -109,14 +134,16 @@ class Scheduler:
                 sample = end - num_draft == req.num_tokens
                 out.chunks.append(ScheduledChunk(req, req.num_computed, end, sample, num_draft))
                 budget -= end - req.num_computed
+                if not decodes[i]:
+                    prefill_left -= end - req.num_computed
                 i += 1
-        while (self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs and not out.preempted
-               and not stalled):
+        while (self.waiting and min(budget, prefill_left) > 0 and len(self.running) < self.config.max_num_seqs
+               and not out.preempted and not stalled):
             req = self.waiting[0]
             if not self.cache.admit(req, self.cache.find_prefix(req)):
                 break
             self._plan_replay(req)
-            end = req.num_computed + self._chunk_len(req, budget)
+            end = req.num_computed + self._chunk_len(req, min(budget, prefill_left))
             if not self.cache.allocate(req, end):
                 self.cache.release(req)
                 _reset(req)
@@ -128,6 +155,7 @@ class Scheduler:
             self.running.append(req)
             out.chunks.append(ScheduledChunk(req, req.num_computed, end, end == req.num_tokens))
             budget -= end - req.num_computed
+            prefill_left -= end - req.num_computed
         return out
 
     def advance(self, out: SchedulerOutput, register: bool = True, computed: dict[int, int] | None = None) -> None:
@@ -215,6 +243,11 @@ class Scheduler:
         _reset(req)
         req.stats.num_preemptions += 1
         self.waiting.appendleft(req)
+
+
+def _decodes(req: Request) -> bool:
+    """req decodes this step: past its first output, one position behind its tokens (the last drawn one)."""
+    return bool(req.output_ids) and req.num_tokens - req.num_computed == 1
 
 
 def _reset(req: Request) -> None:

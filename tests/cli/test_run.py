@@ -156,6 +156,7 @@ def test_parse_completion(tmp_path, capsys):
     (["--prompt", "hi", "--temperature", "2.5"], "--temperature"),
     (["--prompt", "hi", "--seed", "-1"], "--seed"),
     (["--prompt", "hi", "--chunk-size", "0"], "--chunk-size"),
+    (["--prompt", "hi", "--max-prefill-beside-decode", "0"], "--max-prefill-beside-decode must be >= 1"),
     (["--prompt", "hi", "--max-batch-tokens", "0"], "--max-batch-tokens"),
     (["--prompt", "hi", "--max-seqs", "-2"], "--max-seqs"),
     (["--batch", "b.jsonl", "--print-prompt"], "--print-prompt"),

@@ -55,6 +55,18 @@ def test_mixed_staggered_batch_matches_golden_alone(tiny_model, replay):
     assert not engine.scheduler.running
 
 
+def test_prefill_capped_beside_decodes_matches_golden_alone(tiny_model):
+    """max_prefill_beside_decode = 5: the staggered batch's prompts prefill 5 positions a step while others decode
+    (chunk boundaries wherever the cap falls), and every request still gets what the golden model gives it alone."""
+    engine = engine_for(tiny_model.model, max_prefill_beside_decode=5)
+    prompts = {f"r{i}": random_prompt(n, seed=i) for i, n in enumerate(LENGTHS)}
+    arrivals = {f"r{i}": a for i, a in enumerate(ARRIVALS)}
+    results = run_engine(engine, prompts, SamplingParams(max_tokens=NUM_NEW), arrivals, keep_logits=True)
+    for rid, prompt in prompts.items():
+        assert_matches_golden(tiny_model.model, prompt, results[rid], True)
+    assert not engine.scheduler.running
+
+
 @pytest.mark.parametrize("replay", [False, True], ids=["replay-off", "replay-on"])
 @pytest.mark.parametrize("chunk", [3, 7])
 def test_chunked_prefill_equals_unchunked(tiny_model, chunk, replay):

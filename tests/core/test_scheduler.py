@@ -194,3 +194,44 @@ def test_a_request_alone_short_of_blocks_waits_for_a_pull_in_flight_instead_of_e
     step(alone)
     _, out = step(alone)
     assert out.cannot_grow == [r] and r.finish_reason is FinishReason.LENGTH
+
+
+def test_decodes_admitted_after_a_long_prefill_keep_their_token():
+    """A request still prefilling ahead of decoding ones in admission order (a preempted one readmitted, a long
+    prompt admitted after a budget was left): its chunk leaves the decodes after it their positions, by hand:
+    budget 6, decodes d1 and d2 after the prefilling p take 1 each, so p takes 4."""
+    s = make(budget=6, num_global=16, num_swa=24)
+    d1, d2 = req("d1", [1, 2]), req("d2", [3, 4])
+    s.add(d1)
+    s.add(d2)
+    step(s)  # both prefill and draw their first token
+    p = req("p", list(range(20, 40)))
+    s.running.insert(0, p)  # ahead of them in admission order, as a readmitted request is
+    p.status = d1.status
+    s.cache.admit(p, s.cache.find_prefix(p))
+    chunks, _ = step(s)
+    assert chunks == [("p", 0, 4), ("d1", 2, 3), ("d2", 2, 3)]
+
+
+@pytest.mark.parametrize("cap", [None, 3])
+def test_prefill_beside_decodes_is_capped(cap):
+    """max_prefill_beside_decode: while a request decodes, every prefill chunk of the step together takes at most
+    cap positions (by hand: budget 8, one decode; a 20-token prompt gets 3 a step with the cap, 7 without); with no
+    decode in the step the prompt takes the whole budget."""
+    layout = CacheLayout(4, 2, W, 16, 24, 3, 1)
+    s = Scheduler(SchedulerConfig(W, 3, 8, max_prefill_beside_decode=cap), KVCacheManager(layout, b"salt", True))
+    d = req("d", [1, 2], max_tokens=3)
+    s.add(d)
+    assert step(s)[0] == [("d", 0, 2)]
+    p = req("p", list(range(20, 40)))
+    s.add(p)
+    first = 3 if cap else 7
+    assert step(s)[0] == [("d", 2, 3), ("p", 0, first)]
+    assert step(s)[0] == [("d", 3, 4), ("p", first, 2 * first)]
+    s.finish(d, FinishReason.LENGTH)  # what the engine does at its third token
+    assert step(s)[0] == [("p", 2 * first, min(20, 2 * first + 8))]  # alone: the whole budget
+
+
+def test_prefill_beside_decode_must_be_positive():
+    with pytest.raises(ValueError, match="max_prefill_beside_decode"):
+        SchedulerConfig(W, max_prefill_beside_decode=0)

@@ -90,6 +90,9 @@ def test_settings_parse_strictly():
     assert (s.cache_memory_bytes, s.port, s.api_key, s.enable_prefix_caching) == (40 << 30, 9000, "sk-secret-7", False)
     assert "sk-secret-7" not in repr(s), "the API key stays out of logs"
     assert s.to_engine_config().max_chunk_tokens == 128 and not s.to_engine_config().enable_prefix_caching
+    assert s.to_engine_config().max_prefill_beside_decode is None
+    capped = ServeSettings.from_cli(["--checkpoint", "/ckpt", "--max-prefill-beside-decode", "256"], environ={})
+    assert capped.to_engine_config().max_prefill_beside_decode == 256
     assert s.runner == s.to_engine_config().runner == "auto"
     assert s.max_prompt_chars == 4_000_000
     assert ServeSettings.from_cli(["--checkpoint", "/ckpt", "--max-prompt-chars", "1000"], environ={}).max_prompt_chars == 1000
@@ -101,7 +104,8 @@ def test_settings_parse_strictly():
            ("--bounded-replay", "maybe"): "true or false", ("--device", "tpu"): "cpu, cuda or auto",
            ("--max-n", "0"): "--max-n must be an integer >= 1", ("--max-prompt-chars", "4M"): "--max-prompt-chars: expected an integer",
            ("--cache-memory", "12 potatoes"): "byte count",
-           ("--speculative-tokens", "-1"): "--speculative-tokens must be an integer >= 0"}
+           ("--speculative-tokens", "-1"): "--speculative-tokens must be an integer >= 0",
+           ("--max-prefill-beside-decode", "0"): "--max-prefill-beside-decode must be an integer >= 1 or unset"}
     for (flag, value), message in bad.items():
         with pytest.raises(SettingsError, match=message):
             ServeSettings.from_cli(["--checkpoint", "/ckpt", flag, value], environ={})
