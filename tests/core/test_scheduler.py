@@ -197,9 +197,9 @@ def test_a_request_alone_short_of_blocks_waits_for_a_pull_in_flight_instead_of_e
 
 
 def test_decodes_admitted_after_a_long_prefill_keep_their_token():
-    """A request still prefilling ahead of decoding ones in admission order (a preempted one readmitted, a long
-    prompt admitted after a budget was left): its chunk leaves the decodes after it their positions, by hand:
-    budget 6, decodes d1 and d2 after the prefilling p take 1 each, so p takes 4."""
+    """A request still prefilling ahead of decoding ones in admission order (placed there by hand; in the engine a
+    per-request chunk cap lets decodes be admitted behind a prompt): its chunk leaves the decodes after it their
+    positions. By hand: budget 6, decodes d1 and d2 after the prefilling p take 1 each, so p takes 4."""
     s = make(budget=6, num_global=16, num_swa=24)
     d1, d2 = req("d1", [1, 2]), req("d2", [3, 4])
     s.add(d1)
