@@ -8,10 +8,11 @@ per step (the union of the kernels' intervals in a torch.profiler trace), and ou
     python benchmarks/engine_decode.py --real-width --batches 1 --speculative-tokens 0,1,2,3,4,5
 
 --real-width: instead of a checkpoint, ten layers of DeepSeek-V4.1-Flash's real widths with every layer role
-(benchmarks/random_model.py, built on the GPU: ~75 GB; --real-width-layers 8: eight of them, less the second
-ratio-2 source, ~60 GB, which fits an 80 GB GPU with the DSpark stages and the step's transients); --layer-sum B: at batch B, each layer's own CUDA-graph
-time on the decode step's metadata (its Engram mix included, the Engram row gather left out: the step overlaps
-it) plus the head's, against the step's model graph (target: step <= 1.1x the sum).
+(benchmarks/random_model.py, built on the GPU: ~75 GB; --real-width-layers 8: eight of them, ~58 GiB, which fit an
+80 GB GPU; --real-width-layers 6: six, ~51 GiB, which fit one with the DSpark stages for --speculative-tokens);
+--layer-sum B: at batch B, each layer's own CUDA-graph time on the decode step's metadata (its Engram mix
+included, the Engram row gather left out: the step overlaps it) plus the head's, against the step's model graph
+(target: step <= 1.1x the sum).
 
 Per mode and batch: `batch` requests with prompts of --prompt-len random tokens are prefilled, then every
 step is a decode step of the whole batch; --steps steps are timed back to back after --warmup (5) steps. Modes:
@@ -23,7 +24,8 @@ drives it (needs Ray; its GPU busy time is not traced: another process). Samplin
 --grammar on: every request is constrained by STRING_GRAMMAR, the text of a JSON string that never closes (so no
 request ends; its masks take llguidance's token slice, as inside any JSON string: ~126K allowed ids), its masks
 computed by the engine each step (GrammarCompiler.masks on grammar.MASK_THREADS threads) while the device runs
-the step's forward (engine/core/overlap.py); both: each mode without, then with (rows "<mode>+grammar"), target <= 1.05x at batch 64.
+the step's forward (engine/core/overlap.py); both: each mode without, then with (rows "<mode>+grammar"), target
+<= 1.05x at batch 64.
 The printed table's columns: mode, batch, step ms (--steps steps back to back: wall / steps), GPU busy ms per
 step, host share of the step ((wall - busy) / wall: the device idle), output tok/s (batch / step).
 

@@ -5,6 +5,7 @@ checkpoint on this machine's disk could hold (ten real-width layers are ~75 GB).
     randomize(module, generator)   # every buffer of module and its children, in place
     real_width_config(n_layers=10) # DeepSeek-V4.1-Flash's widths, every layer role of the tiny preset's order
     real_width_config(n_layers=8)  # the same roles less the second ratio-2 source (fits one 80 GB GPU)
+    real_width_config(n_layers=6)  # fewer roles, DSpark's taps after the CED cut (fits one with the DSpark stages)
     released_config()              # the released 40 layers in their own role order (Engram tables shrunk)
     random_model(cfg, device)      # a Transformer (no DSpark stages) with random weights and Engram tables
     random_model(cfg, device, with_mtp=True)  # ... with the DSpark stages too (speculative decoding)
@@ -85,8 +86,8 @@ def real_width_config(n_layers: int = 10, max_model_len: int | None = None) -> M
     0-1 SWA (1 = Engram), 2 Full r2, 3 Reuse, 4 Full r1 + candidate source + CED cut, 5 Reuse, 6 Reindex with
     candidates, 7 Reuse. n_layers=6 (~51 GiB: fits one with the DSpark stages, whose three taps must follow the
     CED cut): 0 SWA, 1 Full r2 + Engram, 2 Full r1 + candidate source + CED cut, 3 Reuse, 4 Reindex with
-    candidates, 5 Reuse (no SWA + Engram layer, no ratio-2 Reuse). Engram hashes into ENGRAM_VOCAB-sized tables. Text-only (no vision
-    tower)."""
+    candidates, 5 Reuse (no SWA + Engram layer, no ratio-2 Reuse). Engram hashes into ENGRAM_VOCAB-sized
+    tables. Text-only (no vision tower)."""
     assert n_layers in ROLE_ORDERS, f"n_layers: the role orders are of {sorted(ROLE_ORDERS)} layers, got {n_layers}"
     cfg = full_config()
     ids, ratios, kv, index, cand = ROLE_ORDERS[n_layers]

@@ -497,8 +497,8 @@ def test_real_width_configs_keep_every_layer_role(n_layers):
     kinds = {kind(r) for r in cfg.roles[:n_layers]}
     released = {kind(r) for r in full.roles[:full.n_layers]}
     assert kinds <= released, f"roles the release does not have: {kinds - released}"
-    for role in [("swa", 0, False, False, False, False), ("full", 1, False, True, False, True), ("reuse", 1, False, False, False, True),
-                 ("reindex", 1, False, False, True, True)]:
+    for role in [("swa", 0, False, False, False, False), ("full", 1, False, True, False, True),
+                 ("reuse", 1, False, False, False, True), ("reindex", 1, False, False, True, True)]:
         assert role in kinds, f"{n_layers} layers lack the role {role}"
     for role in [("swa", 0, True, False, False, False), ("reuse", 2, False, False, False, False)]:
         assert (role in kinds) == (n_layers > 6), f"{n_layers} layers: {role}"

@@ -39,6 +39,8 @@ round-to-nearest-even, and the interpreter's dot takes fp32 operands (same exact
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
@@ -260,15 +262,15 @@ def fp8_weight_bf16(weight: Tensor, scale: Tensor) -> Tensor:
     return out
 
 
-class _ExactBf16Reduction:
+@contextmanager
+def _exact_bf16_reduction() -> Iterator[None]:
     """cuBLAS without its reduced-precision (bf16) split-K reduction for the calls inside: every partial sum in fp32."""
-
-    def __enter__(self) -> None:
-        self.saved = torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction
-        torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction = False
-
-    def __exit__(self, *exc) -> None:
-        torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction = self.saved
+    saved = torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction
+    torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction = False
+    try:
+        yield
+    finally:
+        torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction = saved
 
 
 def dequant_linear(x2: Tensor, weight: Tensor, scale: Tensor, out_dtype: torch.dtype) -> Tensor:
@@ -280,7 +282,7 @@ def dequant_linear(x2: Tensor, weight: Tensor, scale: Tensor, out_dtype: torch.d
     xq, w = fp8_act_qdq(x2), fp8_weight_bf16(weight, scale)
     if out_dtype == torch.float32:
         return torch.mm(xq, w.t(), out_dtype=torch.float32)
-    with _ExactBf16Reduction():
+    with _exact_bf16_reduction():
         return torch.mm(xq, w.t())
 
 

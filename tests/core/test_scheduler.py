@@ -206,7 +206,7 @@ def test_decodes_admitted_after_a_long_prefill_keep_their_token():
     s.add(d2)
     step(s)  # both prefill and draw their first token
     p = req("p", list(range(20, 40)))
-    s.running.insert(0, p)  # ahead of them in admission order, as a readmitted request is
+    s.running.insert(0, p)  # ahead of them in admission order
     p.status = d1.status
     s.cache.admit(p, s.cache.find_prefix(p))
     chunks, _ = step(s)
