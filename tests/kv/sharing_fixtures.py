@@ -9,10 +9,12 @@ import os
 import threading
 import time
 from collections.abc import Coroutine
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import httpx
 import pytest
 
 from engine.core.async_engine import AsyncEngine
@@ -22,7 +24,7 @@ from engine.core.request import RequestStats
 from engine.core.sampling_params import SamplingParams
 from serve_app.kv_metrics import KVMetrics
 from serve_app.kv_sharing import KVSharing, PullOutcome
-from serve_app.records import KVHint
+from serve_app.records import GenerateRequest, KVHint
 from tests.kv.conftest import RedisServer, redis_server_binary
 
 NUM_NEW = 4
@@ -139,6 +141,34 @@ class ServeSession:
                 os.environ["RAY_AUTH_MODE"] = self.saved_auth
 
 
+@contextmanager
+def kv_sharing_app(redis_url: str, checkpoint, log: Path, **settings):
+    """The whole app (ingress, KVRouter, two EngineReplicas) with KV sharing on, served at "/" in this module's
+    Ray session; yields {client, engine, router, log}. settings: the rest of ServeSettings (device, sizes)."""
+    from ray import serve
+
+    from serve_app.app import build_app
+    from serve_app.settings import ServeSettings
+
+    session = ServeSession()
+    config = ServeSettings(checkpoint=str(checkpoint), num_replicas=2, health_check_period_s=2,
+                           graceful_shutdown_timeout_s=1, request_log_file=str(log), kv_sharing=True,
+                           redis_url=redis_url, **settings)
+    client = httpx.Client(base_url=f"http://127.0.0.1:{session.port}", timeout=60)
+    try:  # a setup that fails (the app not ready in time) still shuts down the Ray it started
+        t0 = time.monotonic()
+        serve.run(build_app(config), name="kv_serving", route_prefix="/")
+        wait_for(lambda: client.get("/readyz").status_code == 200, 120, "the app is ready")
+        print(f"\ntwo-replica KV-sharing app ({config.device}) ready in {time.monotonic() - t0:.1f} s")
+        engine = serve.get_deployment_handle("EngineReplica", "kv_serving")
+        router = serve.get_deployment_handle("KVRouter", "kv_serving")
+        yield {"client": client, "engine": engine, "router": router, "log": log}
+        serve.delete("kv_serving")
+    finally:
+        client.close()
+        session.close()
+
+
 def wait_for(predicate, timeout_s: float, what: str, period_s: float = 0.1):
     """Polls predicate() until it returns something truthy; returns that."""
     deadline = time.monotonic() + timeout_s
@@ -148,6 +178,18 @@ def wait_for(predicate, timeout_s: float, what: str, period_s: float = 0.1):
             return value
         assert time.monotonic() < deadline, f"{what}: not within {timeout_s} s"
         time.sleep(period_s)
+
+
+def generate(handle, request_id: str, prompt: list[int], hint=None) -> list:
+    return list(handle.options(stream=True).generate.remote(GenerateRequest(request_id, prompt, GREEDY, hint)))
+
+
+def wait_owned(app, prompt: list[int], num_blocks: int, request_id: str = "probe"):
+    """The router's hint once some replica has published num_blocks of the prompt."""
+    def owned():
+        hint = app["router"].route.remote(request_id, prompt).result()
+        return hint if hint is not None and hint.num_blocks >= num_blocks else None
+    return wait_for(owned, 30, f"{num_blocks} blocks published")
 
 
 def replica_statuses(handle, want: int = 2, tries: int = 60) -> dict[str, dict]:

@@ -17,17 +17,16 @@ from __future__ import annotations
 import dataclasses
 import time
 
-import httpx
 import pytest
 
 from engine.core.kv_blocks import block_bytes
 from engine.core.prefix_hash import block_hashes
-from serve_app.records import GenerateRequest
 from serve_app.router import CostModel, KVRouter
 from serve_app.settings import ServeSettings
 from tests.core.conftest import random_prompt
-from tests.kv.sharing_fixtures import (GREEDY, NUM_NEW, LocalReplica, ServeSession, identity, loop,  # noqa: F401
-                                       read_log, redis, reference_turns, replica_statuses, wait_for)
+from tests.kv.sharing_fixtures import (GREEDY, NUM_NEW, LocalReplica, generate, identity, kv_sharing_app,  # noqa: F401
+                                       loop, read_log, redis, reference_turns, replica_statuses, wait_for,
+                                       wait_owned)
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -226,41 +225,10 @@ def test_an_expired_record_falls_back(receiver, router, tiny_model, redis, ident
 @pytest.fixture(scope="module")
 def app(redis, tiny_checkpoint, tmp_path_factory):
     """The whole app (ingress, KVRouter, two EngineReplicas) with KV sharing on, at "/"."""
-    from ray import serve
-
-    from serve_app.app import build_app
-
-    session = ServeSession()
     log = tmp_path_factory.mktemp("kv_logs") / "requests.jsonl"
-    settings = ServeSettings(checkpoint=str(tiny_checkpoint), device="cpu", num_replicas=2, replica_num_cpus=0.5,
-                             cache_memory_bytes=16 << 20, max_num_batched_tokens=256, health_check_period_s=2,
-                             graceful_shutdown_timeout_s=1, request_log_file=str(log), kv_sharing=True,
-                             redis_url=redis.url, host_kv_bytes=8 << 20)
-    client = httpx.Client(base_url=f"http://127.0.0.1:{session.port}", timeout=60)
-    try:  # a setup that fails (the app not ready in time) still shuts down the Ray it started
-        t0 = time.monotonic()
-        serve.run(build_app(settings), name="kv_serving", route_prefix="/")
-        wait_for(lambda: client.get("/readyz").status_code == 200, 120, "the app is ready")
-        print(f"\ntwo-replica KV-sharing app ready in {time.monotonic() - t0:.1f} s")
-        engine = serve.get_deployment_handle("EngineReplica", "kv_serving")
-        router = serve.get_deployment_handle("KVRouter", "kv_serving")
-        yield {"client": client, "engine": engine, "router": router, "log": log}
-        serve.delete("kv_serving")
-    finally:
-        client.close()
-        session.close()
-
-
-def generate(handle, request_id: str, prompt: list[int], hint=None) -> list:
-    return list(handle.options(stream=True).generate.remote(GenerateRequest(request_id, prompt, GREEDY, hint)))
-
-
-def wait_owned(app, prompt: list[int], num_blocks: int, request_id: str = "probe"):
-    """The router's hint once some replica has published num_blocks of the prompt."""
-    def owned():
-        hint = app["router"].route.remote(request_id, prompt).result()
-        return hint if hint is not None and hint.num_blocks >= num_blocks else None
-    return wait_for(owned, 30, f"{num_blocks} blocks published")
+    with kv_sharing_app(redis.url, tiny_checkpoint, log, device="cpu", replica_num_cpus=0.5,
+                        cache_memory_bytes=16 << 20, max_num_batched_tokens=256, host_kv_bytes=8 << 20) as handles:
+        yield handles
 
 
 def kv_line(app, request_id: str) -> dict:

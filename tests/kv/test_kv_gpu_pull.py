@@ -1,0 +1,64 @@
+"""A KV pull between two replicas whose pools are on a GPU (gpu marker; issue 27), composed as EngineReplica composes
+them (LLMEngine + AsyncEngine + KVSharing: host store registered with NIXL, ownership in a real Redis):
+
+- replica A serves turn 1 and publishes its blocks (device pools -> its host store -> Redis records);
+- replica B, told to pull from A, reads them over NIXL into its importer's pinned staging buffer and copies them into
+  its device pools beside its steps: B's pools then hold, in the blocks its prefix hit uses, A's bytes bit for bit;
+- B's turn 2 equals a replica that computed turn 1 itself and resumes by encoder replay (no snapshot), the CPU tests'
+  reference (tests/kv/sharing_fixtures.reference_turns).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from serve_app.records import KVHint
+from tests.core.conftest import random_prompt
+from tests.kv.sharing_fixtures import LocalReplica, identity, loop, redis, reference_turns  # noqa: F401 (fixtures)
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
+
+
+@pytest.fixture(scope="module")
+def cuda_model(tiny_checkpoint):
+    from engine.load import load_model
+
+    return load_model(tiny_checkpoint, "cuda", progress=False, with_mtp=False).model
+
+
+def test_pulled_blocks_equal_the_owners_bit_for_bit_on_the_gpu(cuda_model, redis, loop, identity):
+    a = LocalReplica("gpu-a", cuda_model, redis.url, identity)
+    b = LocalReplica("gpu-b", cuda_model, redis.url, identity)
+    try:
+        turn1 = random_prompt(300, seed=41)
+        first = loop.run(a.turn("t1", turn1))
+        turn2 = turn1 + first.token_ids + random_prompt(40, seed=42)
+        B = a.engine.cache.layout.global_block_size
+        owned = len(turn1 + first.token_ids) // B  # the full blocks A published
+        hint = KVHint(a.engine.cache.salt, target="gpu-a", pull_from="gpu-a", num_blocks=owned)
+        second = loop.run(b.turn("t2", turn2, hint))
+
+        outcome = second.outcome
+        assert outcome.fallback is None and outcome.owner == "gpu-a", outcome
+        assert (outcome.num_local_tokens, outcome.num_pulled_tokens) == (0, owned * B)
+        assert second.stats.num_cached_tokens == owned * B
+        importer = b.engine.executor.importer
+        assert importer.host.is_pinned() and importer.stream is not None and importer.num_retired == 0
+
+        _, ids_a, hashes_a = loop.run(a.aengine.call(a.engine.cache.cached_prefix, turn2))
+        _, ids_b, hashes_b = loop.run(b.aengine.call(b.engine.cache.cached_prefix, turn2))
+        assert hashes_b[:owned] == hashes_a[:owned]
+        got = loop.run(b.aengine.call(b.engine.executor.read_blocks, ids_b[:owned]))
+        want = loop.run(a.aengine.call(a.engine.executor.read_blocks, ids_a[:owned]))
+        assert got.shape == want.shape and got.nbytes > 0
+        differ = np.flatnonzero((got != want).any(axis=1))
+        assert differ.size == 0, f"blocks {differ.tolist()} of {owned} differ from the owner's"
+
+        reference = reference_turns(cuda_model, identity, [turn1, turn2])
+        assert first.token_ids == reference[0]
+        assert second.token_ids == reference[1]
+    finally:
+        for replica in (a, b):
+            loop.run(replica.close())
