@@ -27,7 +27,7 @@ from engine.load import build_engram_tables
 from engine.model.engram import EngramEmbedding
 from engine.model.layers import Linear, RMSNorm
 from engine.model.transformer import Transformer
-from engine.presets import full_config
+from engine.presets import full_config, tiny_config
 from engine.quant import quant_fp4_weight, quant_fp8_weight
 from engine.tokenizer import load_tokenizer, write_tokenizer_files
 
@@ -124,3 +124,14 @@ def random_model(cfg: ModelConfig, device: str | torch.device, seed: int = 0, sh
     if tables is not None:
         model.engram_tables = tables.to(device)
     return model.eval()
+
+
+def bench_model(name: str, n_layers: int, max_model_len: int) -> Transformer:
+    """The model an engine benchmark runs: "real-width" (real_width_config(n_layers), on the GPU) or "tiny" (the
+    tiny config, on the GPU if there is one, else the CPU: a quick check of the benchmark itself)."""
+    if name == "real-width":
+        assert torch.cuda.is_available(), "a real-width model needs a GPU (use the tiny model on the CPU)"
+        return random_model(real_width_config(n_layers, max_model_len), "cuda")
+    assert name == "tiny", f"unknown model {name!r}"
+    return random_model(replace(tiny_config(), max_position_embeddings=max_model_len),
+                        "cuda" if torch.cuda.is_available() else "cpu")

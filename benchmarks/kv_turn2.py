@@ -1,0 +1,240 @@
+"""Turn 2 of a conversation on another replica: time to first token with a KV pull against a cold re-prefill, by
+history length (issue 27), through two replicas in one process on one device.
+
+    python benchmarks/kv_turn2.py [--model real-width|tiny] [--layers 8] [--lengths 1K,8K,32K,128K]
+        [--new-tokens 64] [--chunk 8192] [--runs 2] [--cache-mib 1024]
+
+Replicas A (owner) and B (receiver) are what EngineReplica composes around its engine: LLMEngine + AsyncEngine +
+KVSharing (a host store registered with a NIXL agent, ownership records in a throwaway redis-server). They share one
+random model's weights (real_width_config(--layers) built on the GPU, or the tiny config on the CPU) and so one engine
+salt. Per history length L and run, with fresh random token ids:
+  1. A serves turn 1 (L tokens, one output token); its blocks are published (A's pools -> its host store -> Redis).
+  2. cold: B serves a turn-2 prompt nobody holds (L + 1 + --new-tokens tokens), without a hint; TTFT from the call.
+  3. pull: B serves the conversation's turn 2 with the router's hint (pull from A): KVSharing.prefetch (the ownership
+     lookup, the NIXL read into B's pinned staging buffer with every block's CRC-32 checked, the copy into B's pools,
+     chunks overlapped, beside B's steps), then the prefill of what is left (the replayed window and the new tokens);
+     TTFT from prefetch's start.
+  4. check: the first token equals A's own turn 2 (A resumes from its blocks; no snapshots, so by replay as B).
+Then, per length, the pull's parts timed alone on the same blocks (best of 5): lookup (one script call), read (NIXL
+READ + CRC-32 into registered pinned memory, one transfer), CRC-32 alone, import (pinned host -> B's pools, one copy),
+the pipeline a pull runs (engine/core/kv_import.py: chunked reads overlapped with the copies; at the default chunk and
+at BIG_CHUNK_BLOCKS), and the owner's export (A's pools -> host, what a publish reads). Prints markdown tables: the fastest run per length.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from benchmarks.kv_pull import parse_tokens, start_redis  # noqa: E402
+from benchmarks.random_model import bench_model  # noqa: E402
+from engine.core.async_engine import AsyncEngine  # noqa: E402
+from engine.core.engine import EngineConfig, LLMEngine  # noqa: E402
+from engine.core.kv_blocks import block_bytes, write_rows  # noqa: E402
+from engine.core.kv_import import DEFAULT_CHUNK_BLOCKS, BlockImporter  # noqa: E402
+from engine.core.prefix_hash import block_hashes  # noqa: E402
+from engine.core.sampling_params import SamplingParams  # noqa: E402
+from serve_app.kv_metrics import KVMetrics  # noqa: E402
+from serve_app.kv_sharing import KVSharing, PullOutcome  # noqa: E402
+from serve_app.kv_store import block_checksum  # noqa: E402
+from serve_app.kv_transfer import NixlBlockReader  # noqa: E402
+from serve_app.records import KVHint  # noqa: E402
+
+ONE_TOKEN = SamplingParams(max_tokens=1, ignore_eos=True)  # greedy
+WEIGHTS = "kv-turn2-benchmark"  # one weights identity: A's and B's salts match
+VOCAB_DRAWN = 120_000
+BIG_CHUNK_BLOCKS = 512  # the import pipeline also timed at this chunk size
+
+
+class Replica:
+    def __init__(self, name: str, model, config: EngineConfig, redis_url: str, host_kv_bytes: int):
+        self.name = name
+        self.engine = LLMEngine.local(model, config, eos_token_id=-1, weights_identity=WEIGHTS)
+        self.aengine = AsyncEngine(self.engine)
+        self.kv = KVSharing.create(self.aengine, name, redis_url, region="local", host_kv_bytes=host_kv_bytes,
+                                   metrics=KVMetrics("bench"), pull_timeout_s=60.0)
+        self.kv.start_renewal()  # as EngineReplica does: the peer record outlives its first lease
+
+    async def first_token(self, rid: str, prompt: list[int], hint: KVHint | None = None
+                          ) -> tuple[float, int, PullOutcome | None, int]:
+        """(seconds to the first token from the call, that token, the pull's outcome, tokens hit in the cache)."""
+        t0 = time.perf_counter()
+        outcome = await self.kv.prefetch(prompt, hint)
+        seconds, token, stats = None, None, None
+        async for out in self.aengine.generate(rid, prompt, ONE_TOKEN):
+            if out.new_token_ids and seconds is None:
+                seconds, token = time.perf_counter() - t0, out.new_token_ids[0]
+            stats = out.stats
+        return seconds, token, outcome, stats.num_cached_tokens
+
+    async def publish(self, token_ids: list[int]) -> float:
+        t0 = time.perf_counter()
+        self.kv.publish_soon(token_ids)
+        await self.kv.flush()
+        return time.perf_counter() - t0
+
+    async def close(self) -> None:
+        await self.kv.close()
+        await self.aengine.shutdown()
+
+
+def best_of(n: int, fn) -> float:
+    times = []
+    for _ in range(n):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return min(times)
+
+
+async def parts(a: Replica, b: Replica, prompt: list[int], num_blocks: int) -> dict[str, float]:
+    """The pull's pieces alone, on blocks A published and B holds (engines idle)."""
+    B = a.engine.cache.layout.global_block_size
+    hashes = block_hashes(prompt, B, a.engine.cache.salt)[:num_blocks]
+    _, ids_a, _ = await a.aengine.call(a.engine.cache.cached_prefix, prompt)
+    _, ids_b, _ = await b.aengine.call(b.engine.cache.cached_prefix, prompt)
+    assert len(ids_a) >= num_blocks and len(ids_b) >= num_blocks, (len(ids_a), len(ids_b), num_blocks)
+    ids_a, ids_b = ids_a[:num_blocks], ids_b[:num_blocks]
+    n_owned, owner, blocks = b.kv.index.longest_owned_prefix(hashes)
+    assert n_owned == num_blocks and owner.replica_id == a.name, (n_owned, owner)
+    refs = [blk.ref() for blk in blocks]
+    kv = b.engine.executor.kv
+    device = next(iter(kv.main_kv.values())).device
+    host = torch.empty((num_blocks, refs[0].nbytes), dtype=torch.uint8, pin_memory=device.type == "cuda")
+    dst = host.numpy()
+    b.kv.agent.register(dst)
+    b.kv.agent.pull(owner.agent_metadata, refs, dst)  # connected and warm
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+
+    def import_once() -> None:  # what BlockImporter's sink does, all blocks in one copy
+        write_rows(kv, ids_b, host.to(device, non_blocking=True))
+        sync()
+
+    def export_once() -> None:
+        a.engine.executor.read_blocks(ids_a)
+
+    reader = NixlBlockReader(owner.agent_metadata, refs, 60.0, b.kv.agent)
+    importers = {c: BlockImporter(kv, c) for c in (DEFAULT_CHUNK_BLOCKS, BIG_CHUNK_BLOCKS)}
+
+    result = {  # (the pipelines rewrite B's blocks with the bytes they hold)
+        "lookup": best_of(5, lambda: b.kv.index.longest_owned_prefix(hashes)),
+        "read": best_of(5, lambda: b.kv.agent.pull(owner.agent_metadata, refs, dst)),
+        "crc": best_of(5, lambda: [block_checksum(row) for row in dst]),
+        "import": best_of(5, import_once),
+        "export": best_of(5, export_once),
+        **{f"pipeline{c}": best_of(5, lambda: imp.import_blocks(ids_b, reader)) for c, imp in importers.items()},
+        "bytes": float(dst.nbytes),
+    }
+    assert np.array_equal(a.engine.executor.read_blocks(ids_a), b.engine.executor.read_blocks(ids_b)), \
+        "B's pulled blocks differ from A's"
+    return result
+
+
+async def run(args, model, device: str) -> None:
+    lengths = [parse_tokens(t) for t in args.lengths.split(",")]
+    max_len = max(lengths) + args.new_tokens + 256
+    # no snapshots: A's own turn 2 then resumes from its blocks + encoder replay of the window, as B does after a pull
+    config = EngineConfig(max_num_seqs=2, max_num_batched_tokens=args.chunk, cache_memory_bytes=args.cache_mib << 20,
+                          max_model_len=max_len, max_snapshots=0)
+    workdir = tempfile.mkdtemp(prefix="kv-turn2-")
+    redis_proc, redis_url = start_redis(workdir)
+    B = config.global_block_size
+    store_bytes = 2 * (max_len // B + 1) * block_bytes(model.cfg, B)
+    a = Replica("A", model, config, redis_url, store_bytes)
+    b = Replica("B", model, config, redis_url, store_bytes)
+    g = torch.Generator().manual_seed(0)
+
+    def tokens(n: int) -> list[int]:
+        return torch.randint(0, min(VOCAB_DRAWN, model.cfg.vocab_size), (n,), generator=g).tolist()
+
+    rows = []
+    try:
+        warm = tokens(min(args.chunk, max(lengths)))  # compiles the kernels on both engines
+        await a.first_token("warm-a", warm)
+        await b.first_token("warm-b", tokens(len(warm)))
+        for L in lengths:
+            best: dict[str, float] = {}
+            for r in range(args.runs):
+                turn1 = tokens(L)
+                t1, tok1, _, _ = await a.first_token(f"t1-{L}-{r}", turn1)
+                publish_s = await a.publish(turn1 + [tok1])
+                turn2 = turn1 + [tok1] + tokens(args.new_tokens)
+                cold_s, _, _, cold_hit = await b.first_token(f"cold-{L}-{r}", tokens(len(turn2)))
+                owned = (L + 1) // B
+                hint = KVHint(a.engine.cache.salt, target=a.name, pull_from=a.name, num_blocks=owned)
+                pull_s, tok_b, outcome, hit = await b.first_token(f"pull-{L}-{r}", turn2, hint)
+                _, tok_a, _, _ = await a.first_token(f"own-{L}-{r}", turn2)
+                assert outcome.fallback is None and outcome.num_pulled_tokens == owned * B, outcome
+                assert cold_hit == 0 and hit == owned * B, (cold_hit, hit)
+                run_row = {"turn1": t1, "publish": publish_s, "cold": cold_s, "pull_ttft": pull_s,
+                           "pull": outcome.seconds, "same": float(tok_a == tok_b)}
+                print(f"L={L} run {r}: turn 1 {t1 * 1e3:.1f} ms, publish {publish_s * 1e3:.1f} ms, "
+                      f"cold turn 2 {cold_s * 1e3:.1f} ms, pulled turn 2 {pull_s * 1e3:.1f} ms "
+                      f"(pull {outcome.seconds * 1e3:.1f} ms, {outcome.num_bytes / 1e6:.1f} MB), "
+                      f"first token {'=' if tok_a == tok_b else '!='} A's", flush=True)
+                if not best or run_row["pull_ttft"] < best["pull_ttft"]:
+                    best = {**run_row, "cold": min(cold_s, best.get("cold", cold_s))}
+                else:
+                    best["cold"] = min(best["cold"], cold_s)
+                last_turn2 = turn2
+            best.update(await parts(a, b, last_turn2, (L + 1) // B))
+            rows.append((L, best))
+    finally:
+        await b.close()
+        await a.close()
+        redis_proc.terminate()
+    report(args, rows, device)
+
+
+def report(args, rows, device: str) -> None:
+    name = torch.cuda.get_device_name() if device == "cuda" else "CPU"
+    what = f"{args.layers} real-width layers" if args.model == "real-width" else "tiny model"
+    print(f"\n{name}, {what}, chunk {args.chunk}, {args.new_tokens} new tokens in turn 2, fastest of {args.runs}")
+    print("| history tokens | MB pulled | cold turn 2 TTFT ms | pulled turn 2 TTFT ms | pull ms | pull / cold re-prefill "
+          f"| lookup ms | read+CRC ms | CRC ms | import ms | pipeline ms (chunk {DEFAULT_CHUNK_BLOCKS} / {BIG_CHUNK_BLOCKS}) "
+          "| export ms | read+CRC GB/s | import GB/s | pipeline GB/s | same token |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+    for L, r in rows:
+        gb = r["bytes"] / 1e9
+        print(f"| {L:,} | {r['bytes'] / 1e6:.1f} | {r['cold'] * 1e3:.1f} | {r['pull_ttft'] * 1e3:.1f} | "
+              f"{r['pull'] * 1e3:.1f} | {r['pull'] / r['cold']:.1%} | {r['lookup'] * 1e3:.2f} | {r['read'] * 1e3:.2f} | "
+              f"{r['crc'] * 1e3:.2f} | {r['import'] * 1e3:.2f} | {r[f'pipeline{DEFAULT_CHUNK_BLOCKS}'] * 1e3:.2f} / "
+              f"{r[f'pipeline{BIG_CHUNK_BLOCKS}'] * 1e3:.2f} | {r['export'] * 1e3:.2f} | {gb / r['read']:.1f} | "
+              f"{gb / r['import']:.1f} | {gb / r[f'pipeline{DEFAULT_CHUNK_BLOCKS}']:.1f} | {'yes' if r['same'] else 'NO'} |")
+    wins = [L for L, r in rows if r["pull_ttft"] < r["cold"]]
+    print(f"pulled turn 2 faster than cold at: {', '.join(f'{L:,}' for L in wins) or 'no length measured'}")
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--model", choices=["real-width", "tiny"], default="real-width",
+                   help="real-width: real_width_config(--layers) on the GPU; tiny: the tiny config (CPU works)")
+    p.add_argument("--layers", type=int, default=8, help="real_width_config's role order (6, 8 or 10 layers)")
+    p.add_argument("--lengths", default="1K,8K,32K,128K", help="turn 1's tokens (the history turn 2 carries)")
+    p.add_argument("--new-tokens", type=int, default=64, help="turn 2's new tokens after the history")
+    p.add_argument("--chunk", type=int, default=8192, help="max_num_batched_tokens: prefill chunk size")
+    p.add_argument("--runs", type=int, default=2)
+    p.add_argument("--cache-mib", type=int, default=1024, help="each engine's KV cache")
+    args = p.parse_args()
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    lengths = [parse_tokens(t) for t in args.lengths.split(",")]
+    t0 = time.perf_counter()
+    model = bench_model(args.model, args.layers, max(lengths) + args.new_tokens + 256)
+    print(f"random {args.model} model built in {time.perf_counter() - t0:.0f} s"
+          + (f", {torch.cuda.memory_allocated() / 2**30:.1f} GiB" if device == "cuda" else ""), flush=True)
+    print(f"UCX_TLS={os.environ.get('UCX_TLS', 'unset')}", flush=True)
+    asyncio.run(run(args, model, device))
+
+
+if __name__ == "__main__":
+    main()
