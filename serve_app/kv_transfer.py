@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 import numpy as np
 from nixl_cu13 import nixl_agent, nixl_agent_config  # the CUDA 13 build pyproject pins (imports numpy, not torch)
 
-from serve_app.kv_store import BlockRef, HostKVStore, block_checksum
+from serve_app.kv_store import BlockRef, HostKVStore, block_checksums
 
 DEFAULT_TIMEOUT_S = 5.0
 
@@ -112,8 +112,8 @@ class TransferAgent:
                 self.disconnect(peer_metadata)
             why = f"timed out after {timeout_s:.3f} s" if state == "PROC" else state
             raise TransferFailed(f"pull of {len(blocks)} blocks from {peer}: {why}")
-        for i, b in enumerate(blocks):
-            if block_checksum(dst[i]) != b.checksum:
+        for i, (b, got) in enumerate(zip(blocks, block_checksums(dst))):
+            if got != b.checksum:
                 raise TransferFailed(f"block {i} ({b.block_hash.hex()[:16]}) from {peer}: checksum mismatch")
         self.num_pulls += 1
         self.num_bytes_pulled += dst.nbytes

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from engine.core.kv_blocks import ExportedPrefix
-from serve_app.kv_store import BlockRef, HostKVStore, block_checksum
+from serve_app.kv_store import PARALLEL_MIN_BYTES, BlockRef, HostKVStore, block_checksum, block_checksums
 
 FP = b"f" * 32
 BLOCK = 1000
@@ -72,3 +72,19 @@ def test_a_corrupted_slot_is_detected_and_foreign_prefixes_are_refused():
     with pytest.raises(ValueError):
         HostKVStore(FP, BLOCK, BLOCK - 1)
     assert isinstance(store.get_descriptors(a.hashes)[0], BlockRef)
+
+
+@pytest.mark.parametrize("num_blocks", [1, 5, 37])
+def test_a_batch_of_checksums_equals_zlib_row_by_row(num_blocks):
+    """block_checksums splits a large batch over threads: each row's CRC-32 (zlib, big-endian) in row order,
+    whether the batch is above or below PARALLEL_MIN_BYTES, and one changed byte changes only its row's."""
+    import zlib
+
+    row_bytes = max(1024, -(-PARALLEL_MIN_BYTES // num_blocks) + 7)  # 37 rows: over the threshold; 1 row: one thread
+    records = np.random.default_rng(num_blocks).integers(0, 256, (num_blocks, row_bytes), dtype=np.uint8)
+    want = [zlib.crc32(r.tobytes()).to_bytes(4, "big") for r in records]
+    assert block_checksums(records) == want
+    assert block_checksums(records[:1]) == want[:1]  # a small batch, one thread
+    records[num_blocks // 2, 3] ^= 1
+    got = block_checksums(records)
+    assert [i for i in range(num_blocks) if got[i] != want[i]] == [num_blocks // 2]
