@@ -34,10 +34,7 @@ import torch
 from engine.core.kv_blocks import block_bytes, write_rows
 from engine.core.kv_cache import PagedKVCache
 
-# a chunk's records (two slots: 16 MiB of pinned memory): 147 blocks of the real config. Chunks of 64 blocks (2-4 MB)
-# imported at ~0.65 GB/s, each chunk's fixed costs (a NIXL transfer, thread hand-offs, the copies' launches) dominating;
-# 256 blocks of 34 KB at ~1.2 GB/s, the read's own rate (benchmarks/RESULTS.md, "KV sharing on a GPU")
-DEFAULT_CHUNK_BYTES = 8 << 20
+DEFAULT_CHUNK_BLOCKS = 64  # 3.6 MB of the real config's records per chunk; two slots: 7.3 MB of pinned memory
 
 
 class BlockReader(Protocol):
@@ -90,12 +87,10 @@ class BlockImporter:
     """The staging buffer and the pipeline. One import at a time (the engine's pull thread, or a shard actor's
     "pull" group); the reader thread is this importer's own."""
 
-    def __init__(self, kv: PagedKVCache, chunk_blocks: int | None = None):
-        """chunk_blocks: blocks per chunk (default: as many as DEFAULT_CHUNK_BYTES holds, at least one)."""
-        self.kv = kv
+    def __init__(self, kv: PagedKVCache, chunk_blocks: int = DEFAULT_CHUNK_BLOCKS):
+        assert chunk_blocks >= 1, f"chunk_blocks {chunk_blocks}"
+        self.kv, self.chunk_blocks = kv, chunk_blocks
         self.block_bytes = block_bytes(kv.cfg, kv.layout.global_block_size)
-        self.chunk_blocks = chunk_blocks if chunk_blocks is not None else max(1, DEFAULT_CHUNK_BYTES // self.block_bytes)
-        assert self.chunk_blocks >= 1, f"chunk_blocks {self.chunk_blocks}"
         self.device = next(iter(kv.main_kv.values())).device
         self.is_cuda = self.device.type == "cuda"
         self.stream = torch.cuda.Stream(self.device) if self.is_cuda else None

@@ -18,8 +18,7 @@ import torch
 
 from engine.core.kv_blocks import block_bytes, read_blocks, write_blocks
 from engine.core.kv_cache import PagedKVCache
-from engine.core.kv_import import DEFAULT_CHUNK_BYTES, ArrayReader, BlockImporter
-from engine.presets import full_config
+from engine.core.kv_import import ArrayReader, BlockImporter
 from tests.core.conftest import random_prompt
 from tests.kv.test_kv_blocks import make_engine, small_layout, turn
 
@@ -66,17 +65,6 @@ class RecordingReader:
             raise ConnectionError(f"chunk at block {first}: the owner went away")
         dst[:] = self.data[first:first + dst.shape[0]]
         self.log.append(("read done", first, threading.current_thread().name))
-
-
-def test_the_default_chunk_is_as_many_blocks_as_its_byte_budget_holds(tiny_cfg):
-    """Without chunk_blocks a chunk holds floor(DEFAULT_CHUNK_BYTES / block bytes) blocks (the real config: 147 of
-    56,960 B), at least one however large a block."""
-    nbytes = block_bytes(tiny_cfg, 64)
-    importer = BlockImporter(PagedKVCache(tiny_cfg, small_layout(num_global=16), "cpu"))
-    assert importer.chunk_blocks == DEFAULT_CHUNK_BYTES // nbytes
-    assert importer.chunk_blocks * nbytes <= DEFAULT_CHUNK_BYTES < (importer.chunk_blocks + 1) * nbytes
-    assert importer.host.shape == (2, importer.chunk_blocks, nbytes)
-    assert DEFAULT_CHUNK_BYTES // block_bytes(full_config(), 64) == 147
 
 
 @pytest.mark.parametrize("chunk_blocks", [1, 3, NUM_BLOCKS])
