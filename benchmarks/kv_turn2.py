@@ -46,7 +46,7 @@ from engine.core.prefix_hash import block_hashes  # noqa: E402
 from engine.core.sampling_params import SamplingParams  # noqa: E402
 from serve_app.kv_metrics import KVMetrics  # noqa: E402
 from serve_app.kv_sharing import KVSharing, PullOutcome  # noqa: E402
-from serve_app.kv_store import block_checksum  # noqa: E402
+from serve_app.kv_store import block_checksums  # noqa: E402
 from serve_app.kv_transfer import NixlBlockReader  # noqa: E402
 from serve_app.records import KVHint  # noqa: E402
 
@@ -129,7 +129,7 @@ async def parts(a: Replica, b: Replica, prompt: list[int], num_blocks: int) -> d
     result = {  # (the pipelines rewrite B's blocks with the bytes they hold)
         "lookup": best_of(5, lambda: b.kv.index.longest_owned_prefix(hashes)),
         "read": best_of(5, lambda: b.kv.agent.pull(owner.agent_metadata, refs, dst)),
-        "crc": best_of(5, lambda: [block_checksum(row) for row in dst]),
+        "crc": best_of(5, lambda: block_checksums(dst)),  # as a pull checks them
         "import": best_of(5, import_once),
         "export": best_of(5, export_once),
         **{f"pipeline{c}": best_of(5, lambda: imp.import_blocks(ids_b, reader)) for c, imp in importers.items()},
