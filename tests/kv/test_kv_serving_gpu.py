@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from tests.core.conftest import random_prompt
-from tests.kv.sharing_fixtures import (generate, identity, kv_sharing_app, loop, read_log, redis,  # noqa: F401
+from tests.kv.sharing_fixtures import (generate, identity, kv_sharing_app, read_log, redis,  # noqa: F401 (fixtures)
                                        reference_turns, replica_statuses, wait_owned)
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
