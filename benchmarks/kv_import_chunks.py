@@ -1,10 +1,12 @@
-"""A pull's import pipeline (engine/core/kv_import.py) by chunk size: real-width global blocks read over NIXL from a
-host store in this process (UCX loopback, every block's CRC-32 checked) into a PagedKVCache's pools, chunk i + 1's
-read overlapping chunk i's copy (issue 27).
+"""A pull's import pipeline (engine/core/kv_import.py) by read path and chunk size: real-width global blocks read from
+a host store in this process, copied out of its shared memory (the same-node path, serve_app/kv_local.py) or over NIXL
+(UCX loopback), into a PagedKVCache's pools with every block's checksum checked where it landed, chunk i + 1's read
+overlapping chunk i's copy (issue 27).
 
-    python benchmarks/kv_import_chunks.py [--blocks 1024] [--layers 8] [--chunks 16,64,256,1024] [--device cpu]
+    python benchmarks/kv_import_chunks.py [--blocks 1024] [--layers 8] [--chunks 16,64,256,1024] [--paths shm,nixl]
+        [--device cpu]
 
-Prints, per chunk size (the default DEFAULT_CHUNK_BLOCKS first), the fastest of 5 imports and its GB/s.
+Prints, per path and chunk size (the default DEFAULT_CHUNK_BLOCKS first), the fastest of 5 imports and its GB/s.
 """
 
 from __future__ import annotations
@@ -26,7 +28,7 @@ from engine.core.kv_blocks import ExportedPrefix, block_bytes  # noqa: E402
 from engine.core.kv_cache import PagedKVCache  # noqa: E402
 from engine.core.kv_import import DEFAULT_CHUNK_BLOCKS, BlockImporter  # noqa: E402
 from serve_app.kv_store import HostKVStore  # noqa: E402
-from serve_app.kv_transfer import NixlBlockReader, TransferAgent  # noqa: E402
+from serve_app.kv_transfer import PeerBlockReader, TransferAgent  # noqa: E402
 
 SALT = b"kv-import-chunks".ljust(32, b"\0")
 
@@ -36,6 +38,7 @@ def main() -> None:
     p.add_argument("--blocks", type=int, default=1024, help="64-token blocks pulled (1024: 64K tokens)")
     p.add_argument("--layers", type=int, default=8, help="real_width_config's layers (its KV sources set the block)")
     p.add_argument("--chunks", default="16,64,256,1024", help="chunk sizes in blocks, besides the default")
+    p.add_argument("--paths", default="shm,nixl", help="read paths: shm (same node), nixl")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     args = p.parse_args()
     cfg = real_width_config(args.layers, 4096)
@@ -49,25 +52,30 @@ def main() -> None:
     records = np.random.default_rng(0).integers(0, 256, (args.blocks, nbytes), dtype=np.uint8)
     store.put(ExportedPrefix(SALT, hashes, records))
     owner, reader_agent = TransferAgent(f"owner-{os.getpid()}", store), TransferAgent(f"reader-{os.getpid()}", None, 0)
-    reader = NixlBlockReader(owner.metadata, store.get_descriptors(hashes), 30.0, reader_agent)
+    refs = store.get_descriptors(hashes)
+    readers = {"shm": PeerBlockReader(owner.metadata, refs, 30.0, store.shared_handle(), agent=reader_agent),
+               "nixl": PeerBlockReader(owner.metadata, refs, 30.0, None, agent=reader_agent)}
     targets = list(range(args.blocks))
     print(f"{args.blocks} blocks of {nbytes:,} B = {args.blocks * nbytes / 1e6:.1f} MB into {args.device} pools "
-          f"(UCX_TLS={os.environ.get('UCX_TLS', 'unset')})")
-    print("| chunk blocks | chunk MiB | import ms | GB/s |")
-    print("|---|---|---|---|")
-    for chunk in [DEFAULT_CHUNK_BLOCKS] + [int(c) for c in args.chunks.split(",") if int(c) != DEFAULT_CHUNK_BLOCKS]:
-        importer = BlockImporter(kv, chunk)
-        importer.import_blocks(targets, reader)  # registers the staging buffer, warms the connection
-        times = []
-        for _ in range(5):
-            t0 = time.perf_counter()
-            importer.import_blocks(targets, reader)
-            times.append(time.perf_counter() - t0)
-        best = min(times)
-        label = f"{chunk} (default)" if chunk == DEFAULT_CHUNK_BLOCKS else str(chunk)
-        print(f"| {label} | {importer.chunk_blocks * nbytes / 2**20:.1f} | {best * 1e3:.1f} | "
-              f"{args.blocks * nbytes / best / 1e9:.2f} |", flush=True)
-        importer.close()
+          f"(UCX_TLS={os.environ.get('UCX_TLS', 'unset')}), every block's checksum checked on the {args.device}")
+    print("| path | chunk blocks | chunk MiB | import ms | GB/s |")
+    print("|---|---|---|---|---|")
+    for path in args.paths.split(","):
+        reader = readers[path]
+        for chunk in [DEFAULT_CHUNK_BLOCKS] + [int(c) for c in args.chunks.split(",") if int(c) != DEFAULT_CHUNK_BLOCKS]:
+            importer = BlockImporter(kv, chunk)
+            importer.import_blocks(targets, reader)  # registers the staging buffer, warms the connection
+            assert reader.path == {"shm": "shared memory", "nixl": "NIXL"}[path], reader.path
+            times = []
+            for _ in range(5):
+                t0 = time.perf_counter()
+                importer.import_blocks(targets, reader)
+                times.append(time.perf_counter() - t0)
+            best = min(times)
+            label = f"{chunk} (default)" if chunk == DEFAULT_CHUNK_BLOCKS else str(chunk)
+            print(f"| {reader.path} | {label} | {importer.chunk_blocks * nbytes / 2**20:.1f} | {best * 1e3:.1f} | "
+                  f"{args.blocks * nbytes / best / 1e9:.2f} |", flush=True)
+            importer.close()
     os._exit(0)  # NIXL's agents hold UCX threads that can stall interpreter shutdown
 
 

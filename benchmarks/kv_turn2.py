@@ -4,21 +4,23 @@ history length (issue 27), through two replicas in one process on one device.
     python benchmarks/kv_turn2.py [--model real-width|tiny] [--layers 8] [--lengths 1K,8K,32K,128K]
         [--new-tokens 64] [--chunk 8192] [--runs 2] [--cache-mib 1024]
 
-Replicas A (owner) and B (receiver) are what EngineReplica composes around its engine: LLMEngine + AsyncEngine +
-KVSharing (a host store registered with a NIXL agent, ownership records in a throwaway redis-server). They share one
+Replicas A (owner), B and C (receivers) are what EngineReplica composes around its engine: LLMEngine + AsyncEngine +
+KVSharing (a host store in shared memory registered with a NIXL agent, ownership records in a throwaway
+redis-server). B reads a same-node owner's shared memory (the default), C always reads over NIXL. They share one
 random model's weights (real_width_config(--layers) built on the GPU, or the tiny config on the CPU) and so one engine
 salt. Per history length L and run, with fresh random token ids:
   1. A serves turn 1 (L tokens, one output token); its blocks are published (A's pools -> its host store -> Redis).
   2. cold: B serves a turn-2 prompt nobody holds (L + 1 + --new-tokens tokens), without a hint; TTFT from the call.
-  3. pull: B serves the conversation's turn 2 with the router's hint (pull from A): KVSharing.prefetch (the ownership
-     lookup, the NIXL read into B's pinned staging buffer with every block's CRC-32 checked, the copy into B's pools,
-     chunks overlapped, beside B's steps), then the prefill of what is left (the replayed window and the new tokens);
-     TTFT from prefetch's start.
-  4. check: the first token equals A's own turn 2 (A resumes from its blocks; no snapshots, so by replay as B).
-Then, per length, the pull's parts timed alone on the same blocks (best of 5): lookup (one script call), read (NIXL
-READ + CRC-32 into registered pinned memory, one transfer), CRC-32 alone, import (pinned host -> B's pools, one copy),
-the pipeline a pull runs (engine/core/kv_import.py: chunked reads overlapped with the copies; at the default chunk and
-at BIG_CHUNK_BLOCKS), and the owner's export (A's pools -> host, what a publish reads). Prints markdown tables: the fastest run per length.
+  3. pull: B, then C, serves the conversation's turn 2 with the router's hint (pull from A): KVSharing.prefetch (the
+     ownership lookup, the read into the receiver's pinned staging buffer, the copy into its pools with every block's
+     checksum checked on the device, chunks overlapped, beside its steps), then the prefill of what is left (the
+     replayed window and the new tokens); TTFT from prefetch's start.
+  4. check: the first tokens equal A's own turn 2 (A resumes from its blocks; no snapshots, so by replay as B).
+Then, per length, the pull's parts timed alone on the same blocks (best of 5): lookup (one script call), read (a
+copy out of A's mapped store, or one NIXL READ, into pinned memory), host to pools (one copy and scatter), the device
+checks, the pipeline a pull runs per path (engine/core/kv_import.py: chunked reads overlapped with the copies and
+checks; at the default chunk and at BIG_CHUNK_BLOCKS), and the owner's export (A's pools -> host, what a publish
+reads). Prints markdown tables: the fastest run per length.
 """
 
 from __future__ import annotations
@@ -46,8 +48,9 @@ from engine.core.prefix_hash import block_hashes  # noqa: E402
 from engine.core.sampling_params import SamplingParams  # noqa: E402
 from serve_app.kv_metrics import KVMetrics  # noqa: E402
 from serve_app.kv_sharing import KVSharing, PullOutcome  # noqa: E402
-from serve_app.kv_store import block_checksums  # noqa: E402
-from serve_app.kv_transfer import NixlBlockReader  # noqa: E402
+from engine.core.block_checksum import block_checksums  # noqa: E402
+from serve_app.kv_local import copy_blocks, peer_stores  # noqa: E402
+from serve_app.kv_transfer import PeerBlockReader  # noqa: E402
 from serve_app.records import KVHint  # noqa: E402
 
 ONE_TOKEN = SamplingParams(max_tokens=1, ignore_eos=True)  # greedy
@@ -57,12 +60,13 @@ BIG_CHUNK_BLOCKS = 512  # the import pipeline also timed at this chunk size
 
 
 class Replica:
-    def __init__(self, name: str, model, config: EngineConfig, redis_url: str, host_kv_bytes: int):
+    def __init__(self, name: str, model, config: EngineConfig, redis_url: str, host_kv_bytes: int,
+                 same_node_reads: bool = True):
         self.name = name
         self.engine = LLMEngine.local(model, config, eos_token_id=-1, weights_identity=WEIGHTS)
         self.aengine = AsyncEngine(self.engine)
         self.kv = KVSharing.create(self.aengine, name, redis_url, region="local", host_kv_bytes=host_kv_bytes,
-                                   metrics=KVMetrics("bench"), pull_timeout_s=60.0)
+                                   metrics=KVMetrics("bench"), pull_timeout_s=60.0, same_node_reads=same_node_reads)
         self.kv.start_renewal()  # as EngineReplica does: the peer record outlives its first lease
 
     async def first_token(self, rid: str, prompt: list[int], hint: KVHint | None = None
@@ -98,7 +102,7 @@ def best_of(n: int, fn) -> float:
 
 
 async def parts(a: Replica, b: Replica, prompt: list[int], num_blocks: int) -> dict[str, float]:
-    """The pull's pieces alone, on blocks A published and B holds (engines idle)."""
+    """The pull's pieces alone, on blocks A published and B holds (engines idle), for both read paths."""
     B = a.engine.cache.layout.global_block_size
     hashes = block_hashes(prompt, B, a.engine.cache.salt)[:num_blocks]
     _, ids_a, _ = await a.aengine.call(a.engine.cache.cached_prefix, prompt)
@@ -107,6 +111,7 @@ async def parts(a: Replica, b: Replica, prompt: list[int], num_blocks: int) -> d
     ids_a, ids_b = ids_a[:num_blocks], ids_b[:num_blocks]
     n_owned, owner, blocks = b.kv.index.longest_owned_prefix(hashes)
     assert n_owned == num_blocks and owner.replica_id == a.name, (n_owned, owner)
+    assert owner.shared_store is not None, "A's store is not shared memory"
     refs = [blk.ref() for blk in blocks]
     kv = b.engine.executor.kv
     device = next(iter(kv.main_kv.values())).device
@@ -114,29 +119,35 @@ async def parts(a: Replica, b: Replica, prompt: list[int], num_blocks: int) -> d
     dst = host.numpy()
     b.kv.agent.register(dst)
     b.kv.agent.pull(owner.agent_metadata, refs, dst)  # connected and warm
+    mapped = peer_stores.map(owner.shared_store)
+    assert mapped is not None, "A's store cannot be mapped from B's process"
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    landed = host.to(device)
 
-    def import_once() -> None:  # what BlockImporter's sink does, all blocks in one copy
+    def import_once() -> None:  # what BlockImporter does with a chunk's rows, all blocks in one copy
         write_rows(kv, ids_b, host.to(device, non_blocking=True))
         sync()
 
-    def export_once() -> None:
-        a.engine.executor.read_blocks(ids_a)
+    def check_once() -> None:  # the importer's checks of what landed
+        block_checksums(landed).cpu()
 
-    reader = NixlBlockReader(owner.agent_metadata, refs, 60.0, b.kv.agent)
+    readers = {"shm": PeerBlockReader(owner.agent_metadata, refs, 60.0, owner.shared_store, agent=b.kv.agent),
+               "nixl": PeerBlockReader(owner.agent_metadata, refs, 60.0, None, agent=b.kv.agent)}
     importers = {c: BlockImporter(kv, c) for c in (DEFAULT_CHUNK_BLOCKS, BIG_CHUNK_BLOCKS)}
-
     result = {  # (the pipelines rewrite B's blocks with the bytes they hold)
         "lookup": best_of(5, lambda: b.kv.index.longest_owned_prefix(hashes)),
-        "read": best_of(5, lambda: b.kv.agent.pull(owner.agent_metadata, refs, dst)),
-        "crc": best_of(5, lambda: block_checksums(dst)),  # as a pull checks them
+        "read_shm": best_of(5, lambda: copy_blocks(mapped, owner.shared_store.base, [r.address for r in refs], dst)),
+        "read_nixl": best_of(5, lambda: b.kv.agent.pull(owner.agent_metadata, refs, dst, verify=False)),
         "import": best_of(5, import_once),
-        "export": best_of(5, export_once),
-        **{f"pipeline{c}": best_of(5, lambda: imp.import_blocks(ids_b, reader)) for c, imp in importers.items()},
+        "check": best_of(5, check_once),
+        "export": best_of(5, lambda: a.engine.executor.read_blocks(ids_a)),
         "bytes": float(dst.nbytes),
     }
-    assert np.array_equal(a.engine.executor.read_blocks(ids_a), b.engine.executor.read_blocks(ids_b)), \
-        "B's pulled blocks differ from A's"
+    for path, reader in readers.items():
+        for c, imp in importers.items():
+            result[f"pipeline_{path}{c}"] = best_of(5, lambda: imp.import_blocks(ids_b, reader))
+        assert np.array_equal(a.engine.executor.read_blocks(ids_a), b.engine.executor.read_blocks(ids_b)), \
+            f"B's blocks pulled by {path} differ from A's"
     return result
 
 
@@ -152,6 +163,7 @@ async def run(args, model, device: str) -> None:
     store_bytes = 2 * (max_len // B + 1) * block_bytes(model.cfg, B)
     a = Replica("A", model, config, redis_url, store_bytes)
     b = Replica("B", model, config, redis_url, store_bytes)
+    c = Replica("C", model, config, redis_url, store_bytes, same_node_reads=False)
     g = torch.Generator().manual_seed(0)
 
     def tokens(n: int) -> list[int]:
@@ -162,6 +174,7 @@ async def run(args, model, device: str) -> None:
         warm = tokens(min(args.chunk, max(lengths)))  # compiles the kernels on both engines
         await a.first_token("warm-a", warm)
         await b.first_token("warm-b", tokens(len(warm)))
+        await c.first_token("warm-c", tokens(len(warm)))
         for L in lengths:
             best: dict[str, float] = {}
             for r in range(args.runs):
@@ -173,15 +186,19 @@ async def run(args, model, device: str) -> None:
                 owned = (L + 1) // B
                 hint = KVHint(a.engine.cache.salt, target=a.name, pull_from=a.name, num_blocks=owned)
                 pull_s, tok_b, outcome, hit = await b.first_token(f"pull-{L}-{r}", turn2, hint)
+                nixl_s, tok_c, outcome_c, hit_c = await c.first_token(f"nixl-{L}-{r}", turn2, hint)
                 _, tok_a, _, _ = await a.first_token(f"own-{L}-{r}", turn2)
-                assert outcome.fallback is None and outcome.num_pulled_tokens == owned * B, outcome
-                assert cold_hit == 0 and hit == owned * B, (cold_hit, hit)
+                for o, h in ((outcome, hit), (outcome_c, hit_c)):
+                    assert o.fallback is None and o.num_pulled_tokens == owned * B and h == owned * B, (o, h)
+                assert cold_hit == 0, cold_hit
                 run_row = {"turn1": t1, "publish": publish_s, "cold": cold_s, "pull_ttft": pull_s,
-                           "pull": outcome.seconds, "same": float(tok_a == tok_b)}  # same: every run's
+                           "pull": outcome.seconds, "nixl_ttft": nixl_s, "nixl_pull": outcome_c.seconds,
+                           "same": float(tok_a == tok_b == tok_c)}  # same: every run's
                 print(f"L={L} run {r}: turn 1 {t1 * 1e3:.1f} ms, publish {publish_s * 1e3:.1f} ms, "
                       f"cold turn 2 {cold_s * 1e3:.1f} ms, pulled turn 2 {pull_s * 1e3:.1f} ms "
-                      f"(pull {outcome.seconds * 1e3:.1f} ms, {outcome.num_bytes / 1e6:.1f} MB), "
-                      f"first token {'=' if tok_a == tok_b else '!='} A's", flush=True)
+                      f"(pull {outcome.seconds * 1e3:.1f} ms, {outcome.num_bytes / 1e6:.1f} MB), over NIXL "
+                      f"{nixl_s * 1e3:.1f} ms (pull {outcome_c.seconds * 1e3:.1f} ms), "
+                      f"first tokens {'=' if tok_a == tok_b == tok_c else '!='} A's", flush=True)
                 if not best or run_row["pull_ttft"] < best["pull_ttft"]:
                     best = {**run_row, "cold": min(cold_s, best.get("cold", cold_s)),
                             "same": min(run_row["same"], best.get("same", 1.0))}
@@ -191,6 +208,7 @@ async def run(args, model, device: str) -> None:
             best.update(await parts(a, b, last_turn2, (L + 1) // B))
             rows.append((L, best))
     finally:
+        await c.close()
         await b.close()
         await a.close()
         redis_proc.terminate()
@@ -200,18 +218,30 @@ async def run(args, model, device: str) -> None:
 def report(args, rows, device: str) -> None:
     name = torch.cuda.get_device_name() if device == "cuda" else "CPU"
     what = f"{args.layers} real-width layers" if args.model == "real-width" else "tiny model"
-    print(f"\n{name}, {what}, chunk {args.chunk}, {args.new_tokens} new tokens in turn 2, fastest of {args.runs}")
-    print("| history tokens | MB pulled | cold turn 2 TTFT ms | pulled turn 2 TTFT ms | pull ms | pull / cold re-prefill "
-          f"| lookup ms | read+CRC ms | CRC ms | import ms | pipeline ms (chunk {DEFAULT_CHUNK_BLOCKS} / {BIG_CHUNK_BLOCKS}) "
-          "| export ms | read+CRC GB/s | import GB/s | pipeline GB/s | same token |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+    D, G = DEFAULT_CHUNK_BLOCKS, BIG_CHUNK_BLOCKS
+    print(f"\n{name}, {what}, chunk {args.chunk}, {args.new_tokens} new tokens in turn 2, fastest of {args.runs}; "
+          "B pulls from A's shared memory, C over NIXL")
+    print("| history tokens | MB pulled | cold turn 2 TTFT ms | pulled turn 2 TTFT ms (shm / NIXL) | pull ms (shm / NIXL) "
+          "| pull / cold re-prefill (shm) | same token |")
+    print("|---|---|---|---|---|---|---|")
+    for L, r in rows:
+        print(f"| {L:,} | {r['bytes'] / 1e6:.1f} | {r['cold'] * 1e3:.1f} | {r['pull_ttft'] * 1e3:.1f} / "
+              f"{r['nixl_ttft'] * 1e3:.1f} | {r['pull'] * 1e3:.1f} / {r['nixl_pull'] * 1e3:.1f} | "
+              f"{r['pull'] / r['cold']:.1%} | {'yes' if r['same'] else 'NO'} |")
+    print(f"\nThe pull's parts alone (best of 5), ms and GB/s; pipeline = read + host-to-device copy + scatter + checks, "
+          f"chunked and overlapped, at chunk {D} / {G} blocks")
+    print("| history tokens | lookup ms | read ms (shm / NIXL) | host-to-pools ms | device checks ms "
+          "| pipeline ms shm | pipeline ms NIXL | export ms | read GB/s (shm / NIXL) | pipeline GB/s (shm / NIXL, best) "
+          "| export GB/s |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
     for L, r in rows:
         gb = r["bytes"] / 1e9
-        print(f"| {L:,} | {r['bytes'] / 1e6:.1f} | {r['cold'] * 1e3:.1f} | {r['pull_ttft'] * 1e3:.1f} | "
-              f"{r['pull'] * 1e3:.1f} | {r['pull'] / r['cold']:.1%} | {r['lookup'] * 1e3:.2f} | {r['read'] * 1e3:.2f} | "
-              f"{r['crc'] * 1e3:.2f} | {r['import'] * 1e3:.2f} | {r[f'pipeline{DEFAULT_CHUNK_BLOCKS}'] * 1e3:.2f} / "
-              f"{r[f'pipeline{BIG_CHUNK_BLOCKS}'] * 1e3:.2f} | {r['export'] * 1e3:.2f} | {gb / r['read']:.1f} | "
-              f"{gb / r['import']:.1f} | {gb / r[f'pipeline{DEFAULT_CHUNK_BLOCKS}']:.1f} | {'yes' if r['same'] else 'NO'} |")
+        shm, nixl = min(r[f"pipeline_shm{D}"], r[f"pipeline_shm{G}"]), min(r[f"pipeline_nixl{D}"], r[f"pipeline_nixl{G}"])
+        print(f"| {L:,} | {r['lookup'] * 1e3:.2f} | {r['read_shm'] * 1e3:.2f} / {r['read_nixl'] * 1e3:.2f} | "
+              f"{r['import'] * 1e3:.2f} | {r['check'] * 1e3:.2f} | {r[f'pipeline_shm{D}'] * 1e3:.2f} / "
+              f"{r[f'pipeline_shm{G}'] * 1e3:.2f} | {r[f'pipeline_nixl{D}'] * 1e3:.2f} / {r[f'pipeline_nixl{G}'] * 1e3:.2f} "
+              f"| {r['export'] * 1e3:.2f} | {gb / r['read_shm']:.1f} / {gb / r['read_nixl']:.1f} | "
+              f"{gb / shm:.1f} / {gb / nixl:.1f} | {gb / r['export']:.1f} |")
     wins = [L for L, r in rows if r["pull_ttft"] < r["cold"]]
     print(f"pulled turn 2 faster than cold at: {', '.join(f'{L:,}' for L in wins) or 'no length measured'}")
 

@@ -111,6 +111,7 @@ class EngineReplica:
             self.kv = KVSharing.create(self.aengine, serve.get_replica_context().replica_id.unique_id,
                                        settings.redis_url, region=settings.region,
                                        host_kv_bytes=settings.host_kv_bytes, metrics=self.kv_metrics,
+                                       same_node_reads=settings.kv_same_node_reads,
                                        on_pull=lambda nbytes, seconds: self._report("observe_pull", nbytes, seconds))
         self._update_gauges(force=True)
 

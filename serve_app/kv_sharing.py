@@ -8,9 +8,10 @@ prompt, pull the blocks another replica owns.
   prompt's blocks this replica's own host store still holds (its device cache may have dropped blocks it
   exported), then, if the hint says pull, the owner's: looked up in Redis, then imported under the owner's
   fingerprint (AsyncEngine.import_blocks): the engine holds target blocks between two steps, unpublished; the
-  executor reads the blocks over NIXL (every block's checksum verified) into the staging buffer of whoever owns
-  the pools (the shard actor: the bytes never pass through Ray), chunk by chunk, each chunk's read overlapped with
-  the previous one's import (engine/core/kv_import.py), while the engine keeps stepping the other requests; then
+  executor reads the blocks (from the owner's shared memory on the same node, else over NIXL) into the staging
+  buffer of whoever owns the pools (the shard actor: the bytes never pass through Ray), chunk by chunk, each
+  chunk's read overlapped with the previous one's import (engine/core/kv_import.py), every block's checksum
+  verified on the device, while the engine keeps stepping the other requests; then
   the engine publishes the blocks between two steps and admits the prompt as after a local prefix hit (block hit +
   encoder replay of the last window).
 - Any failure is a fallback to recomputation: the response is the same, only slower;
@@ -38,11 +39,11 @@ import numpy as np
 
 from engine.core.async_engine import AsyncEngine, EngineShutdownError
 from engine.core.kv_blocks import ExportedPrefix, PrefixImportError, block_bytes
-from engine.core.kv_import import ArrayReader
+from engine.core.kv_import import ArrayReader, BlockChecksumMismatch
 from engine.core.prefix_hash import block_hashes
 from serve_app.kv_metrics import KVMetrics
 from serve_app.kv_store import HostKVStore
-from serve_app.kv_transfer import NixlBlockReader, TransferAgent, TransferFailed
+from serve_app.kv_transfer import PeerBlockReader, TransferAgent, TransferFailed
 from serve_app.ownership import OwnershipIndex, OwnershipUnavailable
 from serve_app.records import KVHint
 
@@ -84,13 +85,14 @@ class KVSharing:
 
     def __init__(self, aengine: AsyncEngine, replica_id: str, index: OwnershipIndex, store: HostKVStore,
                  agent: TransferAgent, metrics: KVMetrics, *, pull_timeout_s: float = DEFAULT_PULL_TIMEOUT_S,
-                 on_pull: Callable[[int, float], None] | None = None):
-        """on_pull(num_bytes, seconds) hears of every successful pull (the router's bandwidth estimate)."""
+                 same_node_reads: bool = True, on_pull: Callable[[int, float], None] | None = None):
+        """on_pull(num_bytes, seconds) hears of every successful pull (the router's bandwidth estimate).
+        same_node_reads: pull from an owner on this node through its shared memory (else always NIXL)."""
         self.aengine, self.engine = aengine, aengine.engine
         self.replica_id, self.index, self.store, self.agent, self.metrics = replica_id, index, store, agent, metrics
         self.salt = self.engine.cache.salt
         self.block_size = self.engine.cache.layout.global_block_size
-        self.pull_timeout_s, self.on_pull = pull_timeout_s, on_pull
+        self.pull_timeout_s, self.same_node_reads, self.on_pull = pull_timeout_s, same_node_reads, on_pull
         self._io = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kv-io")
         self._tasks: set[asyncio.Task] = set()
         self._renewal: asyncio.Task | None = None
@@ -109,7 +111,7 @@ class KVSharing:
         engine.executor.prepare_pulls()  # the pools' owner's staging buffer (and agent), before the first pull
         sharing = cls(aengine, replica_id, index, store, agent, metrics, **kw)
         try:
-            index.announce(agent.name, agent.metadata)
+            index.announce(agent.name, agent.metadata, store.shared_handle())
         except OwnershipUnavailable as e:
             metrics.observe_publish_failure("redis_unavailable")
             logger.warning("KV sharing: cannot announce replica %s yet: %s", replica_id, e)
@@ -143,11 +145,14 @@ class KVSharing:
                                   f"(the router saw {hint.num_blocks} at {hint.pull_from})")
         outcome = replace(outcome, owner=owner.replica_id)
         refs = [b.ref() for b in blocks[num_local:num_owned]]
-        reader = NixlBlockReader(owner.agent_metadata, refs, self.pull_timeout_s, self.agent)
+        reader = PeerBlockReader(owner.agent_metadata, refs, self.pull_timeout_s,
+                                 owner.shared_store if self.same_node_reads else None, self.agent)
         try:
             num_pulled = await self.aengine.import_blocks(owner.fingerprint, hashes[num_local:num_owned], reader)
         except TransferFailed as e:
             return self._fallback(_transfer_reason(e), outcome, t0, e)
+        except BlockChecksumMismatch as e:
+            return self._fallback("checksum", outcome, t0, e)
         except PrefixImportError as e:
             return self._fallback("fingerprint", outcome, t0, e)
         seconds = time.perf_counter() - t0

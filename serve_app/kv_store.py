@@ -1,5 +1,6 @@
 """The replica's host KV store: exported global blocks in one fixed, page-aligned host buffer, keyed by
-chain hash, that other replicas read with one-sided transfers (serve_app/kv_transfer.py).
+chain hash, that other replicas read with one-sided transfers (serve_app/kv_transfer.py) or, on the same node,
+map and copy from (serve_app/kv_local.py: the buffer is shared memory).
 
 A slot holds one block's flat record (engine/core/kv_blocks.py) and its checksum. Slots are evicted least
 recently used first, a chain's tail before its head (as the engine's BlockPool does), and `on_evict`
@@ -13,45 +14,25 @@ len(free) + len(hash -> slot) == num_slots.
 
 from __future__ import annotations
 
-import mmap
-import threading
-import zlib
 from collections import OrderedDict
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import numpy as np
 
+from engine.core.block_checksum import checksum_bytes, host_block_checksums
 from engine.core.kv_blocks import ExportedPrefix
-
-
-CHECKSUM_THREADS = 4  # a batch of blocks is checksummed on this many threads (zlib releases the GIL over 5 KiB)
-PARALLEL_MIN_BYTES = 1 << 20  # below this, one thread (a thread hop costs more than it saves)
-_checksummer: ThreadPoolExecutor | None = None
-_checksummer_lock = threading.Lock()
-
-
-def block_checksum(record: np.ndarray) -> bytes:
-    """CRC-32 of one block's bytes, 4 bytes big-endian. It guards against torn or reused slots, not
-    adversaries (the chain hash names the content); zlib's CRC runs at ~6 GB/s a thread, where blake2b
-    ran at 1.3 GB/s and dominated a pull's time."""
-    return zlib.crc32(np.ascontiguousarray(record)).to_bytes(4, "big")
+from serve_app.kv_local import SharedBuffer, SharedStoreHandle
 
 
 def block_checksums(records: np.ndarray) -> list[bytes]:
-    """block_checksum of every row of records (uint8 [n, block_bytes]), in order; a batch of PARALLEL_MIN_BYTES
-    or more is split into CHECKSUM_THREADS slices checksummed at once."""
-    n = records.shape[0]
-    if records.nbytes < PARALLEL_MIN_BYTES or n < 2:
-        return [block_checksum(r) for r in records]
-    global _checksummer
-    with _checksummer_lock:
-        if _checksummer is None:
-            _checksummer = ThreadPoolExecutor(CHECKSUM_THREADS, thread_name_prefix="kv-crc")
-    step = -(-n // CHECKSUM_THREADS)
-    slices = _checksummer.map(lambda first: [block_checksum(r) for r in records[first:first + step]], range(0, n, step))
-    return [c for part in slices for c in part]
+    """Every row's checksum (engine/core/block_checksum.py: the one the importer verifies on the device), 8 bytes
+    each, in row order. records: uint8 [n, block_bytes]."""
+    return [checksum_bytes(v) for v in host_block_checksums(np.ascontiguousarray(records)).tolist()]
+
+
+def block_checksum(record: np.ndarray) -> bytes:
+    return block_checksums(record.reshape(1, -1))[0]
 
 
 @dataclass(frozen=True, slots=True)
@@ -68,13 +49,15 @@ class HostKVStore:
     def __init__(self, fingerprint: bytes, block_bytes: int, capacity_bytes: int,
                  on_evict: Callable[[list[bytes]], None] | None = None):
         """fingerprint: the replica's engine salt (every stored block is under it). capacity_bytes is
-        rounded down to whole blocks; the buffer is allocated (anonymous mmap: page-aligned) up front."""
+        rounded down to whole blocks; the buffer is allocated (shared memory, page-aligned) up front."""
         if block_bytes <= 0 or capacity_bytes < block_bytes:
             raise ValueError(f"a store of {capacity_bytes} B cannot hold one {block_bytes} B block")
+        if block_bytes % 4:
+            raise ValueError(f"blocks of {block_bytes} B: a block's checksum sums 4-byte words")
         self.fingerprint, self.block_bytes = fingerprint, block_bytes
         self.num_slots = capacity_bytes // block_bytes
-        self._mmap = mmap.mmap(-1, self.num_slots * block_bytes)
-        self.buffer = np.frombuffer(self._mmap, dtype=np.uint8).reshape(self.num_slots, block_bytes)
+        self._shared = SharedBuffer(self.num_slots * block_bytes)
+        self.buffer = self._shared.array.reshape(self.num_slots, block_bytes)
         self.on_evict = on_evict
         self._slot: OrderedDict[bytes, int] = OrderedDict()  # hash -> slot, least recently used first
         self._checksum: dict[bytes, bytes] = {}
@@ -85,6 +68,10 @@ class HostKVStore:
     def address(self) -> int:
         """The buffer's host address (page-aligned), for registering it with a transfer agent."""
         return self.buffer.ctypes.data
+
+    def shared_handle(self) -> SharedStoreHandle | None:
+        """What a peer on this node needs to map the buffer (None where it is not shared memory)."""
+        return self._shared.handle()
 
     @property
     def nbytes(self) -> int:

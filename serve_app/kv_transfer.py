@@ -7,6 +7,9 @@ ownership index, once per peer), posts one READ of all the blocks' descriptors, 
 the deadline, and verifies every block's checksum. Any failure (unknown or dead peer, a NIXL error, the
 deadline, a checksum mismatch) is a TransferFailed: the caller recomputes.
 
+A pull into the pools goes through PeerBlockReader instead: from the owner's shared memory when it is on this node
+(kv_local.py), else NIXL READs without the host checks, which the importer does on the device.
+
 UCX notes (shared/spec/environment.md): leave UCX_TLS unset or include tcp (`sm,self` alone hangs at
 connect); the first transfer to a peer pays the connection wire-up (tens to hundreds of ms).
 """
@@ -25,6 +28,8 @@ from dataclasses import dataclass, field
 import numpy as np
 from nixl_cu13 import nixl_agent, nixl_agent_config  # the CUDA 13 build pyproject pins (imports numpy, not torch)
 
+from engine.core.block_checksum import checksum_value
+from serve_app.kv_local import SharedStoreHandle, block_runs, copy_blocks, peer_stores
 from serve_app.kv_store import BlockRef, HostKVStore, block_checksums
 
 DEFAULT_TIMEOUT_S = 5.0
@@ -81,10 +86,11 @@ class TransferAgent:
             self._agent.remove_remote_agent(name)
 
     def pull(self, peer_metadata: bytes, blocks: Sequence[BlockRef], dst: np.ndarray | None = None,
-             timeout_s: float = DEFAULT_TIMEOUT_S) -> np.ndarray:
+             timeout_s: float = DEFAULT_TIMEOUT_S, verify: bool = True) -> np.ndarray:
         """Reads the peer's blocks (in order) into dst, a uint8 [len(blocks), nbytes] view of memory
         registered with this agent (default: the staging buffer; copy the result out before the next
-        pull). Returns the view once every block's checksum matches; raises TransferFailed."""
+        pull). Returns the view once the read ended and (verify) every block's checksum matches; raises
+        TransferFailed. verify=False leaves the checks to the caller (the importer checks on the device)."""
         if not blocks:
             return np.empty((0, 0), np.uint8)
         nbytes = blocks[0].nbytes
@@ -112,7 +118,7 @@ class TransferAgent:
                 self.disconnect(peer_metadata)
             why = f"timed out after {timeout_s:.3f} s" if state == "PROC" else state
             raise TransferFailed(f"pull of {len(blocks)} blocks from {peer}: {why}")
-        for i, (b, got) in enumerate(zip(blocks, block_checksums(dst))):
+        for i, (b, got) in enumerate(zip(blocks, block_checksums(dst) if verify else ())):
             if got != b.checksum:
                 raise TransferFailed(f"block {i} ({b.block_hash.hex()[:16]}) from {peer}: checksum mismatch")
         self.num_pulls += 1
@@ -192,52 +198,71 @@ def process_agent() -> TransferAgent:
 
 
 @dataclass(slots=True)
-class NixlBlockReader:
-    """The owner's blocks as a BlockReader (engine/core/kv_import.py): a small picklable record (the owner's
-    agent metadata and BlockRefs) that reads each chunk with one NIXL READ into the importer's buffer and
-    verifies its checksums. agent: the one to read with in this process (the replica's, when its engine is in
-    process); it does not travel: unpickled in a shard actor, the reader uses that process's agent. Its
-    failures are TransferFailed (timeout, checksum, unreachable owner), like TransferAgent.pull's."""
+class PeerBlockReader:
+    """The owner's blocks as a BlockReader (engine/core/kv_import.py): a small picklable record (the owner's agent
+    metadata, its store's SharedStoreHandle, the BlockRefs) that reads each chunk into the importer's buffer, from
+    the owner's shared memory when it is on this node (serve_app/kv_local.py), else with one NIXL READ. It does
+    not verify: its expected_checksums are checked by the importer where the bytes land. agent: the one to read
+    with in this process (the replica's, when its engine is in process); it does not travel: unpickled in a shard
+    actor, the reader uses that process's agent. Its failures are TransferFailed (timeout, unreachable owner),
+    like TransferAgent.pull's."""
 
     peer_metadata: bytes
     blocks: list[BlockRef]
     timeout_s: float = DEFAULT_TIMEOUT_S
+    shared_store: SharedStoreHandle | None = None  # None: read over NIXL only
     agent: TransferAgent | None = field(default=None, compare=False)
+    mapped: np.ndarray | None = field(default=None, compare=False)  # the owner's store, once open() mapped it
 
     @property
     def num_blocks(self) -> int:
         return len(self.blocks)
 
-    def select(self, rows: list[int]) -> "NixlBlockReader":
-        return NixlBlockReader(self.peer_metadata, [self.blocks[i] for i in rows], self.timeout_s, self.agent)
+    @property
+    def expected_checksums(self) -> np.ndarray:
+        return np.array([checksum_value(b.checksum) for b in self.blocks], dtype=np.int64)
+
+    @property
+    def path(self) -> str:
+        """How open() chose to read: "shared memory" or "NIXL" ("unopened" before)."""
+        if self.mapped is not None:
+            return "shared memory"
+        return "NIXL" if self.agent is not None else "unopened"
+
+    def select(self, rows: list[int]) -> "PeerBlockReader":
+        return PeerBlockReader(self.peer_metadata, [self.blocks[i] for i in rows], self.timeout_s, self.shared_store,
+                               self.agent)
 
     def open(self, buffer: np.ndarray) -> None:
-        if self.agent is None:
-            self.agent = process_agent()
-        self.agent.register(buffer)
+        self.mapped = peer_stores.map(self.shared_store) if self.shared_store is not None else None
+        if self.mapped is None:
+            if self.agent is None:
+                self.agent = process_agent()
+            self.agent.register(buffer)
 
     def read(self, first: int, dst: np.ndarray) -> None:
+        blocks = self.blocks[first:first + dst.shape[0]]
+        if self.mapped is not None:
+            copy_blocks(self.mapped, self.shared_store.base, [b.address for b in blocks], dst)
+            return
         assert self.agent is not None, "open() first"
-        self.agent.pull(self.peer_metadata, self.blocks[first:first + dst.shape[0]], dst, self.timeout_s)
+        self.agent.pull(self.peer_metadata, blocks, dst, self.timeout_s, verify=False)
 
     def __getstate__(self) -> dict[str, object]:
-        return {"peer_metadata": self.peer_metadata, "blocks": self.blocks, "timeout_s": self.timeout_s}
+        return {"peer_metadata": self.peer_metadata, "blocks": self.blocks, "timeout_s": self.timeout_s,
+                "shared_store": self.shared_store}
 
     def __setstate__(self, state: dict[str, object]) -> None:
         for name, value in state.items():
             setattr(self, name, value)
-        self.agent = None
+        self.agent = self.mapped = None
 
 
 def coalesce_reads(local_base: int, remote: list[int], nbytes: int) -> tuple[list[tuple[int, int, int]], list[tuple[int, int, int]]]:
     """NIXL descriptor lists (address, length, device) for reading blocks at `remote` into consecutive
     rows at local_base, one descriptor per run of adjacent remote slots (a stored chain usually is one)."""
     local_descs, remote_descs = [], []
-    start = 0
-    for i in range(1, len(remote) + 1):
-        if i == len(remote) or remote[i] != remote[i - 1] + nbytes:
-            length = (i - start) * nbytes
-            local_descs.append((local_base + start * nbytes, length, 0))
-            remote_descs.append((remote[start], length, 0))
-            start = i
+    for start, count in block_runs(remote, nbytes):
+        local_descs.append((local_base + start * nbytes, count * nbytes, 0))
+        remote_descs.append((remote[start], count * nbytes, 0))
     return local_descs, remote_descs

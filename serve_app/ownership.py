@@ -7,14 +7,15 @@ prompt (issue 27).
 Keys (namespace `ns`, default "dsv41:kv"):
 - `{ns}:run:{chain hash hex}`: a hash of replica id -> JSON {n, first, addrs, lens, sums, fp, exp}: that
   replica's host store holds blocks first .. n-1 of the chain whose n-block prefix the chain hash names (the
-  key is the run's last block), block first + i at host address addrs[i] (lens[i] bytes, CRC-32 sums[i]),
+  key is the run's last block), block first + i at host address addrs[i] (lens[i] bytes, checksum sums[i]),
   under engine fingerprint `fp`, until `exp` (unix time).
 - `{ns}:blk:{chain hash hex}:{j}`: the set of run keys (their chain hashes, hex) whose runs were published
   holding that block as block j of their chain. A chain hash names its whole prefix, so a run holding block j of
   a prompt's chain holds the prompt's blocks first .. j too: a prompt that shares only the head of a run still
   finds it.
-- `{ns}:peer:{replica id}`: JSON {agent, md, region, fp, exp}: where to read from: the replica's NIXL
-  agent name and metadata (md, base64: what kv_transfer.TransferAgent.connect takes).
+- `{ns}:peer:{replica id}`: JSON {agent, md, region, fp, exp, local}: where to read from: the replica's NIXL
+  agent name and metadata (md, base64: what kv_transfer.TransferAgent.connect takes) and, where its store is
+  shared memory, the handle a reader on its node maps it by (local: kv_local.SharedStoreHandle's fields, or null).
 - `{ns}:owned:{replica id}`: the set of run keys the replica published (to withdraw them all).
 
 A reader sends its prompt's block keys to one script (LOOKUP), which returns each run found once with the last
@@ -42,6 +43,7 @@ import redis
 from redis.backoff import NoBackoff
 from redis.retry import Retry
 
+from serve_app.kv_local import SharedStoreHandle
 from serve_app.kv_store import BlockRef
 
 DEFAULT_NAMESPACE = "dsv41:kv"
@@ -82,6 +84,7 @@ class PeerRecord:
     region: str
     fingerprint: bytes
     expires_at: float  # unix time
+    shared_store: SharedStoreHandle | None = None  # its host store, for a reader on its node
 
 
 @dataclass(frozen=True, slots=True)
@@ -139,10 +142,10 @@ class OwnershipIndex:
         self._lookup = self.redis.register_script(LOOKUP)
 
     # ---- the owner's side ---------------------------------------------------------------------------
-    def announce(self, agent_name: str, agent_metadata: bytes) -> None:
+    def announce(self, agent_name: str, agent_metadata: bytes, shared_store: SharedStoreHandle | None = None) -> None:
         """Publishes (or refreshes) this replica's peer record."""
         self._peer = {"agent": agent_name, "md": base64.b64encode(agent_metadata).decode(), "region": self.region,
-                      "fp": self.fingerprint.hex()}
+                      "fp": self.fingerprint.hex(), "local": shared_store.doc() if shared_store is not None else None}
         with self._redis():
             self._set_peer(self.redis)
 
@@ -305,5 +308,6 @@ class OwnershipIndex:
 
 def _peer_record(replica_id: str, raw: bytes) -> PeerRecord:
     doc = json.loads(raw)
+    local = doc.get("local")
     return PeerRecord(replica_id, doc["agent"], base64.b64decode(doc["md"]), doc["region"], bytes.fromhex(doc["fp"]),
-                      doc["exp"])
+                      doc["exp"], SharedStoreHandle.from_doc(local) if local else None)

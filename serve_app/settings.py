@@ -95,6 +95,7 @@ class ServeSettings:
     kv_sharing: bool = False  # replicas publish finished prefixes and pull the ones a peer owns
     redis_url: str | None = None  # the ownership index, e.g. redis://host:6379/0; required with kv_sharing
     host_kv_bytes: int = 1 << 30  # per replica: the host store peers read exported blocks from
+    kv_same_node_reads: bool = True  # pull from an owner on this node through its shared memory, not NIXL
     region: str = "local"  # a pull prefers an owner in the same region
 
     def __post_init__(self) -> None:
@@ -123,7 +124,7 @@ class ServeSettings:
                                 "replica takes whole GPUs (its ranks' collectives would share one); use one or the other")
         if self.num_shards > 1:
             self._check_shards()
-        for name in ("bounded_replay", "enable_prefix_caching", "kv_sharing"):
+        for name in ("bounded_replay", "enable_prefix_caching", "kv_sharing", "kv_same_node_reads"):
             need(isinstance(getattr(self, name), bool), name, "true or false")
         for name in ("max_chunk_tokens", "max_prefill_beside_decode"):
             value = getattr(self, name)
@@ -358,6 +359,7 @@ _PARSERS: dict[str, Callable[[str, str], object]] = {
     "replica_num_cpus": parse_float, "health_check_period_s": parse_float,
     "graceful_shutdown_timeout_s": parse_float, "request_log_file": parse_optional_path,
     "kv_sharing": parse_bool, "redis_url": parse_optional_path, "host_kv_bytes": parse_bytes,
+    "kv_same_node_reads": parse_bool,
     "runner": parse_runner, "speculative_tokens": parse_int,
 }
 

@@ -15,6 +15,10 @@ hits them while they are written; the engine publishes them between two steps on
 The pools' other blocks are read and written by steps meanwhile: on CUDA the copies run on this importer's stream
 (after the work the steps had queued when the import started), and `import_blocks` returns only once they ended.
 
+Verification: a reader with expected checksums (a peer's blocks) has every block's checksum computed where it
+landed (on the importer's stream, from the device copy: no host pass over the bytes) and compared once, after the
+last chunk; a mismatch raises BlockChecksumMismatch, with the blocks written but unpublished, as below.
+
 Failure: a read that raises stops the pipeline; `import_blocks` waits for the read in flight, then raises. Chunks
 before it may already be in the pools: the caller must not use any of the blocks (LLMEngine.end_import frees them
 unpublished, so the request recomputes). After a failed read the buffer is retired and a fresh one allocated,
@@ -24,6 +28,7 @@ since a one-sided read that timed out may still land in it later (the reader kee
 from __future__ import annotations
 
 import threading
+from contextlib import nullcontext
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Callable, Protocol
@@ -31,6 +36,7 @@ from typing import Callable, Protocol
 import numpy as np
 import torch
 
+from engine.core.block_checksum import block_checksums
 from engine.core.kv_blocks import block_bytes, write_rows
 from engine.core.kv_cache import PagedKVCache
 
@@ -42,6 +48,12 @@ class BlockReader(Protocol):
 
     @property
     def num_blocks(self) -> int: ...
+
+    @property
+    def expected_checksums(self) -> np.ndarray | None:
+        """int64 [num_blocks]: each block's checksum (engine/core/block_checksum.py) as its owner recorded it, which
+        the importer verifies where the bytes land; None for a source trusted as it is (this replica's own memory)."""
+        ...
 
     def select(self, rows: list[int]) -> "BlockReader":
         """The same source restricted to these rows, in this order."""
@@ -68,6 +80,10 @@ class ArrayReader:
     def num_blocks(self) -> int:
         return self.data.shape[0]
 
+    @property
+    def expected_checksums(self) -> None:
+        return None
+
     def select(self, rows: list[int]) -> "ArrayReader":
         return ArrayReader(self.data[rows])
 
@@ -81,6 +97,11 @@ class ArrayReader:
 # writes chunk rows (uint8 [n, block_bytes] on the host, a staging-buffer view) into those blocks of every rank's
 # pools; the default writes this process's pools, a shard group's leader broadcasts them (shard_lead.write_blocks)
 BlockSink = Callable[[list[int], torch.Tensor], None]
+
+
+class BlockChecksumMismatch(RuntimeError):
+    """A pulled block's bytes, as they landed, do not have the checksum its owner recorded (a slot reused or torn
+    during the read, or corrupted): none of the import's blocks may be used."""
 
 
 class BlockImporter:
@@ -107,18 +128,19 @@ class BlockImporter:
     @torch.inference_mode()
     def import_blocks(self, block_ids: list[int], reader: BlockReader, sink: BlockSink | None = None) -> None:
         """Reads reader's blocks (as many as block_ids) chunk by chunk and writes block i into block_ids[i] of
-        every global pool; returns once all are in the pools. Raises what a read raised (see the module doc)."""
+        every global pool; returns once all are in the pools. Raises what a read raised, or BlockChecksumMismatch
+        (see the module doc)."""
         assert reader.num_blocks == len(block_ids), f"{reader.num_blocks} blocks read for {len(block_ids)} targets"
         if not block_ids:
             return
         with self._lock:
-            self._run(block_ids, reader, sink or self._write_local)
+            self._run(block_ids, reader, sink)
 
     def close(self) -> None:
         self._reader.shutdown(wait=True)
 
     # ---- internals ----------------------------------------------------------------------------------
-    def _run(self, block_ids: list[int], reader: BlockReader, sink: BlockSink) -> None:
+    def _run(self, block_ids: list[int], reader: BlockReader, sink: BlockSink | None) -> None:
         C, host = self.chunk_blocks, self.host
         chunks = [(first, min(first + C, len(block_ids))) for first in range(0, len(block_ids), C)]
         copied: list[torch.cuda.Event | None] = [None, None]  # per slot: its last copy to the device has ended
@@ -133,6 +155,8 @@ class BlockImporter:
             reader.open(host.numpy())
             read(0)
 
+        expected = reader.expected_checksums
+        sums = torch.empty(len(block_ids), dtype=torch.int64, device=self.device) if expected is not None else None
         if self.is_cuda:  # work queued before the pull (a launched step that may still write a block freed since)
             self.stream.wait_stream(torch.cuda.current_stream(self.device))  # goes before this stream's copies
         pending: Future = self._reader.submit(opened_then_read)
@@ -142,7 +166,15 @@ class BlockImporter:
                 if i + 1 < len(chunks):
                     pending = self._reader.submit(read, i + 1)  # overlaps the import below
                 rows = host[i % 2, :end - first]  # [n, block_bytes]
-                sink(block_ids[first:end], rows)
+                with torch.cuda.stream(self.stream) if self.is_cuda else nullcontext():
+                    to_device = self.is_cuda and (sink is None or sums is not None)
+                    landed = rows.to(self.device, non_blocking=True) if to_device else rows
+                    if sums is not None:
+                        sums[first:end] = block_checksums(landed)
+                    if sink is None:
+                        write_rows(self.kv, block_ids[first:end], landed)
+                if sink is not None:
+                    sink(block_ids[first:end], rows)
                 if self.is_cuda:
                     copied[i % 2] = torch.cuda.Event()
                     copied[i % 2].record(self.stream)
@@ -156,13 +188,11 @@ class BlockImporter:
             self.host = self._new_buffer()
             self.num_retired += 1
             raise
-
-    def _write_local(self, block_ids: list[int], rows: torch.Tensor) -> None:
-        if self.is_cuda:
-            with torch.cuda.stream(self.stream):
-                write_rows(self.kv, block_ids, rows.to(self.device, non_blocking=True))
-        else:
-            write_rows(self.kv, block_ids, rows)
+        if sums is not None:
+            bad = np.flatnonzero(sums.cpu().numpy() != expected)
+            if bad.size:
+                raise BlockChecksumMismatch(f"{bad.size} of {len(block_ids)} pulled blocks (first: block {bad[0]}) "
+                                            "arrived with another checksum than their owner's: checksum mismatch")
 
     def _new_buffer(self) -> torch.Tensor:
         return torch.empty((2, self.chunk_blocks, self.block_bytes), dtype=torch.uint8, pin_memory=self.is_cuda)

@@ -220,11 +220,12 @@ def test_a_prefix_from_another_fingerprint_or_format_is_refused(tiny_model):
 
 def test_the_shard_actor_reads_writes_and_pulls_blocks(tiny_checkpoint, tiny_cfg, monkeypatch, tmp_path):
     """Through Ray: block reads and writes, and a pull. A pull runs in the actor's "pull" group: while its read
-    is held, step-group calls (a block read, the barrier) still answer. For a pull over NIXL the replica hands
-    the actor a reader of a few hundred bytes (the owner's agent metadata and block addresses); the actor's own
-    NIXL agent reads the blocks from the owner's host store (here: this process) into the actor's staging
-    buffer, so the block bytes never pass through Ray. A corrupted block raises TransferFailed out of the actor,
-    as the replica's fallback expects. (One test: starting the actor is most of its time.)"""
+    is held, step-group calls (a block read, the barrier) still answer. For a pull the replica hands the actor a
+    reader of a few hundred bytes (the owner's agent metadata, store handle and block addresses); the actor reads
+    the blocks from the owner's host store (here: this process), with its own NIXL agent or from the store's shared
+    memory, into its staging buffer, so the block bytes never pass through Ray. A corrupted block raises
+    BlockChecksumMismatch out of the actor, as the replica's fallback expects. (One test: starting the actor is
+    most of its time.)"""
     ray = pytest.importorskip("ray")
     from serve_app.shard_worker import CONCURRENCY_GROUPS, ShardExecutor, ShardWorker
 
@@ -268,7 +269,8 @@ def pull_beside_a_step_call(ray, actor, executor, data: np.ndarray, tmp_path) ->
 
 def pull_into_the_actor(executor, tiny_cfg) -> None:
     from serve_app.kv_store import HostKVStore
-    from serve_app.kv_transfer import NixlBlockReader, TransferAgent, TransferFailed
+    from engine.core.kv_import import BlockChecksumMismatch
+    from serve_app.kv_transfer import PeerBlockReader, TransferAgent
 
     nbytes = block_bytes(tiny_cfg, 64)
     store = HostKVStore(b"salt", nbytes, 8 * nbytes)
@@ -278,12 +280,14 @@ def pull_into_the_actor(executor, tiny_cfg) -> None:
     owner = TransferAgent(f"owner-{os.getpid()}-{id(store)}", store)
     try:
         executor.prepare_pulls()  # the actor's staging buffer and NIXL agent, before the first pull
-        reader = NixlBlockReader(owner.metadata, store.get_descriptors(hashes), 5.0, agent=owner)
-        assert len(pickle.dumps(reader)) < 2048 < data.nbytes  # what crosses Ray: no block bytes, no agent
-        executor.import_blocks([7, 1, 4], reader.select([0, 3, 4]))
-        assert np.array_equal(executor.read_blocks([7, 1, 4]), data[[0, 3, 4]])
-        store.buffer[1, 5] ^= 1
-        with pytest.raises(TransferFailed, match="checksum mismatch"):
-            executor.import_blocks([2, 3], reader.select([0, 1]))
+        for shared in (None, store.shared_handle()):  # over NIXL; from this process's shared memory (same node)
+            reader = PeerBlockReader(owner.metadata, store.get_descriptors(hashes), 5.0, shared, agent=owner)
+            assert len(pickle.dumps(reader)) < 2048 < data.nbytes  # what crosses Ray: no block bytes, no agent
+            executor.import_blocks([7, 1, 4], reader.select([0, 3, 4]))
+            assert np.array_equal(executor.read_blocks([7, 1, 4]), data[[0, 3, 4]])
+            store.buffer[1, 5] ^= 1  # the importer checks what landed
+            with pytest.raises(BlockChecksumMismatch, match="checksum mismatch"):
+                executor.import_blocks([2, 3], reader.select([0, 1]))
+            store.buffer[1, 5] ^= 1
     finally:
         owner.close()

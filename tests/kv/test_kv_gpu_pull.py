@@ -2,8 +2,9 @@
 them (LLMEngine + AsyncEngine + KVSharing: host store registered with NIXL, ownership in a real Redis):
 
 - replica A serves turn 1 and publishes its blocks (device pools -> its host store -> Redis records);
-- replica B, told to pull from A, reads them over NIXL into its importer's pinned staging buffer and copies them into
-  its device pools beside its steps: B's pools then hold, in the blocks its prefix hit uses, A's bytes bit for bit;
+- replica B, told to pull from A, reads them (from A's shared memory, or over NIXL) into its importer's pinned staging
+  buffer and copies them into its device pools beside its steps, checking every block's checksum on the device: B's
+  pools then hold, in the blocks its prefix hit uses, A's bytes bit for bit;
 - B's turn 2 equals a replica that computed turn 1 itself and resumes by encoder replay (no snapshot), the CPU tests'
   reference (tests/kv/sharing_fixtures.reference_turns).
 """
@@ -28,20 +29,23 @@ def cuda_model(tiny_checkpoint):
     return load_model(tiny_checkpoint, "cuda", progress=False, with_mtp=False).model
 
 
-def test_pulled_blocks_equal_the_owners_bit_for_bit_on_the_gpu(cuda_model, redis, loop, identity):
-    a = LocalReplica("gpu-a", cuda_model, redis.url, identity)
-    b = LocalReplica("gpu-b", cuda_model, redis.url, identity)
+@pytest.mark.parametrize("same_node_reads", [True, False], ids=["shared-memory", "nixl"])
+def test_pulled_blocks_equal_the_owners_bit_for_bit_on_the_gpu(cuda_model, redis, loop, identity, same_node_reads):
+    a = LocalReplica(f"gpu-a-{same_node_reads}", cuda_model, redis.url, identity)
+    b = LocalReplica(f"gpu-b-{same_node_reads}", cuda_model, redis.url, identity)
+    b.kv.same_node_reads = same_node_reads
     try:
         turn1 = random_prompt(300, seed=41)
         first = loop.run(a.turn("t1", turn1))
         turn2 = turn1 + first.token_ids + random_prompt(40, seed=42)
         B = a.engine.cache.layout.global_block_size
         owned = len(turn1 + first.token_ids) // B  # the full blocks A published
-        hint = KVHint(a.engine.cache.salt, target="gpu-a", pull_from="gpu-a", num_blocks=owned)
+        hint = KVHint(a.engine.cache.salt, target=a.name, pull_from=a.name, num_blocks=owned)
         second = loop.run(b.turn("t2", turn2, hint))
 
         outcome = second.outcome
-        assert outcome.fallback is None and outcome.owner == "gpu-a", outcome
+        assert outcome.fallback is None and outcome.owner == a.name, outcome
+        assert b.kv.agent.num_pulls == (0 if same_node_reads else 1), "the path the switch names"
         assert (outcome.num_local_tokens, outcome.num_pulled_tokens) == (0, owned * B)
         assert second.stats.num_cached_tokens == owned * B
         importer = b.engine.executor.importer

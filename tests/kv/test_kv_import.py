@@ -4,7 +4,11 @@
 - the read of chunk i + 1 runs (on the reader thread) while chunk i is imported, never more than two in flight;
 - a read that fails part-way raises, retires the buffer, and through LLMEngine.import_blocks leaves none of
   the blocks registered: the prompt recomputes (no hit), and the pool's self-check holds;
-- on CUDA (gpu marker) the buffer is pinned and the pools equal the CPU import's bit for bit.
+- a reader's expected checksums are checked on what landed: a block whose bytes differ from its owner's record
+  raises BlockChecksumMismatch naming it, after the last chunk; through LLMEngine.import_blocks none of the blocks
+  is registered and the prompt recomputes;
+- on CUDA (gpu marker) the buffer is pinned, the pools equal the CPU import's bit for bit, and the checks run on
+  the device.
 """
 
 from __future__ import annotations
@@ -16,9 +20,10 @@ import numpy as np
 import pytest
 import torch
 
+from engine.core.block_checksum import host_block_checksums
 from engine.core.kv_blocks import block_bytes, read_blocks, write_blocks
 from engine.core.kv_cache import PagedKVCache
-from engine.core.kv_import import ArrayReader, BlockImporter
+from engine.core.kv_import import ArrayReader, BlockChecksumMismatch, BlockImporter
 from tests.core.conftest import random_prompt
 from tests.kv.test_kv_blocks import make_engine, small_layout, turn
 
@@ -44,17 +49,23 @@ def assert_pools_equal(got: PagedKVCache, want: PagedKVCache, what: str) -> None
 
 
 class RecordingReader:
-    """A BlockReader over host records that logs when each read starts and ends, and can fail at one chunk."""
+    """A BlockReader over host records that logs when each read starts and ends, and can fail at one chunk;
+    expected: the checksums it claims (None: unchecked)."""
 
-    def __init__(self, data: np.ndarray, log: list, fail_at: int | None = None):
-        self.data, self.log, self.fail_at = data, log, fail_at
+    def __init__(self, data: np.ndarray, log: list, fail_at: int | None = None, expected: np.ndarray | None = None):
+        self.data, self.log, self.fail_at, self.expected = data, log, fail_at, expected
 
     @property
     def num_blocks(self) -> int:
         return self.data.shape[0]
 
+    @property
+    def expected_checksums(self) -> np.ndarray | None:
+        return self.expected
+
     def select(self, rows: list[int]) -> "RecordingReader":
-        return RecordingReader(self.data[rows], self.log, self.fail_at)
+        return RecordingReader(self.data[rows], self.log, self.fail_at,
+                               None if self.expected is None else self.expected[rows])
 
     def open(self, buffer: np.ndarray) -> None:
         self.log.append(("open", buffer.nbytes, threading.current_thread().name))
@@ -131,6 +142,24 @@ def test_a_read_that_fails_mid_pipeline_raises_and_retires_the_buffer(tiny_cfg):
     assert np.array_equal(read_blocks(kv, TARGETS), data)
 
 
+def test_every_block_is_checked_against_its_owners_checksum_where_it_landed(tiny_cfg):
+    kv = PagedKVCache(tiny_cfg, small_layout(num_global=16), "cpu")
+    importer = BlockImporter(kv, chunk_blocks=3)
+    data = random_records(tiny_cfg, NUM_BLOCKS, seed=4)
+    expected = host_block_checksums(data)
+    importer.import_blocks(TARGETS, RecordingReader(data, [], expected=expected))
+    assert np.array_equal(read_blocks(kv, TARGETS), data)
+    torn = data.copy()
+    torn[5, 1000:] = random_records(tiny_cfg, 1, seed=5)[0, 1000:]  # block 5 read half old, half new
+    log: list = []
+    with pytest.raises(BlockChecksumMismatch, match=r"1 of 7 pulled blocks \(first: block 5\)"):
+        importer.import_blocks(TARGETS, RecordingReader(torn, log, expected=expected))
+    assert [e[1] for e in log if e[0] == "read done"] == [0, 3, 6], "checked once, after every chunk was read"
+    assert importer.num_retired == 0, "no read failed: the buffer is kept"
+    importer.import_blocks(TARGETS[:2], RecordingReader(data, [], expected=expected).select([1, 0]))
+    assert np.array_equal(read_blocks(kv, TARGETS[:2]), data[[1, 0]])
+
+
 def test_a_failed_pull_leaves_no_block_registered_and_the_prompt_recomputes(tiny_model):
     """Engine a computes a turn; engine b imports a's blocks through a reader that fails at the second of
     three chunks: nothing is registered, b's pool checks out, its next request recomputes the whole prompt
@@ -145,6 +174,10 @@ def test_a_failed_pull_leaves_no_block_registered_and_the_prompt_recomputes(tiny
     free = b.cache.global_pool.num_free
     with pytest.raises(ConnectionError):
         b.import_blocks(exported.fingerprint, exported.hashes, RecordingReader(exported.data, [], fail_at=1))
+    wrong = host_block_checksums(exported.data)
+    wrong[2] ^= 1
+    with pytest.raises(BlockChecksumMismatch):
+        b.import_blocks(exported.fingerprint, exported.hashes, RecordingReader(exported.data, [], expected=wrong))
     assert b.cache.cached_prefix(prompt + out_a)[0] == 0 and b.cache.global_pool.num_cached == 0
     assert b.cache.global_pool.num_free == free and b.stats.num_imported_tokens == 0
     b.cache.global_pool.check_integrity()
@@ -171,6 +204,11 @@ def test_cuda_import_through_pinned_memory_equals_the_cpu_import(tiny_cfg, chunk
     assert importer.host.is_pinned() and importer.stream is not None
     importer.import_blocks(TARGETS, ArrayReader(data))
     assert_pools_equal(got, want, f"cuda, chunk_blocks={chunk_blocks}")
+    expected = host_block_checksums(data)
+    importer.import_blocks(TARGETS, RecordingReader(data, [], expected=expected))  # checked on the device
+    expected[NUM_BLOCKS - 1] += 1
+    with pytest.raises(BlockChecksumMismatch, match=f"first: block {NUM_BLOCKS - 1}"):
+        importer.import_blocks(TARGETS, RecordingReader(data, [], expected=expected))
     with pytest.raises(ConnectionError):
         importer.import_blocks(TARGETS, RecordingReader(data, [], fail_at=chunk_blocks % NUM_BLOCKS))
     assert importer.host.is_pinned() and importer.num_retired == 1

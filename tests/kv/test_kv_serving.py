@@ -120,13 +120,16 @@ def test_router_routes_to_the_owner_and_a_restarted_router_too(router, owner, co
 
 
 # ---- the pull ------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("same_node_reads", [True, False], ids=["shared-memory", "nixl"])
 def test_turn_2_on_another_replica_pulls_and_equals_a_replica_without_snapshot(owner, receiver, router, conversation,
-                                                                                  loop, tiny_cfg):
+                                                                                  loop, tiny_cfg, same_node_reads):
     """Turn 2 forced onto b: b pulls a's two blocks and computes only the new tokens plus the replayed
     window; its tokens equal those of one replica that computed turn 1 itself but whose snapshot is gone
-    (it too resumes by block hit + encoder replay; a kept snapshot would resume exactly, differently)."""
+    (it too resumes by block hit + encoder replay; a kept snapshot would resume exactly, differently).
+    a is on b's node: b copies from a's shared memory, or (same_node_reads off) reads over NIXL."""
     _, turn2, resumed, _ = conversation
     b = receiver()
+    b.kv.same_node_reads = same_node_reads
     hint = loop.run(router.route("t2", turn2))
     computed = b.engine.stats.num_computed_tokens
     turn = loop.run(b.turn("t2", turn2, hint))
@@ -143,6 +146,7 @@ def test_turn_2_on_another_replica_pulls_and_equals_a_replica_without_snapshot(o
     assert snap["dsv41_kv_pulls_total"] == 1 and snap["dsv41_kv_pull_bytes_total"] == turn.outcome.num_bytes
     assert snap["dsv41_kv_hit_tokens_total{source=remote}"] == 128 and snap["dsv41_kv_pull_latency_seconds_count"] == 1
     assert b.fallbacks() == {}
+    assert b.kv.agent.num_pulls == (0 if same_node_reads else 1), "the path the switch names"
     assert b.kv.store.num_blocks == 2  # b publishes the blocks it now holds in turn
 
 
@@ -167,6 +171,7 @@ def test_redis_stopped_mid_run_falls_back_then_recovers(owner, receiver, router,
 def test_a_transfer_that_times_out_falls_back(owner, receiver, router, conversation, loop, monkeypatch):
     _, turn2, _, cold = conversation
     b = receiver()
+    b.kv.same_node_reads = False  # a same-node copy has no transfer to stall
     nixl = b.kv.agent._agent
     real_transfer = nixl.transfer
     # loopback in one process finishes at the post: make the READ look in flight past the deadline
@@ -179,9 +184,11 @@ def test_a_transfer_that_times_out_falls_back(owner, receiver, router, conversat
     assert_recomputed(turn, cold, "timeout", b)
 
 
-def test_a_corrupted_block_falls_back(owner, receiver, router, conversation, loop):
+@pytest.mark.parametrize("same_node_reads", [True, False], ids=["shared-memory", "nixl"])
+def test_a_corrupted_block_falls_back(owner, receiver, router, conversation, loop, same_node_reads):
     _, turn2, _, cold = conversation
     b = receiver()
+    b.kv.same_node_reads = same_node_reads
     hint = loop.run(router.route("t2", turn2))
     [ref] = owner.kv.store.get_descriptors(block_hashes(turn2, B, owner.kv.salt)[:2])[1:]
     row = (ref.address - owner.kv.store.address) // ref.nbytes

@@ -9,8 +9,9 @@ import mmap
 import numpy as np
 import pytest
 
+from engine.core.block_checksum import checksum_bytes, host_block_checksums
 from engine.core.kv_blocks import ExportedPrefix
-from serve_app.kv_store import PARALLEL_MIN_BYTES, BlockRef, HostKVStore, block_checksum, block_checksums
+from serve_app.kv_store import BlockRef, HostKVStore, block_checksum, block_checksums
 
 FP = b"f" * 32
 BLOCK = 1000
@@ -75,16 +76,13 @@ def test_a_corrupted_slot_is_detected_and_foreign_prefixes_are_refused():
 
 
 @pytest.mark.parametrize("num_blocks", [1, 5, 37])
-def test_a_batch_of_checksums_equals_zlib_row_by_row(num_blocks):
-    """block_checksums splits a large batch over threads: each row's CRC-32 (zlib, big-endian) in row order,
-    whether the batch is above or below PARALLEL_MIN_BYTES, and one changed byte changes only its row's."""
-    import zlib
-
-    row_bytes = max(1024, -(-PARALLEL_MIN_BYTES // num_blocks) + 7)  # 37 rows: over the threshold; 1 row: one thread
-    records = np.random.default_rng(num_blocks).integers(0, 256, (num_blocks, row_bytes), dtype=np.uint8)
-    want = [zlib.crc32(r.tobytes()).to_bytes(4, "big") for r in records]
-    assert block_checksums(records) == want
-    assert block_checksums(records[:1]) == want[:1]  # a small batch, one thread
+def test_a_batch_of_checksums_is_the_engines_row_by_row(num_blocks):
+    """block_checksums gives each row's engine checksum (engine/core/block_checksum.py, what the importer checks on
+    the device) as 8 big-endian bytes, in row order; one changed byte changes only its row's."""
+    records = np.random.default_rng(num_blocks).integers(0, 256, (num_blocks, 1028), dtype=np.uint8)
+    want = [checksum_bytes(int(v)) for v in host_block_checksums(records)]
+    assert block_checksums(records) == want and all(len(c) == 8 for c in want)
+    assert [block_checksum(r) for r in records] == want
     records[num_blocks // 2, 3] ^= 1
     got = block_checksums(records)
     assert [i for i in range(num_blocks) if got[i] != want[i]] == [num_blocks // 2]

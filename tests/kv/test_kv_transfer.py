@@ -131,14 +131,14 @@ def test_adjacent_slots_coalesce_into_one_descriptor():
 def test_a_block_reader_reads_chunks_into_a_buffer_it_registers_once_and_travels_without_its_agent(pair, capfd):
     import pickle
 
-    from serve_app.kv_transfer import NixlBlockReader
+    from serve_app.kv_transfer import PeerBlockReader
 
     store, owner, reader = pair
     prefix = blocks(5, seed=7)
     store.put(prefix)
     refs = store.get_descriptors(prefix.hashes)
     staging = np.zeros((2, 2, BLOCK), np.uint8)  # an importer's two slots of two blocks
-    nixl = NixlBlockReader(owner.metadata, refs, 5.0, agent=reader).select([4, 0, 2])
+    nixl = PeerBlockReader(owner.metadata, refs, 5.0, agent=reader).select([4, 0, 2])
     registered = len(reader._registered)
     for _ in range(2):
         nixl.open(staging.reshape(-1))
