@@ -26,10 +26,11 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
+import torch
 from nixl_cu13 import nixl_agent, nixl_agent_config  # the CUDA 13 build pyproject pins (imports numpy, not torch)
 
 from engine.core.block_checksum import checksum_value
-from serve_app.kv_local import SharedStoreHandle, block_runs, copy_blocks, peer_stores
+from serve_app.kv_local import MappedStore, SharedStoreHandle, block_runs, copy_blocks, peer_stores
 from serve_app.kv_store import BlockRef, HostKVStore, block_checksums
 
 DEFAULT_TIMEOUT_S = 5.0
@@ -212,7 +213,7 @@ class PeerBlockReader:
     timeout_s: float = DEFAULT_TIMEOUT_S
     shared_store: SharedStoreHandle | None = None  # None: read over NIXL only
     agent: TransferAgent | None = field(default=None, compare=False)
-    mapped: np.ndarray | None = field(default=None, compare=False)  # the owner's store, once open() mapped it
+    mapped: MappedStore | None = field(default=None, compare=False)  # the owner's store, once open() mapped it
 
     @property
     def num_blocks(self) -> int:
@@ -224,9 +225,10 @@ class PeerBlockReader:
 
     @property
     def path(self) -> str:
-        """How open() chose to read: "shared memory" or "NIXL" ("unopened" before)."""
+        """How open() chose to read: "shared memory" (page-locked: copied by the device straight from it) or "NIXL"
+        ("unopened" before)."""
         if self.mapped is not None:
-            return "shared memory"
+            return "shared memory" + (" (page-locked)" if self.mapped.page_locked is not None else "")
         return "NIXL" if self.agent is not None else "unopened"
 
     def select(self, rows: list[int]) -> "PeerBlockReader":
@@ -234,16 +236,26 @@ class PeerBlockReader:
                                self.agent)
 
     def open(self, buffer: np.ndarray) -> None:
-        self.mapped = peer_stores.map(self.shared_store) if self.shared_store is not None else None
+        self.mapped = None
+        if self.shared_store is not None:
+            self.mapped = peer_stores.map(self.shared_store, page_locked=True)  # where this process has CUDA
         if self.mapped is None:
             if self.agent is None:
                 self.agent = process_agent()
             self.agent.register(buffer)
 
+    def pinned_rows(self, first: int, count: int) -> torch.Tensor | None:
+        blocks = self.blocks[first:first + count]
+        if self.mapped is None or self.mapped.page_locked is None or len(block_runs([b.address for b in blocks],
+                                                                                    blocks[0].nbytes)) != 1:
+            return None
+        offset, nbytes = blocks[0].address - self.shared_store.base, blocks[0].nbytes
+        return self.mapped.page_locked[offset:offset + count * nbytes].view(count, nbytes)
+
     def read(self, first: int, dst: np.ndarray) -> None:
         blocks = self.blocks[first:first + dst.shape[0]]
         if self.mapped is not None:
-            copy_blocks(self.mapped, self.shared_store.base, [b.address for b in blocks], dst)
+            copy_blocks(self.mapped.array, self.shared_store.base, [b.address for b in blocks], dst)
             return
         assert self.agent is not None, "open() first"
         self.agent.pull(self.peer_metadata, blocks, dst, self.timeout_s, verify=False)

@@ -133,7 +133,9 @@ def write_rows(kv: PagedKVCache, block_ids: list[int], src: torch.Tensor) -> Non
     assert src.dtype == torch.uint8 and src.shape == (len(block_ids), nbytes) and src.is_contiguous(), \
         f"rows {src.dtype} {tuple(src.shape)}, expected uint8 ({len(block_ids)}, {nbytes})"
     pools = _pools(kv)
-    idx = torch.tensor(block_ids, dtype=torch.long, device=pools[0][1].device)
+    device = pools[0][1].device
+    idx = torch.tensor(block_ids, dtype=torch.long, pin_memory=device.type == "cuda")
+    idx = idx.to(device, non_blocking=True)  # queued on the current stream: no wait for the work before it
     for seg, t in pools:
         rows = src[:, seg.offset:seg.offset + seg.nbytes].reshape(len(block_ids), seg.rows, seg.record_bytes)
         t.index_copy_(0, idx, rows)

@@ -3,6 +3,10 @@
     reader thread:  read chunk 0 -> slot 0 | read chunk 1 -> slot 1 | read chunk 2 -> slot 0 (after chunk 0's copy) ...
     this thread:                           | import chunk 0 (slot 0)  | import chunk 1 (slot 1)                      ...
 
+A reader whose blocks are already in page-locked host memory the device can copy from (a same-node owner's store
+registered with CUDA: serve_app/kv_local.py) offers them as pinned_rows instead, chunk by chunk: those chunks skip
+the reader thread and the staging buffer, and go to the device straight from the owner's memory.
+
 The buffer is uint8 [2, chunk_blocks, block_bytes]: two slots, so at most two chunks are in flight (one being
 read, one being imported). It is allocated once per pools' owner (a shard actor, an in-process executor) and page-
 locked on CUDA, so a one-sided read (NIXL) can land in it and the host-to-device copy runs asynchronously on the
@@ -69,6 +73,12 @@ class BlockReader(Protocol):
         or raises (nothing in dst may be used then)."""
         ...
 
+    def pinned_rows(self, first: int, count: int) -> torch.Tensor | None:
+        """After open(): blocks first .. first + count - 1 as page-locked host rows (uint8 [count, block_bytes]) that
+        a CUDA device copies from directly, instead of read() into the staging buffer; None where they are not one
+        adjacent run of such memory (asked only when the pools are on CUDA)."""
+        ...
+
 
 @dataclass(frozen=True, slots=True)
 class ArrayReader:
@@ -92,6 +102,9 @@ class ArrayReader:
 
     def read(self, first: int, dst: np.ndarray) -> None:
         dst[:] = self.data[first:first + dst.shape[0]]
+
+    def pinned_rows(self, first: int, count: int) -> None:
+        return None
 
 
 # writes chunk rows (uint8 [n, block_bytes] on the host, a staging-buffer view) into those blocks of every rank's
@@ -144,28 +157,32 @@ class BlockImporter:
         C, host = self.chunk_blocks, self.host
         chunks = [(first, min(first + C, len(block_ids))) for first in range(0, len(block_ids), C)]
         copied: list[torch.cuda.Event | None] = [None, None]  # per slot: its last copy to the device has ended
-
-        def read(i: int) -> None:  # on the reader thread
-            if copied[i % 2] is not None:
-                copied[i % 2].synchronize()  # the slot's previous chunk has left it
-            first, end = chunks[i]
-            reader.read(first, host[i % 2, :end - first].numpy())
-
-        def opened_then_read() -> None:
-            reader.open(host.numpy())
-            read(0)
-
         expected = reader.expected_checksums
         sums = torch.empty(len(block_ids), dtype=torch.int64, device=self.device) if expected is not None else None
+        staged: list[int] = []  # the chunks read into the staging buffer (the others: the reader's pinned rows)
+
+        def read(k: int) -> None:  # on the reader thread: staged chunk k into slot k % 2
+            if copied[k % 2] is not None:
+                copied[k % 2].synchronize()  # the slot's previous chunk has left it
+            first, end = chunks[staged[k]]
+            reader.read(first, host[k % 2, :end - first].numpy())
+
         if self.is_cuda:  # work queued before the pull (a launched step that may still write a block freed since)
             self.stream.wait_stream(torch.cuda.current_stream(self.device))  # goes before this stream's copies
-        pending: Future = self._reader.submit(opened_then_read)
+        pending: Future | None = None
         try:
+            self._reader.submit(reader.open, host.numpy()).result()
+            direct = [reader.pinned_rows(f, e - f) if self.is_cuda else None for f, e in chunks]
+            staged = [i for i, rows in enumerate(direct) if rows is None]
+            staged_index = {i: k for k, i in enumerate(staged)}
+            pending = self._reader.submit(read, 0) if staged else None
             for i, (first, end) in enumerate(chunks):
-                pending.result()  # chunk i is in slot i % 2 (or its read raised)
-                if i + 1 < len(chunks):
-                    pending = self._reader.submit(read, i + 1)  # overlaps the import below
-                rows = host[i % 2, :end - first]  # [n, block_bytes]
+                k = staged_index.get(i)
+                if k is not None:
+                    pending.result()  # chunk i is in slot k % 2 (or its read raised)
+                    if k + 1 < len(staged):
+                        pending = self._reader.submit(read, k + 1)  # overlaps the import below
+                rows = host[k % 2, :end - first] if k is not None else direct[i]  # [n, block_bytes]
                 with torch.cuda.stream(self.stream) if self.is_cuda else nullcontext():
                     to_device = self.is_cuda and (sink is None or sums is not None)
                     landed = rows.to(self.device, non_blocking=True) if to_device else rows
@@ -175,13 +192,13 @@ class BlockImporter:
                         write_rows(self.kv, block_ids[first:end], landed)
                 if sink is not None:
                     sink(block_ids[first:end], rows)
-                if self.is_cuda:
-                    copied[i % 2] = torch.cuda.Event()
-                    copied[i % 2].record(self.stream)
+                if self.is_cuda and k is not None:
+                    copied[k % 2] = torch.cuda.Event()
+                    copied[k % 2].record(self.stream)
             if self.is_cuda:
                 self.stream.synchronize()  # the pools are complete before the engine's next step reads them
         except BaseException:
-            if not pending.done():
+            if pending is not None and not pending.done():
                 pending.exception()  # wait: the reader must not write the buffer while someone else uses it
             if self.is_cuda:
                 self.stream.synchronize()

@@ -25,6 +25,9 @@ class GatedReader:
 
     expected_checksums = None  # test data, trusted as it is
 
+    def pinned_rows(self, first: int, count: int) -> None:
+        return None
+
     @property
     def num_blocks(self) -> int:
         return self.data.shape[0]
@@ -51,6 +54,9 @@ class FileGatedReader:
         self.data, self.started, self.go = data, started, go
 
     expected_checksums = None  # test data, trusted as it is
+
+    def pinned_rows(self, first: int, count: int) -> None:
+        return None
 
     @property
     def num_blocks(self) -> int:

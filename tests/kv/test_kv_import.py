@@ -63,6 +63,9 @@ class RecordingReader:
     def expected_checksums(self) -> np.ndarray | None:
         return self.expected
 
+    def pinned_rows(self, first: int, count: int) -> None:
+        return None
+
     def select(self, rows: list[int]) -> "RecordingReader":
         return RecordingReader(self.data[rows], self.log, self.fail_at,
                                None if self.expected is None else self.expected[rows])
@@ -192,6 +195,22 @@ def test_a_failed_pull_leaves_no_block_registered_and_the_prompt_recomputes(tiny
     assert c.stats.num_imported_tokens == 192
 
 
+class PinnedReader(RecordingReader):
+    """Offers the blocks of every other chunk as page-locked rows (as a same-node owner's registered store does),
+    the rest through read(): one import mixes both paths."""
+
+    def __init__(self, data: np.ndarray, expected: np.ndarray, chunk_blocks: int):
+        super().__init__(data, [], expected=expected)
+        self.pinned = torch.from_numpy(data).pin_memory()
+        self.chunk_blocks = chunk_blocks
+
+    def pinned_rows(self, first: int, count: int) -> torch.Tensor | None:
+        if (first // self.chunk_blocks) % 2:
+            return None
+        self.log.append(("pinned", first))
+        return self.pinned[first:first + count]
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 @pytest.mark.parametrize("chunk_blocks", [1, 3, NUM_BLOCKS])
@@ -209,6 +228,14 @@ def test_cuda_import_through_pinned_memory_equals_the_cpu_import(tiny_cfg, chunk
     expected[NUM_BLOCKS - 1] += 1
     with pytest.raises(BlockChecksumMismatch, match=f"first: block {NUM_BLOCKS - 1}"):
         importer.import_blocks(TARGETS, RecordingReader(data, [], expected=expected))
+    mixed = random_records(tiny_cfg, NUM_BLOCKS, seed=6)
+    reader = PinnedReader(mixed, host_block_checksums(mixed), chunk_blocks)
+    importer.import_blocks(TARGETS, reader)  # even chunks straight from pinned rows, odd ones staged
+    assert np.array_equal(read_blocks(got, TARGETS), mixed)
+    pinned = [e[1] for e in reader.log if e[0] == "pinned"]
+    staged = [e[1] for e in reader.log if e[0] == "read"]
+    assert pinned == list(range(0, NUM_BLOCKS, 2 * chunk_blocks))
+    assert staged == list(range(chunk_blocks, NUM_BLOCKS, 2 * chunk_blocks))
     with pytest.raises(ConnectionError):
         importer.import_blocks(TARGETS, RecordingReader(data, [], fail_at=chunk_blocks % NUM_BLOCKS))
     assert importer.host.is_pinned() and importer.num_retired == 1

@@ -11,6 +11,7 @@ import sys
 
 import numpy as np
 import pytest
+import torch
 
 from engine.core.kv_blocks import ExportedPrefix
 from serve_app import kv_local
@@ -54,13 +55,14 @@ def test_a_reader_maps_another_processs_store_and_copies_its_blocks(owner, monke
     assert handle.pid == proc.pid and handle.node == kv_local.this_node()
     stores = PeerStores()
     mapped = stores.map(handle)
-    assert mapped is not None and mapped.nbytes == handle.nbytes and not mapped.flags.writeable
+    assert mapped is not None and mapped.array.nbytes == handle.nbytes and not mapped.array.flags.writeable
+    assert mapped.page_locked is None, "read-only unless page-locked for a device"
     assert stores.map(handle) is mapped, "one mapping per owner store"
     data = owner_data()
     rows = [4, 5, 6, 0, 11, 3]  # runs 4-6, 0, 11, 3
     dst = np.zeros((len(rows), BLOCK), np.uint8)
     monkeypatch.setattr(kv_local, "MIN_PIECE_BYTES", 1000)  # several pieces per run, on several threads
-    copy_blocks(mapped, handle.base, [addresses[i] for i in rows], dst)
+    copy_blocks(mapped.array, handle.base, [addresses[i] for i in rows], dst)
     assert np.array_equal(dst, data[rows])
     proc.stdin.write("\n")
     proc.stdin.flush()
@@ -86,6 +88,7 @@ def test_handles_round_trip_through_their_record_and_mappings_are_bounded(monkey
     for h in handles:
         assert peers.map(h) is not None  # this process's own stores map too
     assert list(peers._maps) == handles[1:], "the least recently used mapping is dropped"
+    assert peers.map(handles[2], page_locked=True).array.flags.writeable == torch.cuda.is_available()
 
 
 def test_block_runs_and_bad_copies():
@@ -115,7 +118,7 @@ def test_a_peer_reader_copies_from_shared_memory_on_this_node_else_reads_over_ni
             reader = PeerBlockReader(owner.metadata, refs, 5.0, handle, agent=agent).select([3, 1, 2])
             staging = np.zeros((3, BLOCK), np.uint8)
             reader.open(staging)
-            assert reader.path == path
+            assert reader.path == path and reader.pinned_rows(0, 1) is None  # no CUDA here
             reader.read(0, staging[:2])
             reader.read(2, staging[2:])
             assert np.array_equal(staging, data[[3, 1, 2]]), path
