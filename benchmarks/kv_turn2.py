@@ -56,7 +56,7 @@ from serve_app.records import KVHint  # noqa: E402
 ONE_TOKEN = SamplingParams(max_tokens=1, ignore_eos=True)  # greedy
 WEIGHTS = "kv-turn2-benchmark"  # one weights identity: A's and B's salts match
 VOCAB_DRAWN = 120_000
-BIG_CHUNK_BLOCKS = 512  # the import pipeline also timed at this chunk size
+BIG_CHUNK_BLOCKS = 1024  # the import pipeline also timed at this chunk size
 
 
 class Replica:

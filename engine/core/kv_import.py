@@ -44,7 +44,8 @@ from engine.core.block_checksum import block_checksums
 from engine.core.kv_blocks import block_bytes, write_rows
 from engine.core.kv_cache import PagedKVCache
 
-DEFAULT_CHUNK_BLOCKS = 64  # 3.6 MB of the real config's records per chunk; two slots: 7.3 MB of pinned memory
+DEFAULT_CHUNK_BLOCKS = 256  # 14.6 MB of the real config's records per chunk; two slots: 29 MB of pinned memory. On an H100,
+# 70 MB (8 real-width layers) imported 2.9x faster from shared memory and 1.2x over NIXL than at 64 (kv_import_chunks.py)
 
 
 class BlockReader(Protocol):
