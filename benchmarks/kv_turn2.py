@@ -196,7 +196,8 @@ async def run(args, model, device: str) -> None:
                            "same": float(tok_a == tok_b == tok_c)}  # same: every run's
                 print(f"L={L} run {r}: turn 1 {t1 * 1e3:.1f} ms, publish {publish_s * 1e3:.1f} ms, "
                       f"cold turn 2 {cold_s * 1e3:.1f} ms, pulled turn 2 {pull_s * 1e3:.1f} ms "
-                      f"(pull {outcome.seconds * 1e3:.1f} ms, {outcome.num_bytes / 1e6:.1f} MB), over NIXL "
+                      f"(pull {outcome.seconds * 1e3:.1f} ms: lookup {outcome.lookup_seconds * 1e3:.1f}, import "
+                      f"{outcome.import_seconds * 1e3:.1f}; {outcome.num_bytes / 1e6:.1f} MB), over NIXL "
                       f"{nixl_s * 1e3:.1f} ms (pull {outcome_c.seconds * 1e3:.1f} ms), "
                       f"first tokens {'=' if tok_a == tok_b == tok_c else '!='} A's", flush=True)
                 if not best or run_row["pull_ttft"] < best["pull_ttft"]:

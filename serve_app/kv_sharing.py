@@ -70,13 +70,17 @@ class PullOutcome:
     num_pulled_tokens: int = 0  # further tokens imported from another replica
     num_bytes: int = 0
     seconds: float = 0.0  # lookup + read + checksums + import (or until the fallback)
+    lookup_seconds: float = 0.0  # of which the ownership lookup (Redis)
+    import_seconds: float = 0.0  # and the engine's import: blocks held, read, copied, checked, published
     owner: str | None = None
     fallback: FallbackReason | None = None
 
     def log_fields(self) -> dict[str, object]:
         """The request_end line's `kv` object."""
         return {"local_tokens": self.num_local_tokens, "pulled_tokens": self.num_pulled_tokens,
-                "pull_bytes": self.num_bytes, "pull_ms": round(self.seconds * 1000, 3), "owner": self.owner,
+                "pull_bytes": self.num_bytes, "pull_ms": round(self.seconds * 1000, 3),
+                "lookup_ms": round(self.lookup_seconds * 1000, 3), "import_ms": round(self.import_seconds * 1000, 3),
+                "owner": self.owner,
                 "fallback": self.fallback}
 
 
@@ -135,10 +139,12 @@ class KVSharing:
         outcome = PullOutcome(num_local_tokens=num_local * B)
         if num_local >= usable or hint.pull_from is None or hint.pull_from == self.replica_id:
             return outcome
+        t_lookup = time.perf_counter()
         try:
             num_owned, owner, blocks = await self._run(self.index.longest_owned_prefix, hashes)
         except OwnershipUnavailable as e:
             return self._fallback("redis_unavailable", outcome, t0, e)
+        outcome = replace(outcome, lookup_seconds=time.perf_counter() - t_lookup)
         num_owned = min(num_owned, usable)
         if num_owned <= num_local:
             return self._fallback("record_expired", outcome, t0, f"no live record of blocks {num_local}..{usable - 1} "
@@ -147,6 +153,7 @@ class KVSharing:
         refs = [b.ref() for b in blocks[num_local:num_owned]]
         reader = PeerBlockReader(owner.agent_metadata, refs, self.pull_timeout_s,
                                  owner.shared_store if self.same_node_reads else None, self.agent)
+        t_import = time.perf_counter()
         try:
             num_pulled = await self.aengine.import_blocks(owner.fingerprint, hashes[num_local:num_owned], reader)
         except TransferFailed as e:
@@ -155,12 +162,14 @@ class KVSharing:
             return self._fallback("checksum", outcome, t0, e)
         except PrefixImportError as e:
             return self._fallback("fingerprint", outcome, t0, e)
-        seconds = time.perf_counter() - t0
+        t_done = time.perf_counter()
+        seconds = t_done - t0
         nbytes = sum(r.nbytes for r in refs)  # asked for (the engine skips any it holds; num_local counted those)
         self.metrics.observe_pull(nbytes, seconds)
         if self.on_pull is not None:
             self.on_pull(nbytes, seconds)
-        return replace(outcome, num_pulled_tokens=num_pulled, num_bytes=nbytes, seconds=seconds)
+        return replace(outcome, num_pulled_tokens=num_pulled, num_bytes=nbytes, seconds=seconds,
+                       import_seconds=t_done - t_import)
 
     def observe_hits(self, outcome: PullOutcome | None, num_cached_tokens: int) -> int:
         """Splits a request's prefix-hit tokens into local and remote (pulled) for the metrics; returns

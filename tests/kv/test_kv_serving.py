@@ -138,6 +138,9 @@ def test_turn_2_on_another_replica_pulls_and_equals_a_replica_without_snapshot(o
     assert turn.outcome.fallback is None and turn.outcome.owner == "a"
     assert (turn.outcome.num_local_tokens, turn.outcome.num_pulled_tokens) == (0, 128)
     assert turn.outcome.num_bytes == 2 * block_bytes(tiny_cfg, B)
+    o = turn.outcome
+    assert 0 < o.lookup_seconds and 0 < o.import_seconds and o.lookup_seconds + o.import_seconds <= o.seconds
+    assert {"lookup_ms", "import_ms"} <= o.log_fields().keys()
     assert (turn.stats.num_cached_tokens, turn.stats.num_replayed_tokens) == (128, W)
     assert turn.stats.num_computed_prompt_tokens == len(turn2) - 128 + W
     assert b.engine.stats.num_computed_tokens - computed == len(turn2) - 128 + W + NUM_NEW - 1
