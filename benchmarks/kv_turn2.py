@@ -2,7 +2,7 @@
 history length (issue 27), through two replicas in one process on one device.
 
     python benchmarks/kv_turn2.py [--model real-width|tiny] [--layers 8] [--lengths 1K,8K,32K,128K]
-        [--new-tokens 64] [--chunk 8192] [--runs 2] [--cache-mib 1024]
+        [--new-tokens 64] [--chunk 8192] [--runs 2] [--cache-mib 1024] [--decodes 16]
 
 Replicas A (owner), B and C (receivers) are what EngineReplica composes around its engine: LLMEngine + AsyncEngine +
 KVSharing (a host store in shared memory registered with a NIXL agent, ownership records in a throwaway
@@ -20,7 +20,8 @@ Then, per length, the pull's parts timed alone on the same blocks (best of 5): l
 copy out of A's mapped store, or one NIXL READ, into pinned memory), host to pools (one copy and scatter), the device
 checks, the pipeline a pull runs per path (engine/core/kv_import.py: chunked reads overlapped with the copies and
 checks; at the default chunk and at BIG_CHUNK_BLOCKS), and the owner's export (A's pools -> host, what a publish
-reads). Prints markdown tables: the fastest run per length.
+reads). Prints markdown tables: the fastest run per length. With --decodes N, last: N requests decode on B while it
+pulls a fresh conversation of the longest length, and their inter-token gaps before and during the pull are printed.
 """
 
 from __future__ import annotations
@@ -136,7 +137,7 @@ async def parts(a: Replica, b: Replica, prompt: list[int], num_blocks: int) -> d
     importers = {c: BlockImporter(kv, c) for c in (DEFAULT_CHUNK_BLOCKS, BIG_CHUNK_BLOCKS)}
     result = {  # (the pipelines rewrite B's blocks with the bytes they hold)
         "lookup": best_of(5, lambda: b.kv.index.longest_owned_prefix(hashes)),
-        "read_shm": best_of(5, lambda: copy_blocks(mapped, owner.shared_store.base, [r.address for r in refs], dst)),
+        "read_shm": best_of(5, lambda: copy_blocks(mapped.array, owner.shared_store.base, [r.address for r in refs], dst)),
         "read_nixl": best_of(5, lambda: b.kv.agent.pull(owner.agent_metadata, refs, dst, verify=False)),
         "import": best_of(5, import_once),
         "check": best_of(5, check_once),
@@ -155,7 +156,7 @@ async def run(args, model, device: str) -> None:
     lengths = [parse_tokens(t) for t in args.lengths.split(",")]
     max_len = max(lengths) + args.new_tokens + 256
     # no snapshots: A's own turn 2 then resumes from its blocks + encoder replay of the window, as B does after a pull
-    config = EngineConfig(max_num_seqs=2, max_num_batched_tokens=args.chunk, cache_memory_bytes=args.cache_mib << 20,
+    config = EngineConfig(max_num_seqs=2 + args.decodes, max_num_batched_tokens=args.chunk, cache_memory_bytes=args.cache_mib << 20,
                           max_model_len=max_len, max_snapshots=0)
     workdir = tempfile.mkdtemp(prefix="kv-turn2-")
     redis_proc, redis_url = start_redis(workdir)
@@ -208,12 +209,63 @@ async def run(args, model, device: str) -> None:
                 last_turn2 = turn2
             best.update(await parts(a, b, last_turn2, (L + 1) // B))
             rows.append((L, best))
+        if args.decodes:
+            itl = await decode_during_pull(a, b, tokens, max(lengths), args.decodes)
     finally:
         await c.close()
         await b.close()
         await a.close()
         redis_proc.terminate()
     report(args, rows, device)
+    if args.decodes:
+        alone, during, pull_s = itl
+        print(f"\n{args.decodes} requests decoding on B while it pulls {max(lengths):,} tokens of history "
+              f"({pull_s * 1e3:.1f} ms): ITL decode alone p50 {np.percentile(alone, 50):.2f} / p99 "
+              f"{np.percentile(alone, 99):.2f} ms; during the pull p50 {np.percentile(during, 50):.2f} / p99 "
+              f"{np.percentile(during, 99):.2f} / max {during.max():.2f} ms ({len(during)} gaps)")
+
+
+async def decode_during_pull(a: Replica, b: Replica, tokens, L: int, n: int) -> tuple[np.ndarray, np.ndarray, float]:
+    """n requests decode on B; A serves and publishes a fresh L-token turn 1; B pulls it (prefetch alone, as a turn 2
+    on B starts). Returns the decoding requests' inter-token gaps (ms) before the pull and those ending during it,
+    and the pull's seconds."""
+    B = a.engine.cache.layout.global_block_size
+    stamps: list[list[float]] = [[] for _ in range(n)]
+    stop = asyncio.Event()
+
+    async def decode(i: int) -> None:
+        params = SamplingParams(max_tokens=100_000, ignore_eos=True)
+        async for out in b.aengine.generate(f"decode-{i}", tokens(128), params):
+            stamps[i].extend([time.perf_counter()] * len(out.new_token_ids))
+            if stop.is_set():
+                break
+
+    turn1 = tokens(L)
+    _, tok1, _, _ = await a.first_token("itl-t1", turn1)
+    await a.publish(turn1 + [tok1])
+    tasks = [asyncio.create_task(decode(i)) for i in range(n)]
+    while min(len(s) for s in stamps) < 40:  # steady decode, past the decodes' own prefills
+        await asyncio.sleep(0.01)
+    start = time.perf_counter()
+    hint = KVHint(a.engine.cache.salt, target=a.name, pull_from=a.name, num_blocks=(L + 1) // B)
+    outcome = await b.kv.prefetch(turn1 + [tok1] + tokens(64), hint)
+    end = time.perf_counter()
+    assert outcome.fallback is None and outcome.num_pulled_tokens > 0, outcome
+    marks = [len(s) for s in stamps]
+    while min(len(s) - m for s, m in zip(stamps, marks)) < 10:
+        await asyncio.sleep(0.01)
+    stop.set()
+    await asyncio.gather(*tasks)
+    alone, during = [], []
+    for s in stamps:
+        for t0, t1 in zip(s[20:], s[21:]):  # identical stamps (tokens of one output) are not gaps
+            if t1 == t0:
+                continue
+            if t1 < start:
+                alone.append((t1 - t0) * 1e3)
+            elif t1 <= end or t0 < end:
+                during.append((t1 - t0) * 1e3)
+    return np.array(alone), np.array(during), end - start
 
 
 def report(args, rows, device: str) -> None:
@@ -257,6 +309,8 @@ def main() -> None:
     p.add_argument("--chunk", type=int, default=8192, help="max_num_batched_tokens: prefill chunk size")
     p.add_argument("--runs", type=int, default=2)
     p.add_argument("--cache-mib", type=int, default=1024, help="each engine's KV cache")
+    p.add_argument("--decodes", type=int, default=0,
+                   help="then: this many requests decode on B while it pulls the longest length (their ITL)")
     args = p.parse_args()
     device = "cuda" if torch.cuda.is_available() else "cpu"
     lengths = [parse_tokens(t) for t in args.lengths.split(",")]
