@@ -23,6 +23,7 @@ import logging
 import mmap
 import os
 import threading
+import weakref
 from collections import OrderedDict
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -72,6 +73,7 @@ class SharedBuffer:
         self.fd: int | None = None
         if hasattr(os, "memfd_create") and os.path.exists("/proc/self/ns/pid"):
             self.fd = os.memfd_create(name, os.MFD_CLOEXEC)
+            weakref.finalize(self, os.close, self.fd)  # peers open it by number while this buffer lives
             os.ftruncate(self.fd, nbytes)
             self.mmap = mmap.mmap(self.fd, nbytes)
         else:
