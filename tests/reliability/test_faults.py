@@ -199,6 +199,7 @@ def test_nixl_transfers_failing_and_timing_out_under_load(owner, router, receive
     peer's NIXL error), the second never finishes (timeout), the others are real."""
     e = receiver("e")
     e.kv.pull_timeout_s = 0.3
+    e.kv.same_node_reads = False  # the owner is on this node: without this, it reads shared memory, not NIXL
     nixl = e.kv.agent._agent
     real_transfer, real_check = nixl.transfer, nixl.check_xfer_state
     calls, stuck = itertools.count(), set()
