@@ -238,7 +238,8 @@ class PeerBlockReader:
     def open(self, buffer: np.ndarray) -> None:
         self.mapped = None
         if self.shared_store is not None:
-            self.mapped = peer_stores.map(self.shared_store, page_locked=True)  # where this process has CUDA
+            # page-locked where this process uses CUDA (its pools there); a CPU process on a GPU node starts no context
+            self.mapped = peer_stores.map(self.shared_store, page_locked=torch.cuda.is_initialized())
         if self.mapped is None:
             if self.agent is None:
                 self.agent = process_agent()
