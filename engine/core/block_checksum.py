@@ -47,10 +47,10 @@ def block_checksums(rows: torch.Tensor) -> torch.Tensor:
     on CUDA (no sync)."""
     assert rows.dtype == torch.uint8 and rows.dim() == 2 and rows.shape[1] % 4 == 0 and rows.is_contiguous(), \
         f"rows {rows.dtype} {tuple(rows.shape)}: uint8 [n, 4k], C-contiguous"
-    n, num_words = rows.shape[0], rows.shape[1] // 4
-    words = rows.view(torch.int32)  # [n, num_words]
     if rows.device.type == "cpu":
         return torch.from_numpy(host_block_checksums(rows.numpy()))
+    n, num_words = rows.shape[0], rows.shape[1] // 4
+    words = rows.view(torch.int32)  # [n, num_words]
     w = block_weights(num_words, rows.device)
     step = max(1, SLICE_WORDS // max(1, num_words))
     out = torch.empty(n, dtype=torch.int64, device=rows.device)
