@@ -248,13 +248,13 @@ class LLMEngine:
 
     @classmethod
     def sharded(cls, ckpt_dir: str | Path, config: EngineConfig, device: str, num_shards: int,
-                step_timeout: timedelta | None = None) -> "LLMEngine":
+                step_timeout: timedelta | None = None, drafter: Drafter | None = None) -> "LLMEngine":
         """The model split over num_shards local processes, each running the golden modules or the kernel path
         (config.runner; auto: the kernels on CUDA) with its decode step; step_timeout bounds a collective's wait
         for the other ranks (None: shard_group.STEP_TIMEOUT). Speculative decoding: every rank loads its slices of
-        the DSpark stages and drafts over its own pools. A config the shards cannot split (the DSpark experts too
-        when speculating) raises ShardingError, and speculative settings the checkpoint cannot run EngineConfigError,
-        before any process starts."""
+        the DSpark stages and drafts over its own pools (drafter: another Drafter instead, pickled to every rank). A
+        config the shards cannot split (the DSpark experts too when speculating) raises ShardingError, and
+        speculative settings the checkpoint cannot run EngineConfigError, before any process starts."""
         from engine.checkpoint.sharding import check_shardable
         from engine.config import load_config
         from engine.core.shard_group import STEP_TIMEOUT, ShardGroupExecutor, default_threads
@@ -272,7 +272,7 @@ class LLMEngine:
                      lambda layout: ShardGroupExecutor.start(path, device, layout, num_shards,
                                                              step_timeout=step_timeout or STEP_TIMEOUT,
                                                              num_threads=default_threads(num_shards),
-                                                             kernels=kernels, decode=decode),
+                                                             kernels=kernels, decode=decode, drafter=drafter),
                      eos_token_id=tokenizer.eos_id, weights_identity=path)
         engine.tokenizer = tokenizer
         return engine

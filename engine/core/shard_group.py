@@ -26,6 +26,7 @@ import numpy as np
 import torch
 
 from engine.core.cache_manager import CacheLayout
+from engine.core.drafter import Drafter
 from engine.core.engine import capture_decode_graphs
 from engine.core.engine_config import DecodeOptions
 from engine.core.plan import StepPlan
@@ -53,6 +54,7 @@ class ShardLaunch:
     num_threads: int | None  # torch intra-op threads of the rank (None: torch's default)
     kernels: bool = False  # the kernel path (engine/core/kernel_layers.py) instead of the golden modules
     decode: DecodeOptions | None = None  # the kernel path's decode step (None: off)
+    drafter: Drafter | None = None  # what drafts when speculating, each rank its own copy (None: the DSpark stages)
 
 
 def rank_device(device: str, rank: int) -> torch.device:
@@ -75,7 +77,8 @@ def follower_main(rank: int, launch: ShardLaunch, conn: Connection) -> None:
     shard = ShardSpec(rank, launch.num_shards)
     device = rank_device(launch.device, rank)
     try:
-        mine = load_shard(launch.checkpoint, device, launch.layout, shard, launch.kernels, launch.decode)
+        mine = load_shard(launch.checkpoint, device, launch.layout, shard, launch.kernels, launch.decode,
+                          launch.drafter)
     except BaseException as e:  # noqa: BLE001 -- reported to rank 0, which raises it
         conn.send(("failed", _picklable(e)))
         return
@@ -112,14 +115,15 @@ class ShardGroupExecutor:
     @classmethod
     def start(cls, checkpoint: str, device: str, layout: CacheLayout, num_shards: int, *,
               step_timeout: timedelta = STEP_TIMEOUT, num_threads: int | None = None, kernels: bool = False,
-              decode: DecodeOptions | None = None) -> "ShardGroupExecutor":
+              decode: DecodeOptions | None = None, drafter: Drafter | None = None) -> "ShardGroupExecutor":
         """Spawn ranks 1..num_shards-1, load rank 0 here, wait until every rank has loaded, join the group (and,
-        on CUDA with the kernel path's decode step, capture every rank's decode graphs). A rank's load error is
-        raised here (CheckpointError / ShardingError as it was raised there)."""
+        on CUDA with the kernel path's decode step, capture every rank's decode graphs). drafter: speculating, what
+        drafts (pickled to every rank; it must draft alike on all of them); None: the DSpark stages. A rank's load
+        error is raised here (CheckpointError / ShardingError as it was raised there)."""
         assert num_shards > 1, "one shard runs in-process (LocalExecutor)"
         rendezvous = Rendezvous(num_shards, step_timeout)
         launch = ShardLaunch(checkpoint, device, layout, num_shards, rendezvous.address, step_timeout, num_threads,
-                             kernels, decode)
+                             kernels, decode, drafter)
         ctx = mp.get_context("spawn")
         procs, conns = [], []
         try:
@@ -132,7 +136,7 @@ class ShardGroupExecutor:
                 procs.append(proc)
                 conns.append(ours)
             rank0 = load_shard(checkpoint, rank_device(device, 0), layout, ShardSpec(0, num_shards), kernels,
-                               decode)
+                               decode, drafter)
             memory = [rank0.memory] + _wait_loaded(procs, conns)
             for conn in conns:
                 conn.send("go")

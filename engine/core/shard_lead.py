@@ -26,6 +26,7 @@ import torch
 
 from engine.core import kv_blocks
 from engine.core.cache_manager import CacheLayout
+from engine.core.drafter import Drafter
 from engine.core.engine_config import DecodeOptions
 from engine.core.kv_cache import PagedKVCache
 from engine.core.plan import StepPlan
@@ -112,10 +113,12 @@ class RankShard:
 
 
 def load_shard(checkpoint: str, device: torch.device, layout: CacheLayout, shard: ShardSpec,
-               kernels: bool | None = False, decode: DecodeOptions | None = None) -> RankShard:
+               kernels: bool | None = False, decode: DecodeOptions | None = None,
+               drafter: Drafter | None = None) -> RankShard:
     """One rank's shard of the model (its slices of the DSpark stages when the pools hold their context, i.e.
     speculative decoding is on; the Engram tables mapped from the node's shared copy), its paged pools and its
-    runner (kernels: None picks by device); prints its memory line on stderr."""
+    runner (kernels: None picks by device; drafter: what drafts, None for the DSpark stages); prints its memory line
+    on stderr."""
     if device.type == "cuda" and device.index is not None:
         torch.cuda.set_device(device)
     loaded = load_model(checkpoint, device, with_mtp=layout.num_dspark_layers > 0, progress=False, shard=shard,
@@ -123,7 +126,7 @@ def load_shard(checkpoint: str, device: torch.device, layout: CacheLayout, shard
     kv = PagedKVCache(loaded.cfg, layout, device)
     memory = RankMemory.measure(loaded, kv, shard)
     print(memory.line(), file=sys.stderr, flush=True)
-    return RankShard(loaded, kv, ModelRunner(loaded.model, kv, kernels, decode), memory)
+    return RankShard(loaded, kv, ModelRunner(loaded.model, kv, kernels, decode, drafter), memory)
 
 
 def follow(groups: ProcessGroups, runner: ModelRunner, kv: PagedKVCache) -> None:
