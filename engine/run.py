@@ -231,8 +231,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--speculative-tokens", type=int, default=DEFAULTS.speculative_tokens, metavar="K",
                    help="speculative decoding: the checkpoint's DSpark stages draft up to K tokens a step, verified in "
                         "the next target pass (greedy and seeded sampling keep the target's tokens / distribution); "
-                        "0 = off, at most the checkpoint's DSpark block (either runner; the kernel runner at one "
-                        "shard)")
+                        "0 = off, at most the checkpoint's DSpark block (either runner, any --num-shards)")
     p.add_argument("--num-shards", type=int, default=1,
                    help="split the model over N local processes (tensor-parallel attention, expert-parallel MoE; "
                         "gloo on CPU; either runner); N must divide the heads, output groups and experts")

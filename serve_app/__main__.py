@@ -31,17 +31,14 @@ def ensure_tiny_checkpoint(path: Path = TINY_CHECKPOINT) -> Path:
 
 
 def check_speculative_settings(settings: ServeSettings) -> None:
-    """With --speculative-tokens K > 0: refuse a K past the checkpoint's DSpark block (or the kernel runner over
-    several shards) before Ray starts, rather than in every replica's constructor
-    (engine/core/engine_config.check_speculative)."""
+    """With --speculative-tokens K > 0: refuse a K past the checkpoint's DSpark block before Ray starts, rather than
+    in every replica's constructor (engine/core/engine_config.check_speculative)."""
     if settings.speculative_tokens == 0:
         return
     from engine.config import load_config
-    from engine.core.engine_config import check_speculative, kernels_for
+    from engine.core.engine_config import check_speculative
 
-    kernels = kernels_for(settings.runner)
-    check_speculative(settings.to_engine_config(), load_config(settings.checkpoint),
-                      bool(kernels) or (kernels is None and settings.device == "cuda"), settings.num_shards)
+    check_speculative(settings.to_engine_config(), load_config(settings.checkpoint))
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -241,8 +241,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--runner", help="auto, kernels or golden (default auto: the kernels on CUDA, the golden "
                    "float64 modules on CPU)")
     p.add_argument("--speculative-tokens", help="speculative decoding: DSpark drafts verified per step, at most the "
-                   "checkpoint's DSpark block (default 0 = off; either runner, the kernel runner at one shard for "
-                   "now; with --num-shards N, N must divide the DSpark experts too)")
+                   "checkpoint's DSpark block (default 0 = off; either runner; with --num-shards N, N must divide "
+                   "the DSpark experts too)")
     p.add_argument("--api-key", help="require this bearer token" + env["api_key"])
     p.add_argument("--max-n", help="most choices per request (default 8)")
     p.add_argument("--max-messages", help="most messages per chat request (default 2048)")

@@ -263,7 +263,7 @@ class LLMEngine:
         kernels = kernels_for(config.runner)
         kernels = device == "cuda" if kernels is None else kernels
         cfg = load_config(ckpt_dir)
-        check_speculative(config, cfg, kernels, num_shards)  # the kernel runner speculates at one shard for now
+        check_speculative(config, cfg)
         check_shardable(cfg, num_shards, include_mtp=config.is_speculative)
         tokenizer = load_tokenizer(ckpt_dir)
         path = str(Path(ckpt_dir).resolve())

@@ -69,13 +69,9 @@ def decode_options(config: EngineConfig, cfg: ModelConfig) -> DecodeOptions | No
                          config.speculative_tokens)
 
 
-SPECULATIVE_KERNEL_SHARDS = ("speculative decoding on the kernel runner runs at one shard for now (it has not run "
-                             "over shards yet): use --num-shards 1, or --runner golden")
-
-
-def check_speculative(config: EngineConfig, cfg: ModelConfig, kernels: bool = False, num_shards: int = 1) -> None:
-    """Raises EngineConfigError for speculative settings this checkpoint cannot run, or the kernel runner (kernels)
-    over num_shards > 1 shards."""
+def check_speculative(config: EngineConfig, cfg: ModelConfig) -> None:
+    """Raises EngineConfigError for speculative settings this checkpoint cannot run (either runner, any number of
+    shards: a shard count the DSpark stages cannot split is checkpoint.sharding.check_shardable's refusal)."""
     k = config.speculative_tokens
     if not isinstance(k, int) or isinstance(k, bool) or k < 0:
         raise EngineConfigError(f"--speculative-tokens must be an integer >= 0, got {k!r}")
@@ -83,8 +79,6 @@ def check_speculative(config: EngineConfig, cfg: ModelConfig, kernels: bool = Fa
         return
     if cfg.n_mtp_layers == 0:
         raise EngineConfigError(f"--speculative-tokens {k}: this checkpoint has no DSpark stages to draft with")
-    if kernels and num_shards > 1:
-        raise EngineConfigError(SPECULATIVE_KERNEL_SHARDS)
     if k > cfg.dspark_block_size:
         raise EngineConfigError(f"--speculative-tokens {k} is past the checkpoint's DSpark block of "
                                 f"{cfg.dspark_block_size} tokens (dspark_block_size): use 1..{cfg.dspark_block_size}, "

@@ -163,8 +163,8 @@ def test_parse_completion(tmp_path, capsys):
     ([], "give one of"),
     (["--prompt", "hi", "--speculative-tokens", "-1"], "--speculative-tokens must be >= 0"),
     (["--prompt", "hi", "--speculative-tokens", "4"], "past the checkpoint's DSpark block of 3 tokens"),
-    (["--prompt", "hi", "--speculative-tokens", "2", "--runner", "kernels", "--num-shards", "2"],
-     "kernel runner runs at one shard"),
+    (["--prompt", "hi", "--speculative-tokens", "4", "--runner", "kernels", "--num-shards", "2"],
+     "past the checkpoint's DSpark block of 3 tokens"),  # before any rank starts
 ])
 def test_malformed_input_exits_2_with_reason(ckpt, capsys, argv, needle):
     assert main(["--ckpt", str(ckpt), *argv]) == 2

@@ -66,9 +66,9 @@ def test_two_shards_draft_verify_and_accept_as_one_shard(one_and_two_shards):
         assert len(tokens) == NUM_NEW and steps > 0 and drafted > 0, f"{rid}: {one[rid]}"
 
 
-def test_the_kernel_runner_is_refused_before_any_rank_starts(tiny_checkpoint):
-    with pytest.raises(EngineConfigError, match="kernel runner runs at one shard"):
-        LLMEngine.sharded(tiny_checkpoint, EngineConfig(speculative_tokens=2, runner="kernels"), "cpu", 2)
+def test_a_k_past_the_dspark_block_is_refused_before_any_rank_starts(tiny_checkpoint):
+    with pytest.raises(EngineConfigError, match="DSpark block of 3 tokens"):
+        LLMEngine.sharded(tiny_checkpoint, EngineConfig(speculative_tokens=4, runner="kernels"), "cpu", 2)
 
 
 SEEN = [b"[([5, 6], [5, 7])]", b"[([5, 6], [5, 8])]"]  # rank 1's tokens: rank 0's, then other ones

@@ -18,6 +18,7 @@ import pytest
 
 from engine.core.engine import LLMEngine
 from engine.core.sampling_params import SamplingParams
+from serve_app.__main__ import check_speculative_settings
 from serve_app.__main__ import main as serve_main
 from serve_app.settings import ServeSettings, SettingsError
 from tests.serve.api_fixtures import chat_body, chat_prompt_ids, run_offline, visible_text
@@ -127,10 +128,12 @@ def test_four_shards_are_refused_when_the_settings_are_built(tiny_checkpoint, ca
     speculative = ServeSettings.from_cli(["--checkpoint", str(tiny_checkpoint), "--num-shards", "2",
                                           "--speculative-tokens", "2"], environ={})
     assert (speculative.num_shards, speculative.speculative_tokens) == (2, 2)  # the DSpark stages split too
-    # still refused before Ray: speculative decoding on the kernel runner over several shards
-    assert serve_main(["--checkpoint", str(tiny_checkpoint), "--num-shards", "2", "--speculative-tokens", "2",
-                       "--runner", "kernels"]) == 2
-    assert "kernel runner runs at one shard" in capsys.readouterr().err
+    # the kernel runner speculates over several shards too; a K past the DSpark block is refused before Ray
+    kernel_spec = ["--checkpoint", str(tiny_checkpoint), "--num-shards", "2", "--runner", "kernels"]
+    assert check_speculative_settings(ServeSettings.from_cli(kernel_spec + ["--speculative-tokens", "2"],
+                                                             environ={})) is None
+    assert serve_main(kernel_spec + ["--speculative-tokens", "4"]) == 2
+    assert "past the checkpoint's DSpark block of 3 tokens" in capsys.readouterr().err
     assert serve_main(["--checkpoint", str(tiny_checkpoint), "--num-shards", "4"]) == 2  # make serve: before Ray
     assert "o_groups=2 is not divisible by 4 shards" in capsys.readouterr().err
 
