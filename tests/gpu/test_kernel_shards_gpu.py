@@ -10,9 +10,17 @@ the all-gather inside) against one shard on one GPU, greedy: the same tokens ove
 logprobs within 1e-3 (fp32 summation order differs between the two; on the CPU the same comparison was bitwise,
 tests/parallel/test_kernel_shard_group.py; a flipped bf16 rounding would show here as a token or logprob
 difference: look at it before widening anything).
+
+Speculative decoding (K = 3, greedy; written on a CPU machine, not yet run on a GPU): the solo rank's verify and
+draft graphs (engine/core/verify_step.py, draft_step.py, the solo collectives inside) give what the same steps run
+eagerly give; and `--num-shards 2` on two GPUs, every rank replaying its own verify and draft graphs (NCCL inside),
+gives one GPU's tokens and draft / accept counts at the same K (on the CPU: tests/parallel/
+test_kernel_shard_speculative.py).
 """
 
 from __future__ import annotations
+
+from dataclasses import replace
 
 import pytest
 import torch
@@ -78,3 +86,52 @@ def test_two_gpus_draw_one_gpus_tokens(tiny_checkpoint):
             assert a[0] == b[0] and [t for t, _ in a[2]] == [t for t, _ in b[2]], (rid, a, b)
             values = [a[1]] + [v for _, v in a[2]], [b[1]] + [v for _, v in b[2]]
             assert max(abs(x - y) for x, y in zip(*values)) <= 1e-3, (rid, a, b)
+
+
+SPEC_STEPS = 12
+SPEC_PROMPTS = {f"r{i}": random_prompt(5 + 13 * i, seed=i) for i in range(3)}
+
+
+def spec_config(graphs: bool) -> EngineConfig:
+    return replace(config(graphs), speculative_tokens=3)
+
+
+def run_speculative(engine: LLMEngine) -> dict:
+    """Greedy SPEC_PROMPTS -> {id: (output ids, (verify steps, drafts verified, drafts accepted))}."""
+    runner = engine.executor.runner
+    assert runner.verify is not None and runner.draft_step is not None and runner.decode is None
+    for rid, prompt in SPEC_PROMPTS.items():
+        engine.add_request(rid, prompt, SamplingParams(max_tokens=SPEC_STEPS, ignore_eos=True))
+    out = {}
+    while engine.has_unfinished:
+        for o in engine.step():
+            ids, _ = out.setdefault(o.request_id, ([], None))
+            ids += o.new_token_ids
+            if o.finished:
+                out[o.request_id] = (ids, (o.stats.num_verify_steps, o.stats.num_draft_tokens,
+                                           o.stats.num_accepted_tokens))
+    assert all(stats[0] > 0 for _, stats in out.values()), out
+    return out
+
+
+def test_solo_rank_verify_and_draft_graphs_equal_its_eager_steps():
+    model = random_model(tiny_config(), "cuda", shard=ShardSpec(0, 2, solo=True), with_mtp=True)
+    graph = LLMEngine.local(model, spec_config(graphs=True), eos_token_id=-1)
+    runner = graph.executor.runner
+    assert len(runner.verify._verify_graphs) > 0 and len(runner.draft_step._graphs) > 0
+    assert run_speculative(graph) == run_speculative(LLMEngine.local(model, spec_config(graphs=False),
+                                                                     eos_token_id=-1))
+
+
+@pytest.mark.multigpu
+@two_gpus
+def test_two_gpus_speculate_as_one_gpu(tiny_checkpoint):
+    one = run_speculative(LLMEngine.from_checkpoint(tiny_checkpoint, spec_config(graphs=True), "cuda"))
+    engine = LLMEngine.from_checkpoint(tiny_checkpoint, spec_config(graphs=True), "cuda", num_shards=2)
+    try:
+        runner = engine.executor.runner
+        assert len(runner.verify._verify_graphs) > 0 and len(runner.draft_step._graphs) > 0
+        two = run_speculative(engine)
+    finally:
+        engine.close()
+    assert two == one, f"two GPUs {two} vs one GPU {one}"
