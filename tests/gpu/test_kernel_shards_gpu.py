@@ -65,15 +65,20 @@ def test_solo_rank_decode_graphs_equal_its_eager_step():
     assert run(graph) == run(LLMEngine.local(model, config(graphs=False), eos_token_id=-1))
 
 
+def on_one_and_two_gpus(ckpt, cfg: EngineConfig, drive) -> tuple[dict, dict]:
+    """drive(engine) on the checkpoint in one process on one GPU, then over two GPUs (two shards)."""
+    one = drive(LLMEngine.from_checkpoint(ckpt, cfg, "cuda"))
+    engine = LLMEngine.from_checkpoint(ckpt, cfg, "cuda", num_shards=2)
+    try:
+        return one, drive(engine)
+    finally:
+        engine.close()
+
+
 @pytest.mark.multigpu
 @two_gpus
 def test_two_gpus_draw_one_gpus_tokens(tiny_checkpoint):
-    one = run(LLMEngine.from_checkpoint(tiny_checkpoint, config(graphs=True), "cuda"))
-    engine = LLMEngine.from_checkpoint(tiny_checkpoint, config(graphs=True), "cuda", num_shards=2)
-    try:
-        two = run(engine)
-    finally:
-        engine.close()
+    one, two = on_one_and_two_gpus(tiny_checkpoint, config(graphs=True), run)
     assert two.keys() == one.keys()
     for rid in one:
         (ids2, lps2), (ids1, lps1) = two[rid], one[rid]
@@ -126,12 +131,10 @@ def test_solo_rank_verify_and_draft_graphs_equal_its_eager_steps():
 @pytest.mark.multigpu
 @two_gpus
 def test_two_gpus_speculate_as_one_gpu(tiny_checkpoint):
-    one = run_speculative(LLMEngine.from_checkpoint(tiny_checkpoint, spec_config(graphs=True), "cuda"))
-    engine = LLMEngine.from_checkpoint(tiny_checkpoint, spec_config(graphs=True), "cuda", num_shards=2)
-    try:
+    def captured_then_run(engine: LLMEngine) -> dict:
         runner = engine.executor.runner
         assert len(runner.verify._verify_graphs) > 0 and len(runner.draft_step._graphs) > 0
-        two = run_speculative(engine)
-    finally:
-        engine.close()
+        return run_speculative(engine)
+
+    one, two = on_one_and_two_gpus(tiny_checkpoint, spec_config(graphs=True), captured_then_run)
     assert two == one, f"two GPUs {two} vs one GPU {one}"
