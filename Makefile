@@ -20,7 +20,7 @@ $(STAMP): pyproject.toml Makefile
 	touch $(STAMP)
 
 test: install
-	TRITON_INTERPRET=1 $(BIN)/python -m pytest -q tests
+	TRITON_INTERPRET=1 $(BIN)/python -m pytest -q -n 2 --dist loadgroup tests
 
 # make serve: the embedded default (tiny-vision random-weight checkpoint, CPU) on :8000, or CKPT=/path/to/model.
 serve: install

@@ -31,9 +31,24 @@ TINY_SEED = 0
 
 def pytest_configure(config):
     if os.environ.get("TRITON_INTERPRET") == "1":  # a device function call no longer re-patches triton.language
-        from tests.triton_interpret import skip_repeated_lang_patches
+        from tests.triton_interpret import skip_dead_overflow_checks, skip_repeated_lang_patches
 
         skip_repeated_lang_patches()
+        skip_dead_overflow_checks()  # the interpreter's int32 overflow checks assert nothing unless debug is on
+
+
+# Under pytest-xdist (the Makefile runs two workers) the tests that start Ray run on one worker, one after another,
+# as in a single process: the session's Ray and Serve (ray_session, serve_session) are that worker's, and the
+# modules that start a Ray cluster of their own never overlap another one on this machine
+RAY_FIXTURES = {"ray_session", "serve_session"}
+RAY_MODULES = {"test_kv_serving.py", "test_kv_blocks.py", "test_kv_serving_gpu.py", "test_kv_gpu_pull.py",
+               "test_deploy_local.py"}
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        if RAY_FIXTURES & set(getattr(item, "fixturenames", ())) or Path(item.path).name in RAY_MODULES:
+            item.add_marker(pytest.mark.xdist_group("ray"))
 
 
 @pytest.fixture(scope="session")

@@ -13,11 +13,19 @@ quarter of the interpreter's time in the kernel-path engine tests (measured 2026
 runs (so `triton.language.core`, seen first by `tl.sum`'s module, is patched exactly as before) and the repeats
 are skipped. Kernels compute the same values; the overflow sanitizer and every other interpreter check stay on.
 
+Second, `skip_dead_overflow_checks`: the interpreter's `sanitize_overflow` option (on by default there) redoes every
+32-bit integer add, sub and mul of a kernel in int64 and builds the range comparison, then hands it to
+`device_assert`, which returns at once unless the `debug` option is on (off, as in compiled kernels: a kernel
+computing 3 * 2^30 in int32 ran without complaint with the option on). So the work checks nothing; it was ~20% of
+an engine test's time (measured 2026-12-07: tests/core/test_decode_step.py's kernel-path test, 99 s with it, 77 s
+without). Kernels compute the same values either way.
+
 Applied only to the Triton version it was read from (3.6); any other version runs the interpreter as it is.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
 
 PATCHED_VERSIONS = ("3.6.",)
@@ -67,4 +75,17 @@ def skip_repeated_lang_patches() -> bool:
     interpreter._patch_lang = patch_lang
     interpreter.GridExecutor.__call__ = launch
     interpreter._dsv41_patched = True
+    return True
+
+
+def skip_dead_overflow_checks() -> bool:
+    """sanitize_overflow off while debug is off (Triton 3.6); True if it was turned off."""
+    import triton
+    from triton.runtime import interpreter
+
+    builder = getattr(interpreter, "interpreter_builder", None)
+    options = getattr(builder, "options", None)
+    if not triton.__version__.startswith(PATCHED_VERSIONS) or options is None or options.debug:
+        return False
+    builder.options = dataclasses.replace(options, sanitize_overflow=False)
     return True
