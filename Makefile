@@ -19,8 +19,12 @@ $(STAMP): pyproject.toml Makefile
 	$(BIN)/python -m pip install --quiet -e ".[test]"
 	touch $(STAMP)
 
+# make test: the tests that start Ray alone, after the rest on two workers (tests/conftest.py says why); both parts
+# run, and the target fails if either did.
 test: install
-	TRITON_INTERPRET=1 $(BIN)/python -m pytest -q -n 2 --dist loadgroup tests
+	TRITON_INTERPRET=1 $(BIN)/python -m pytest -q -n 2 --dist loadfile -m "not serial" tests; a=$$?; \
+	TRITON_INTERPRET=1 $(BIN)/python -m pytest -q -m serial tests; b=$$?; \
+	test $$a -eq 0 -a $$b -eq 0
 
 # make serve: the embedded default (tiny-vision random-weight checkpoint, CPU) on :8000, or CKPT=/path/to/model.
 serve: install

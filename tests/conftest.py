@@ -37,18 +37,24 @@ def pytest_configure(config):
         skip_dead_overflow_checks()  # the interpreter's int32 overflow checks assert nothing unless debug is on
 
 
-# Under pytest-xdist (the Makefile runs two workers) the tests that start Ray run on one worker, one after another,
-# as in a single process: the session's Ray and Serve (ray_session, serve_session) are that worker's, and the
-# modules that start a Ray cluster of their own never overlap another one on this machine
+# `make test` runs the suite in two parts: the tests marked `serial` here (those that start Ray: the session's Ray and
+# Serve, or a Ray cluster of their own; and tests/reliability, whose faults come with deadlines) alone, one after
+# another, and the rest beside each other on two pytest-xdist workers (--dist loadfile, so a module's fixtures are
+# built once). Ray's tests ran slowly and timed out with two Ray clusters up or with interpreter-bound tests beside
+# them on a 2-core machine.
 RAY_FIXTURES = {"ray_session", "serve_session"}
 RAY_MODULES = {"test_kv_serving.py", "test_kv_blocks.py", "test_kv_serving_gpu.py", "test_kv_gpu_pull.py",
                "test_deploy_local.py"}
+RELIABILITY = Path(__file__).parent / "reliability"
 
 
+@pytest.hookimpl(tryfirst=True)  # before the mark plugin's hook, which deselects by -m
 def pytest_collection_modifyitems(config, items):
     for item in items:
-        if RAY_FIXTURES & set(getattr(item, "fixturenames", ())) or Path(item.path).name in RAY_MODULES:
-            item.add_marker(pytest.mark.xdist_group("ray"))
+        path = Path(item.path)
+        if (RAY_FIXTURES & set(getattr(item, "fixturenames", ())) or path.name in RAY_MODULES
+                or RELIABILITY in path.parents):
+            item.add_marker(pytest.mark.serial)
 
 
 @pytest.fixture(scope="session")
