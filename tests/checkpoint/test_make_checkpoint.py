@@ -14,6 +14,7 @@ import torch
 
 from engine.checkpoint import expected_tensors, load_checkpoint
 from engine.config import ModelConfig, load_config
+from engine.engram_tables import TOKEN_MAP_CACHE_PREFIX
 from engine.quant import dequant_fp4_weight, dequant_fp8_weight
 from engine.tokenizer import load_tokenizer
 from engine.tools.make_checkpoint import main, make_checkpoint, split_shards, unquantized_weight
@@ -25,8 +26,10 @@ pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 def _hashes(ckpt: Path) -> dict[str, str]:
+    """The checkpoint's files by hash, without the Engram token-map cache a model load may have added since
+    (engine/engram_tables.py writes it beside the tokenizer: the session's checkpoint gains it once loaded)."""
     return {str(p.relative_to(ckpt)): hashlib.sha256(p.read_bytes()).hexdigest()
-            for p in sorted(ckpt.rglob("*")) if p.is_file()}
+            for p in sorted(ckpt.rglob("*")) if p.is_file() and not p.name.startswith(TOKEN_MAP_CACHE_PREFIX)}
 
 
 def _header(path: Path) -> dict:

@@ -75,7 +75,7 @@ def targets(tiny_model_mtp):
     return [PROMPTS[rid] + plain[rid][0] for rid in PROMPTS], params
 
 
-@pytest.mark.parametrize("K", [1, 2, 3])
+@pytest.mark.parametrize("K", [1, 3])  # K = 2 rejects where K = 3 does (mid-chunk) and cost as much again
 def test_verify_step_equals_the_eager_speculative_path(tiny_model_mtp, targets, K):
     model = tiny_model_mtp.model
     sequences, params = targets
