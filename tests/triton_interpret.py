@@ -11,7 +11,7 @@ between those calls, so every call after the first for a given set of modules ch
 quarter of the interpreter's time in the kernel-path engine tests (measured 2026-12-06: 20,687 calls, 141 of
 580 s profiled in tests/core/test_decode_step.py). Here the first call per launch for each set of modules still
 runs (so `triton.language.core`, seen first by `tl.sum`'s module, is patched exactly as before) and the repeats
-are skipped. Kernels compute the same values; the overflow sanitizer and every other interpreter check stay on.
+are skipped. Kernels compute the same values; every interpreter check stays as it was.
 
 Second, `skip_dead_overflow_checks`: the interpreter's `sanitize_overflow` option (on by default there) redoes every
 32-bit integer add, sub and mul of a kernel in int64 and builds the range comparison, then hands it to
