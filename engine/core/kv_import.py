@@ -129,6 +129,8 @@ class BlockImporter:
         self.device = next(iter(kv.main_kv.values())).device
         self.is_cuda = self.device.type == "cuda"
         self.stream = torch.cuda.Stream(self.device) if self.is_cuda else None
+        # host-to-device copies run on their own stream, so chunk i + 1's copy overlaps chunk i's checks and scatter
+        self.copy_stream = torch.cuda.Stream(self.device) if self.is_cuda else None
         self.host = self._new_buffer()  # [2, chunk_blocks, block_bytes] uint8
         self.num_retired = 0  # buffers given up after a failed read
         self._reader = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kv-import-read")
@@ -170,6 +172,7 @@ class BlockImporter:
 
         if self.is_cuda:  # work queued before the pull (a launched step that may still write a block freed since)
             self.stream.wait_stream(torch.cuda.current_stream(self.device))  # goes before this stream's copies
+            self.copy_stream.wait_stream(self.stream)
         pending: Future | None = None
         try:
             self._reader.submit(reader.open, host.numpy()).result()
@@ -184,24 +187,29 @@ class BlockImporter:
                     if k + 1 < len(staged):
                         pending = self._reader.submit(read, k + 1)  # overlaps the import below
                 rows = host[k % 2, :end - first] if k is not None else direct[i]  # [n, block_bytes]
+                landed = rows
+                if self.is_cuda and (sink is None or sums is not None):
+                    with torch.cuda.stream(self.copy_stream):
+                        landed = rows.to(self.device, non_blocking=True)
+                    if k is not None:  # the slot is free once its bytes are on the device
+                        copied[k % 2] = torch.cuda.Event()
+                        copied[k % 2].record(self.copy_stream)
+                    self.stream.wait_stream(self.copy_stream)
+                    landed.record_stream(self.stream)  # the allocator keeps it until the checks and scatter ran
                 with torch.cuda.stream(self.stream) if self.is_cuda else nullcontext():
-                    to_device = self.is_cuda and (sink is None or sums is not None)
-                    landed = rows.to(self.device, non_blocking=True) if to_device else rows
                     if sums is not None:
                         sums[first:end] = block_checksums(landed)
                     if sink is None:
                         write_rows(self.kv, block_ids[first:end], landed)
                 if sink is not None:
-                    sink(block_ids[first:end], rows)
-                if self.is_cuda and k is not None:
-                    copied[k % 2] = torch.cuda.Event()
-                    copied[k % 2].record(self.stream)
+                    sink(block_ids[first:end], rows)  # synchronous on the host: the slot is free after it
             if self.is_cuda:
                 self.stream.synchronize()  # the pools are complete before the engine's next step reads them
         except BaseException:
             if pending is not None and not pending.done():
                 pending.exception()  # wait: the reader must not write the buffer while someone else uses it
             if self.is_cuda:
+                self.copy_stream.synchronize()
                 self.stream.synchronize()
             self.host = self._new_buffer()
             self.num_retired += 1
