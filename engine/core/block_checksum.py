@@ -7,10 +7,10 @@ x_i: the record's little-endian int32 words (sign-extended to int64); w_i: fixed
 generator (the same on every process and device). A single changed word always changes the sum (w_i is odd, so
 w_i * d is not 0 mod 2^64 for any word difference 0 < |d| < 2^33); a torn or reused slot, i.e. many changed words,
 collides with probability about 2^-64 for data not built to collide. It guards against torn reads and reused
-slots, not adversaries: the chain hash names the content. Costs: 0.2 ms for 70 MB on an H200 (one multiply and a
-row sum); on the host numpy's integer matrix-vector product, ~3 GB/s on one core of the 2-core CI machine. zlib's
-CRC-32, which it replaces, ran at 4-7 GB/s on the H200 machine's host with any number of threads and was the
-slowest part of a pull.
+slots, not adversaries: the chain hash names the content. On a GPU it is one Triton kernel
+(engine/kernels/weighted_sums.py: the words read once); on the host, numpy's integer matrix-vector product (~3 GB/s
+on one core of the 2-core CI machine). zlib's CRC-32, which it replaces, ran at 4-7 GB/s on the H200 machine's host
+with any number of threads and was the slowest part of a pull.
 """
 
 from __future__ import annotations
@@ -20,8 +20,10 @@ import threading
 import numpy as np
 import torch
 
+from engine.kernels.weighted_sums import weighted_row_sums
+
 SEED = 0x0D5F41_4B56  # "dsv41" "KV": changing it (or the weights' generation) makes every published record stale
-SLICE_WORDS = 1 << 20  # rows are summed in slices of about this many words (int64 temporaries of 8 MiB)
+SLICE_WORDS = 1 << 20  # host rows are summed in slices of about this many words (int64 temporaries of 8 MiB)
 
 _weights: dict[tuple[int, torch.device], torch.Tensor] = {}
 _weights_lock = threading.Lock()
@@ -49,14 +51,8 @@ def block_checksums(rows: torch.Tensor) -> torch.Tensor:
         f"rows {rows.dtype} {tuple(rows.shape)}: uint8 [n, 4k], C-contiguous"
     if rows.device.type == "cpu":
         return torch.from_numpy(host_block_checksums(rows.numpy()))
-    n, num_words = rows.shape[0], rows.shape[1] // 4
     words = rows.view(torch.int32)  # [n, num_words]
-    w = block_weights(num_words, rows.device)
-    step = max(1, SLICE_WORDS // max(1, num_words))
-    out = torch.empty(n, dtype=torch.int64, device=rows.device)
-    for first in range(0, n, step):
-        out[first:first + step] = (words[first:first + step].to(torch.int64) * w).sum(dim=1)
-    return out
+    return weighted_row_sums(words, block_weights(words.shape[1], rows.device))
 
 
 def host_block_checksums(records: np.ndarray) -> np.ndarray:

@@ -99,6 +99,13 @@ def _pools(kv: PagedKVCache) -> list[tuple[Segment, torch.Tensor]]:
     return [(seg, getattr(kv, seg.pool)[seg.source]) for seg in segments]
 
 
+def _copy_unit(pools: list[tuple[Segment, torch.Tensor]]) -> tuple[torch.dtype, int]:
+    """The element the pools' rows are copied as: int32 words where every record is whole words (the real
+    config's 288 and 68 B: a quarter of the elements a byte-wise gather or scatter indexes), bytes otherwise."""
+    whole_words = all(seg.record_bytes % 4 == 0 and seg.offset % 4 == 0 for seg, _ in pools)
+    return (torch.int32, 4) if whole_words else (torch.uint8, 1)
+
+
 @torch.inference_mode()
 def read_blocks(kv: PagedKVCache, block_ids: list[int]) -> np.ndarray:
     """uint8 [len(block_ids), block_bytes] on the host: the blocks' flat records (one device gather
@@ -108,7 +115,9 @@ def read_blocks(kv: PagedKVCache, block_ids: list[int]) -> np.ndarray:
         return np.empty((0, nbytes), dtype=np.uint8)
     pools = _pools(kv)
     idx = torch.tensor(block_ids, dtype=torch.long, device=pools[0][1].device)
-    flat = torch.cat([t.index_select(0, idx).reshape(len(block_ids), -1) for _, t in pools], dim=1)  # [n, bytes]
+    unit, _ = _copy_unit(pools)
+    flat = torch.cat([t.view(unit).index_select(0, idx).reshape(len(block_ids), -1) for _, t in pools], dim=1)
+    flat = flat.view(torch.uint8)  # [n, bytes]
     assert flat.shape[1] == nbytes
     return flat.cpu().numpy()
 
@@ -136,6 +145,9 @@ def write_rows(kv: PagedKVCache, block_ids: list[int], src: torch.Tensor) -> Non
     device = pools[0][1].device
     idx = torch.tensor(block_ids, dtype=torch.long, pin_memory=device.type == "cuda")
     idx = idx.to(device, non_blocking=True)  # queued on the current stream: no wait for the work before it
+    unit, size = _copy_unit(pools)
+    src_units = src.view(unit)
     for seg, t in pools:
-        rows = src[:, seg.offset:seg.offset + seg.nbytes].reshape(len(block_ids), seg.rows, seg.record_bytes)
-        t.index_copy_(0, idx, rows)
+        first = seg.offset // size
+        rows = src_units[:, first:first + seg.nbytes // size].reshape(len(block_ids), seg.rows, -1)
+        t.view(unit).index_copy_(0, idx, rows)

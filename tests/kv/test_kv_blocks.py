@@ -12,6 +12,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import importlib.util
 import os
@@ -52,14 +53,23 @@ def test_block_record_size_is_890_bytes_per_token_on_the_real_config(tiny_cfg):
     assert layout_fingerprint(tiny_cfg, 64) != layout_fingerprint(full_config(), 64)
 
 
-def test_read_then_write_moves_every_pool_bit_for_bit(tiny_cfg):
-    src, dst = PagedKVCache(tiny_cfg, small_layout(), "cpu"), PagedKVCache(tiny_cfg, small_layout(), "cpu")
+def whole_word_cfg(tiny_cfg):
+    """tiny_cfg with 68-byte index records, as the real config's: every record whole int32 words."""
+    return dataclasses.replace(tiny_cfg, index_head_dim=128)
+
+
+@pytest.mark.parametrize("records", ["bytes", "words"])
+def test_read_then_write_moves_every_pool_bit_for_bit(tiny_cfg, records):
+    cfg = tiny_cfg if records == "bytes" else whole_word_cfg(tiny_cfg)
+    whole_words = all(seg.record_bytes % 4 == 0 for seg in block_segments(cfg, 64))
+    assert whole_words == (records == "words"), "the two configs copy as bytes and as int32 words"
+    src, dst = PagedKVCache(cfg, small_layout(), "cpu"), PagedKVCache(cfg, small_layout(), "cpu")
     g = torch.Generator().manual_seed(0)
     for t in (*src.main_kv.values(), *src.index_k.values()):
         t.copy_(torch.randint(0, 256, t.shape, dtype=torch.uint8, generator=g))
     data = read_blocks(src, [5, 0, 3])
-    assert data.dtype == np.uint8 and data.shape == (3, block_bytes(tiny_cfg, 64))
-    assert read_blocks(src, []).shape == (0, block_bytes(tiny_cfg, 64))
+    assert data.dtype == np.uint8 and data.shape == (3, block_bytes(cfg, 64))
+    assert read_blocks(src, []).shape == (0, block_bytes(cfg, 64))
     write_blocks(dst, [1, 7, 2], data)
     for name in ("main_kv", "index_k"):
         for s, t in getattr(src, name).items():
