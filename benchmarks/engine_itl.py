@@ -6,7 +6,7 @@ prefill positions a step with decodes may take (EngineConfig.max_prefill_beside_
 Through LLMEngine on a real-width random model (benchmarks/random_model.bench_model; --model tiny for the CPU):
 --decodes requests with short prompts decode (greedy, ignore_eos); their inter-token gaps are collected over
 ALONE_STEPS steps of decode alone, then from the long prompt's arrival until its first token. The whole scenario runs
-twice on one engine and the second is reported: the first compiles the kernels at the capped chunk's shapes (a
+twice on one engine (three times with --profile: the third under torch.profiler) and the second is reported: the first compiles the kernels at the capped chunk's shapes (a
 compile inside the window read as a 1.8 s gap on the H200). Per cap: ITL p50 / p99 / max over every decoding
 request's gaps, decode alone and beside the prefill, and the long prompt's TTFT (the price of the cap).
 """
@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import sys
 import time
+from contextlib import contextmanager
 from pathlib import Path
 
 import numpy as np
@@ -68,19 +69,46 @@ def measure(model, args, cap: int | None, g: torch.Generator) -> tuple[np.ndarra
         return gaps
 
     first_tokens: dict[str, float] = {}
-    for round_ in range(2):
+    for round_ in range(3 if args.profile else 2):
         steps = iter(range(ALONE_STEPS + 1))
         gaps_until(lambda: next(steps) == ALONE_STEPS)  # steady decode (the first gaps span the warm-up's end)
         steps = iter(range(ALONE_STEPS + 1))
-        alone = gaps_until(lambda: next(steps) == ALONE_STEPS)
+        with profiled(round_ == 2, "decode alone", ALONE_STEPS):
+            gaps = gaps_until(lambda: next(steps) == ALONE_STEPS)
         t0 = time.perf_counter()
         engine.add_request(f"long{round_}", tokens(args.prompt), SamplingParams(max_tokens=1, ignore_eos=True))
-        beside = gaps_until(lambda: f"long{round_}" in first_tokens)
-        ttft = first_tokens[f"long{round_}"] - t0
+        with profiled(round_ == 2, "beside the prefill", None):
+            beside_gaps = gaps_until(lambda: f"long{round_}" in first_tokens)
+        if round_ < 2:
+            alone, beside, ttft = gaps, beside_gaps, first_tokens[f"long{round_}"] - t0
     for rid in list(last):
         engine.abort(rid)
     engine.close()
     return np.array(alone), np.array(beside), ttft
+
+
+@contextmanager
+def profiled(on: bool, what: str, steps: int | None):
+    """--profile: the window under torch.profiler (CPU ops and CUDA kernels), its top ops printed."""
+    if not on:
+        yield
+        return
+    from torch.profiler import ProfilerActivity, profile
+
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
+    t0 = time.perf_counter()
+    with profile(activities=acts) as prof:
+        yield
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+    wall = time.perf_counter() - t0
+    events = prof.key_averages()
+    busy = sum(e.self_device_time_total for e in events) / 1e6 if torch.cuda.is_available() else 0.0
+    print(f"\n--- profile: {what}: wall {wall * 1e3:.1f} ms, kernels' total {busy * 1e3:.1f} ms"
+          + (f" over {steps} steps" if steps else ""))
+    if torch.cuda.is_available():
+        print(events.table(sort_by="self_device_time_total", row_limit=30, max_name_column_width=70))
+    print(events.table(sort_by="self_cpu_time_total", row_limit=30, max_name_column_width=70), flush=True)
 
 
 def main() -> None:
@@ -93,6 +121,8 @@ def main() -> None:
     p.add_argument("--chunk", type=int, default=8192, help="max_num_batched_tokens: the step's budget")
     p.add_argument("--caps", default="none,2048,512", help="max_prefill_beside_decode values (none: no cap)")
     p.add_argument("--cache-mib", type=int, default=2048)
+    p.add_argument("--profile", action="store_true",
+                   help="a third round under torch.profiler: the top CUDA kernels and CPU ops, alone and beside")
     args = p.parse_args()
     args.prompt = parse_length(args.prompt)
     t0 = time.perf_counter()
