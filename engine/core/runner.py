@@ -40,6 +40,7 @@ from engine.core.kv_cache import PagedKVCache
 from engine.core.plan import ChunkPlan, StepPlan
 from engine.core.sampler import SampleOutput, sample_specs
 from engine.core.speculative import Verified, verify, verify_lengths
+from engine.core.split_step import merge_outputs, split_decodes
 from engine.core.step_rows import (CompressorRows, ForwardState, Segment, StepOutput, decoder_rows, engram_hashes,
                                    head_rows, no_logits, sample_step, segments, split_logits)
 from engine.kernels import paged
@@ -108,12 +109,19 @@ class ModelRunner:
     def execute(self, plan: StepPlan) -> StepOutput:
         """Runs one step and draws its tokens beside the model (plan.samples); the chunks that keep their
         logits get them too. A decode step on the kernel path runs on device buffers (its CUDA graphs when
-        captured) and draws there."""
+        captured) and draws there; so do a mixed step's decode chunks, its other chunks running eagerly after
+        them (engine/core/split_step.py)."""
         if self.decode is not None and self.decode.takes(plan):
             self.kv.apply(plan.copies)
             return self.decode.execute(plan)
         if not self.kv.dspark_swa:
-            return sample_step(plan, self.forward(plan))
+            split = split_decodes(plan, self.decode.takes) if self.decode is not None else None
+            if split is None:
+                return sample_step(plan, self.forward(plan))
+            self.kv.apply(split.decode.copies)
+            decodes = self.decode.launch(split.decode)  # the graphs run while the host stages the eager rest
+            rest = sample_step(split.rest, self.forward(split.rest))
+            return merge_outputs(split, decodes.result(), rest)
         return self._speculative_step(plan)
 
     @torch.inference_mode()

@@ -9,6 +9,7 @@ from dataclasses import replace
 import pytest
 import torch
 
+import engine.core.runner as runner_module
 from engine.core.cache_manager import CacheLayout
 from engine.core.engine import EngineConfig, LLMEngine, LocalExecutor
 from engine.core.engine_config import DecodeOptions
@@ -61,11 +62,15 @@ def assert_same_draws(got: dict, ref: dict) -> None:
             assert max(abs(a - b) for a, b in zip(values, [want[1]] + [v for _, v in want[2]])) < 1e-4, (rid, lp, want)
 
 
-def test_decode_step_draws_what_the_eager_kernel_path_draws(tiny_model):
+def test_decode_step_draws_what_the_eager_kernel_path_draws(tiny_model, monkeypatch):
     """Greedy and seeded top-p (with logprobs) requests, the second arriving later (decode batches of 1, then 2),
     one prompt past the window: identical tokens, the same logprobs (assert_same_draws), and decode steps went
-    through the decode step, launched behind the step in flight (their input tokens still on the device)."""
+    through the decode step, launched behind the step in flight (their input tokens still on the device); the step
+    that prefilled the second beside the first's decode was split (engine/core/split_step.py)."""
     model = tiny_model.model
+    splits, split_decodes = [], runner_module.split_decodes
+    monkeypatch.setattr(runner_module, "split_decodes",
+                        lambda plan, takes: (splits.append(split_decodes(plan, takes)), splits[-1])[1])
     arrivals = {"g": (random_prompt(19, seed=1), SamplingParams(max_tokens=4, logprobs=2), 0),
                 "s": (random_prompt(6, seed=2), SamplingParams(max_tokens=3, temperature=0.8, top_p=0.9, seed=3,
                                                              logprobs=1), 2)}
@@ -77,6 +82,7 @@ def test_decode_step_draws_what_the_eager_kernel_path_draws(tiny_model):
     assert_same_draws(run(engine, arrivals), legacy)
     assert taken and {n for n, _ in taken} == {1, 2}
     assert any(rows and max(rows) >= 0 for _, rows in taken)  # input tokens read from the last draw on the device
+    assert [(s.decode_chunks, s.rest_chunks) for s in splits if s is not None] == [([0], [1])], splits
 
 
 def _chunk(start: int, end: int, **kw) -> ChunkPlan:
