@@ -33,12 +33,12 @@ DECODE_PROMPT = 128
 ALONE_STEPS = 16
 
 
-def measure(model, args, cap: int | None, g: torch.Generator) -> tuple[np.ndarray, np.ndarray, float]:
+def measure(model, args, cap: int | None, split: bool, g: torch.Generator) -> tuple[np.ndarray, np.ndarray, float]:
     """(the decoding requests' inter-token gaps in seconds decoding alone, and while the long prompt was in flight;
     its TTFT), from the second of two rounds."""
     config = EngineConfig(max_num_seqs=args.decodes + 1, max_num_batched_tokens=args.chunk, enable_prefix_caching=False,
                           cache_memory_bytes=args.cache_mib << 20, max_model_len=args.prompt + 64,
-                          max_prefill_beside_decode=cap)
+                          max_prefill_beside_decode=cap, split_mixed_steps=split)
     engine = LLMEngine.local(model, config, eos_token_id=-1)
 
     def tokens(n: int) -> list[int]:
@@ -121,6 +121,8 @@ def main() -> None:
     p.add_argument("--chunk", type=int, default=8192, help="max_num_batched_tokens: the step's budget")
     p.add_argument("--caps", default="none,2048,512", help="max_prefill_beside_decode values (none: no cap)")
     p.add_argument("--cache-mib", type=int, default=2048)
+    p.add_argument("--split", choices=["on", "off", "both"], default="on",
+                   help="split_mixed_steps: a mixed step's decodes through the decode step (both: each cap twice)")
     p.add_argument("--profile", action="store_true",
                    help="a third round under torch.profiler: the top CUDA kernels and CPU ops, alone and beside")
     args = p.parse_args()
@@ -129,9 +131,11 @@ def main() -> None:
     model = bench_model(args.model, args.layers, args.prompt + 64)
     print(f"random {args.model} model built in {time.perf_counter() - t0:.0f} s", flush=True)
     rows = []
-    for text in args.caps.split(","):
+    for text, split in ((c, s) for c in args.caps.split(",") for s in {"on": [True], "off": [False],
+                                                                       "both": [False, True]}[args.split]):
         cap = None if text == "none" else int(text)
-        alone, gaps, ttft = measure(model, args, cap, torch.Generator().manual_seed(0))
+        alone, gaps, ttft = measure(model, args, cap, split, torch.Generator().manual_seed(0))
+        text = f"{text}, split {'on' if split else 'off'}"
         ms, alone_ms = gaps * 1e3, alone * 1e3
         rows.append((text, np.percentile(alone_ms, 50), np.percentile(alone_ms, 99), np.percentile(ms, 50),
                      np.percentile(ms, 99), ms.max(), len(ms), ttft))
@@ -142,7 +146,7 @@ def main() -> None:
     device = torch.cuda.get_device_name() if torch.cuda.is_available() else "CPU"
     print(f"\n{device}, {what}, {args.decodes} decoding requests, "
           f"a {args.prompt:,}-token prompt arriving, step budget {args.chunk}")
-    print("| max_prefill_beside_decode | alone ITL p50 / p99 ms | beside ITL p50 ms | beside ITL p99 ms "
+    print("| max_prefill_beside_decode, split | alone ITL p50 / p99 ms | beside ITL p50 ms | beside ITL p99 ms "
           "| p99 beside / alone | ITL max ms | gaps | long prompt TTFT ms |")
     print("|---|---|---|---|---|---|---|---|")
     for text, a50, a99, p50, p99, worst, n, ttft in rows:

@@ -40,6 +40,7 @@ class EngineConfig:
     decode_step: bool = True  # kernel path: decode steps on device buffers (engine/core/decode_step.py)
     cuda_graphs: bool = True  # ... replayed as CUDA graphs captured at start-up (CUDA only)
     async_scheduling: bool = True  # launch a decode step before reading the last one's tokens (engine/core/overlap.py)
+    split_mixed_steps: bool = True  # a step's decodes through the decode step, its prefills eagerly (split_step.py)
     # speculative decoding (engine/core/speculative.py): drafts a decoding request verifies per step, at most the
     # checkpoint's DSpark block (0: off). Async scheduling is off while it is on (a step's tokens decide the next).
     speculative_tokens: int = 0
@@ -59,6 +60,7 @@ class DecodeOptions:
     max_model_len: int
     graphs: bool = True  # capture CUDA graphs (on CUDA); False runs the same step eagerly
     max_draft: int = 0  # speculative decoding: drafts a verify chunk may hold (engine/core/verify_step.py's K buckets)
+    split_mixed: bool = True  # a mixed step's decode chunks run here too, its others eagerly (engine/core/split_step.py)
 
 
 def decode_options(config: EngineConfig, cfg: ModelConfig) -> DecodeOptions | None:
@@ -66,7 +68,7 @@ def decode_options(config: EngineConfig, cfg: ModelConfig) -> DecodeOptions | No
     if not config.decode_step:
         return None
     return DecodeOptions(config.max_num_seqs, config.max_model_len or cfg.max_position_embeddings, config.cuda_graphs,
-                         config.speculative_tokens)
+                         config.speculative_tokens, config.split_mixed_steps)
 
 
 def check_speculative(config: EngineConfig, cfg: ModelConfig) -> None:

@@ -115,7 +115,9 @@ class ModelRunner:
             self.kv.apply(plan.copies)
             return self.decode.execute(plan)
         if not self.kv.dspark_swa:
-            split = split_decodes(plan, self.decode.takes) if self.decode is not None else None
+            split = None
+            if self.decode is not None and self.decode.options.split_mixed:
+                split = split_decodes(plan, self.decode.takes)
             if split is None:
                 return sample_step(plan, self.forward(plan))
             self.kv.apply(split.decode.copies)
