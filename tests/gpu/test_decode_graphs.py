@@ -141,3 +141,32 @@ def test_graph_draws_apply_grammar_masks(cuda_model, tok):
     assert late["graph"] >= 10 and late["legacy"] == 0, late  # the constrained graph steps overlapped
     for rid in ("c0", "c1"):
         assert tok.decode(results["graph"][rid]).lstrip().startswith("{")
+
+
+def test_split_mixed_steps_replay_the_graphs_and_draw_what_the_eager_decode_step_draws(cuda_model):
+    """Requests arriving every other step (prompts of 3..90 tokens), so most steps carry a prefill beside decodes:
+    those steps are split (engine/core/split_step.py), their decodes replay the graphs, and every request draws what
+    the same engine draws with the decode step run eagerly (no graphs)."""
+    import engine.core.runner as runner_module
+
+    real, splits = runner_module.split_decodes, []
+    results = {}
+    for mode in ("device", "graph"):
+        engine = engine_for(cuda_model, mode)
+        runner_module.split_decodes = lambda plan, takes: (splits.append((mode, real(plan, takes))), splits[-1][1])[1]
+        try:
+            out, step = {}, 0
+            while step < 10 or engine.has_unfinished:
+                if step % 2 == 0 and step < 10:
+                    i = step // 2
+                    engine.add_request(f"m{i}", random_prompt(3 + 29 * i % 90, seed=80 + i), PARAMS[i % len(PARAMS)])
+                for o in engine.step():
+                    out.setdefault(o.request_id, []).extend(o.new_token_ids)
+                step += 1
+        finally:
+            runner_module.split_decodes = real
+        results[mode] = out
+    assert results["graph"] == results["device"]
+    assert len(results["graph"]) == 5 and all(len(ids) == STEPS for ids in results["graph"].values())
+    for mode in ("device", "graph"):
+        assert sum(s is not None for m, s in splits if m == mode) >= 3, f"{mode}: too few split steps"
