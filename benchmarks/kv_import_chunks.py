@@ -65,6 +65,8 @@ def main() -> None:
         for chunk in [DEFAULT_CHUNK_BLOCKS] + [int(c) for c in args.chunks.split(",") if int(c) != DEFAULT_CHUNK_BLOCKS]:
             importer = BlockImporter(kv, chunk)
             importer.import_blocks(targets, reader)  # registers the staging buffer, warms the connection
+            if reader.mapped is not None:
+                reader.mapped.wait_locked(60.0)  # the owner's store registered with CUDA (in the background)
             assert reader.path.startswith({"shm": "shared memory", "nixl": "NIXL"}[path]), reader.path
             times = []
             for _ in range(5):

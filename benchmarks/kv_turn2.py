@@ -176,6 +176,16 @@ async def run(args, model, device: str) -> None:
         await a.first_token("warm-a", warm)
         await b.first_token("warm-b", tokens(len(warm)))
         await c.first_token("warm-c", tokens(len(warm)))
+        # a first pull from A, as a running server has long made: B maps A's store and registers it with CUDA (in the
+        # background, waited for here), C connects to A over NIXL
+        warm1 = tokens(4 * B)
+        _, warm_tok, _, _ = await a.first_token("warm-t1", warm1)
+        await a.publish(warm1 + [warm_tok])
+        warm_hint = KVHint(a.engine.cache.salt, target=a.name, pull_from=a.name, num_blocks=len(warm1) // B)
+        for r in (b, c):
+            await r.first_token(f"warm-pull-{r.name}", warm1 + [warm_tok] + tokens(8), warm_hint)
+        mapped = peer_stores.map(a.kv.store.shared_handle(), page_locked=device == "cuda")
+        assert mapped is not None and (mapped.wait_locked(120.0) or device != "cuda"), "A's store is not page-locked"
         for L in lengths:
             best: dict[str, float] = {}
             for r in range(args.runs):

@@ -9,8 +9,9 @@ nothing), and copies a pull's blocks out with plain memory copies on several thr
 (another node, the owner gone, no permission to open its fd) gives None, and the caller reads over NIXL. As a NIXL
 READ is, a copy is unverified here: the importer checks every block's checksum where the bytes landed.
 
-Where the reader copies to a CUDA device, the mapping is also registered with CUDA (page-locked), and the importer
-copies a chunk of adjacent blocks straight from the owner's memory to the device, with no host copy at all.
+Where the reader copies to a CUDA device, the mapping is also registered with CUDA (page-locked, on a thread: the
+first pull from a peer does not wait for it), and from then on the importer copies a chunk of adjacent blocks
+straight from the owner's memory to the device, with no host copy at all.
 
 A mapping keeps the owner's file alive, so mappings are checked against /proc at each use (an owner that exited is
 dropped) and at most MAX_MAPPINGS are kept, least recently used dropped first. One pull runs at a time per process
@@ -90,13 +91,37 @@ class SharedBuffer:
 @dataclass(slots=True)
 class MappedStore:
     """A peer's store as this process maps it: array (uint8 [nbytes]) and, where this process copies to a CUDA
-    device, the same memory page-locked (registered with CUDA) as rows the device copies from directly."""
+    device, the same memory page-locked (registered with CUDA) as rows the device copies from directly, once the
+    registration (started by the first such map, on a thread of its own) has ended."""
 
     array: np.ndarray
     page_locked: torch.Tensor | None = None  # uint8 [nbytes] over array's memory, registered
-    tried_locking: bool = False  # registering is tried once per mapping
+    locking: threading.Thread | None = None  # the registration, tried once per mapping
+
+    def wait_locked(self, timeout_s: float | None = None) -> bool:
+        """Whether the store is page-locked, after waiting up to timeout_s for a registration under way."""
+        if self.locking is not None:
+            self.locking.join(timeout_s)
+        return self.page_locked is not None
+
+    def start_locking(self) -> None:
+        """Registers the mapping with CUDA on a thread, for this process's current device (once; no wait): it
+        takes ~60 ms per GiB of store on the H100 machine, which a pull should not wait for (a pull before it
+        ends copies through the staging buffer)."""
+        if self.locking is not None:
+            return
+        device = torch.cuda.current_device()
+
+        def register() -> None:
+            torch.cuda.set_device(device)
+            self.page_locked = _register(self.array)
+
+        self.locking = threading.Thread(target=register, name="kv-peer-register", daemon=True)
+        self.locking.start()
 
     def release(self) -> None:
+        if self.locking is not None:
+            self.locking.join()
         if self.page_locked is not None:
             torch.cuda.cudart().cudaHostUnregister(self.array.ctypes.data)
             self.page_locked = None
@@ -112,8 +137,9 @@ class PeerStores:
 
     def map(self, handle: SharedStoreHandle, page_locked: bool = False) -> MappedStore | None:
         """The owner's whole buffer, or None if it cannot be mapped from here. page_locked: also register it with
-        CUDA (once per mapping; ~4 ms per 70 MB on the H100 machine), so a device copies from it without staging;
-        if registering fails, the mapping comes without (copies then go through the staging buffer)."""
+        CUDA (MappedStore.start_locking: once per mapping, in the background), so a device copies from it without
+        staging once that has ended; if registering fails, the mapping stays without (copies then go through the
+        staging buffer)."""
         page_locked = page_locked and torch.cuda.is_available()
         with self._lock:
             if self._node is None:
@@ -137,9 +163,8 @@ class PeerStores:
                 if array is None:
                     return None
                 mapped = MappedStore(array)
-            if page_locked and not mapped.tried_locking:
-                mapped.tried_locking = True
-                mapped.page_locked = _register(mapped.array)
+            if page_locked:
+                mapped.start_locking()
             self._maps[handle] = mapped
             while len(self._maps) > MAX_MAPPINGS:
                 self._maps.popitem(last=False)[1].release()

@@ -46,11 +46,11 @@ def test_pulled_blocks_equal_the_owners_bit_for_bit_on_the_gpu(cuda_model, redis
         outcome = second.outcome
         assert outcome.fallback is None and outcome.owner == a.name, outcome
         assert b.kv.agent.num_pulls == (0 if same_node_reads else 1), "the path the switch names"
-        if same_node_reads:  # A's store, registered with CUDA in B's process: the device copied straight from it
-            from serve_app.kv_local import peer_stores
+        if same_node_reads:  # A's store, registered with CUDA in B's process (in the background): later pulls copy
+            from serve_app.kv_local import peer_stores  # straight from it (tests/kv/test_kv_import.py: both kinds)
 
             [mapped] = [m for h, m in peer_stores._maps.items() if h == a.kv.store.shared_handle()]
-            assert mapped.page_locked is not None
+            assert mapped.wait_locked(30.0)
         assert (outcome.num_local_tokens, outcome.num_pulled_tokens) == (0, owned * B)
         assert second.stats.num_cached_tokens == owned * B
         importer = b.engine.executor.importer
