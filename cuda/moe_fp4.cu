@@ -47,6 +47,7 @@ constexpr int kMaxM = 8;            // pairs per tile: the MMA's N
 constexpr int kMaxWarps = 8;        // per CTA
 constexpr int kMaxSplits = 8;       // portable cluster size
 constexpr int kMaxSmem = 200 * 1024;
+constexpr int kPlanThreads = 256;  // plan_quant_kernel's block
 constexpr int kChunk = 128;         // K elements per pipeline stage (4 blocks of 32)
 constexpr int kRowBytes = kChunk / 2;                   // 64 weight bytes per row per stage
 constexpr int kWarpRows = 32;                           // weight rows per warp
@@ -134,15 +135,18 @@ __global__ void quant_rows_kernel(const __nv_bfloat16* __restrict__ x, __half* _
 // The grouping plan of engine.kernels.moe.moe_plan (bit for bit: a stable counting sort of the R pairs by expert,
 // dropped pairs (id -1) left out, expert e owning ceil(count_e / bm) consecutive tiles of bm sorted rows; tiles
 // past the total get 0 rows), computed by block 0 of the launch; the other blocks run quant_rows on x. Shared
-// memory: counts, segment starts and tile ends per expert (3 E ints).
+// memory: counts, segment starts, tile ends and pairs placed so far per expert (4 E ints), then one chunk's
+// expert ids (blockDim ints): plan_smem_ints.
 __device__ void plan_block(const int* __restrict__ ids, int R, int E, int bm, int max_tiles, int* __restrict__ sorted,
                            int* __restrict__ tile_e, int* __restrict__ tile_start, int* __restrict__ tile_rows,
                            int* sm) {
   int* count = sm;
   int* seg = sm + E;
   int* tend = sm + 2 * E;
+  int* placed = sm + 3 * E;
+  int* chunk_ids = sm + 4 * E;
   const int tid = threadIdx.x;
-  for (int e = tid; e < E; e += blockDim.x) count[e] = 0;
+  for (int e = tid; e < E; e += blockDim.x) count[e] = placed[e] = 0;
   for (int p = tid; p < R; p += blockDim.x) sorted[p] = 0;
   __syncthreads();
   for (int p = tid; p < R; p += blockDim.x) {
@@ -178,12 +182,22 @@ __device__ void plan_block(const int* __restrict__ ids, int R, int E, int bm, in
     }
   }
   __syncthreads();
-  for (int p = tid; p < R; p += blockDim.x) {
-    const int e = ids[p];
-    if (e < 0 || e >= E) continue;
-    int rank = 0;
-    for (int q = 0; q < p; ++q) rank += (ids[q] == e);
-    sorted[seg[e] + rank] = p;
+  // Stable placement, linear in R: the pairs in chunks of blockDim.x, in order. A pair's rank among its expert's
+  // pairs = those placed by earlier chunks (placed[e]) + those before it in its own chunk (from shared memory).
+  for (int c0 = 0; c0 < R; c0 += blockDim.x) {
+    const int p = c0 + tid;
+    const int e = p < R ? ids[p] : -1;
+    const bool ok = e >= 0 && e < E;
+    chunk_ids[tid] = ok ? e : -1;
+    __syncthreads();
+    if (ok) {
+      int rank = placed[e];
+      for (int q = 0; q < tid; ++q) rank += (chunk_ids[q] == e);
+      sorted[seg[e] + rank] = p;
+    }
+    __syncthreads();  // every rank read placed[] before this chunk's pairs are added to it
+    if (ok) atomicAdd(&placed[e], 1);
+    __syncthreads();
   }
   const int total = tend[E - 1];
   for (int t = tid; t < max_tiles; t += blockDim.x) {
@@ -206,7 +220,7 @@ __device__ void plan_block(const int* __restrict__ ids, int R, int E, int bm, in
 }
 
 // Block 0: the plan; blocks 1..: quant_rows of x (one thread per 32-block).
-__global__ void __launch_bounds__(256) plan_quant_kernel(const int* __restrict__ ids, int R, int E, int bm,
+__global__ void __launch_bounds__(kPlanThreads) plan_quant_kernel(const int* __restrict__ ids, int R, int E, int bm,
                                                          int max_tiles, int* __restrict__ sorted,
                                                          int* __restrict__ tiles, const __nv_bfloat16* __restrict__ x,
                                                          __half* __restrict__ xq, float* __restrict__ xs, int rows,
@@ -559,11 +573,12 @@ int dsv41_moe_quant_rows(const void* x, void* xq, void* xs, int rows, int K, voi
 // and tiles [3, max_tiles] (expert, first sorted row, rows), and quant_rows of x bf16 [rows, K], in one launch.
 int dsv41_moe_plan_quant(const void* ids, int R, int E, int bm, int max_tiles, void* sorted, void* tiles,
                          const void* x, void* xq, void* xs, int rows, int K, void* stream) {
+  const size_t plan_smem = (size_t(4) * E + kPlanThreads) * sizeof(int);
   if (R < 0 || E < 1 || bm < 1 || max_tiles != min(E, R) + R / bm || rows < 0 || K <= 0 || K % 32 ||
-      size_t(3) * E * sizeof(int) > 48 * 1024)
+      plan_smem > 48 * 1024)
     return int(cudaErrorInvalidValue);
-  const int quant_blocks = (rows * (K / 32) + 255) / 256;
-  plan_quant_kernel<<<1 + quant_blocks, 256, 3 * E * sizeof(int), static_cast<cudaStream_t>(stream)>>>(
+  const int quant_blocks = (rows * (K / 32) + kPlanThreads - 1) / kPlanThreads;
+  plan_quant_kernel<<<1 + quant_blocks, kPlanThreads, plan_smem, static_cast<cudaStream_t>(stream)>>>(
       static_cast<const int*>(ids), R, E, bm, max_tiles, static_cast<int*>(sorted), static_cast<int*>(tiles),
       static_cast<const __nv_bfloat16*>(x), static_cast<__half*>(xq), static_cast<float*>(xs), rows, K);
   return int(cudaGetLastError());

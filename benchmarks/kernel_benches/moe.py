@@ -27,10 +27,10 @@ import torch
 import torch.nn.functional as F
 
 from benchmarks.gpu_timing import graph_time_us, sweep
-from engine.kernels.moe import (ExpertWeights, MoeGemmConfig, gate_scores, moe_down, moe_forward, moe_plan, moe_route,
-                                moe_up, pick_block_m, route_scores)
-from engine.kernels.moe_fp4 import (Fp4Params, fp4_applies, moe_down_fp4, moe_up_fp4, plan_and_quant, quant_rows,
-                                    route_cuda)
+from engine.kernels.moe import (ExpertWeights, MoeGemmConfig, MoePlan, gate_scores, moe_down, moe_forward, moe_plan,
+                                moe_route, moe_up, pick_block_m, route_scores)
+from engine.kernels.moe_fp4 import (FP4_MAX_TOKENS, MAX_PAIRS_PER_TILE, Fp4Params, fp4_applies, moe_down_fp4,
+                                    moe_up_fp4, plan_and_quant, quant_rows, route_cuda)
 from engine.presets import full_config
 from engine.tools.random_moe import random_moe
 from engine.quant import dequant_fp4_weight
@@ -80,6 +80,41 @@ def _routed_fp4(x, ids, w, ex: ExpertWeights, limit: float, up: Fp4Params | None
     rows = min(8, x.size(0))
     hq, hs, _ = moe_up_fp4(*quant_rows(x), ex, plan, w, limit, max_tile_rows=rows, params=up)
     return hq if skip_down else moe_down_fp4(hq, hs, ex, plan, max_tile_rows=rows, params=down)
+
+
+def _routed_fp4_fused(x, ids, w, ex: ExpertWeights, limit: float):
+    """The CUDA path exactly as moe_forward runs it: plan_and_quant (one launch), up, down."""
+    sorted_pairs, tiles, xq, xs = plan_and_quant(x, ids, ex.w13.size(0), MAX_PAIRS_PER_TILE)
+    plan = MoePlan(sorted_pairs, tiles[0], tiles[1], tiles[2], MAX_PAIRS_PER_TILE, ids.size(1))
+    rows = min(MAX_PAIRS_PER_TILE, x.size(0))
+    hq, hs, _ = moe_up_fp4(xq, xs, ex, plan, w, limit, max_tile_rows=rows)
+    return moe_down_fp4(hq, hs, ex, plan, max_tile_rows=rows)
+
+
+TOKEN_SWEEP_T = (64, 128, 256, 512, 1024, 2048, 4096, 8192)
+
+
+def bench_tokens(copy_bw: float) -> None:
+    """Where the CUDA FP4 GEMVs stop beating the Triton grouped GEMM (moe_fp4.FP4_MAX_TOKENS): the routed path
+    (plan + up + down, random top-6 routes) on each at prefill-chunk token counts, and moe_forward as dispatched."""
+    cfg = full_config()
+    d, k, e = cfg.dim, cfg.n_activated_experts, cfg.n_routed_experts
+    moe, ex = random_moe(cfg)
+    limit = moe.experts[0].limit
+    print(f"\n## moe_tokens: routed experts at prefill-chunk sizes, us per call in a CUDA graph (CUDA GEMVs up to "
+          f"FP4_MAX_TOKENS = {FP4_MAX_TOKENS} in moe_forward)\n")
+    print("| T | pairs per expert | Triton GEMMs us | CUDA GEMVs us | CUDA / Triton | moe_forward us |")
+    print("|---|---|---|---|---|---|")
+    copies = 4  # every call reads all 384 experts (7.2 GB): no L2 reuse between calls
+    for t in TOKEN_SWEEP_T:
+        routes = _routes(t, k, e, copies, seed=t)
+        xs = [torch.randn(t, d, device="cuda").bfloat16() for _ in range(copies)]
+        triton_us = graph_time_us([lambda i=i: _routed(xs[i], *routes[i], ex, limit) for i in range(copies)])
+        cuda_us = graph_time_us([lambda i=i: _routed_fp4_fused(xs[i], *routes[i], ex, limit) for i in range(copies)])
+        fwd_us = graph_time_us([lambda i=i: moe_forward(xs[i], moe, ex) for i in range(copies)])
+        print(f"| {t} | {t * k / e:.1f} | {triton_us:.1f} | {cuda_us:.1f} | {cuda_us / triton_us:.2f} | {fwd_us:.1f} |",
+              flush=True)
+        del routes, xs
 
 
 class _Baseline:

@@ -37,6 +37,9 @@ CHUNK = 128  # K elements per pipeline stage
 _MAX_SMEM = 200 * 1024
 _SMEM_PER_SM = 228 * 1024
 _STAGES = (2, 3, 4, 6, 8)
+FP4_MAX_TOKENS = 8192  # moe_forward takes these kernels up to this many tokens (the default step budget), the
+#   Triton grouped GEMM above: 0.40-0.63x its time at 64-4,096 tokens on an H100 (benchmarks/RESULTS.md, issue 23)
+PLAN_MAX_EXPERTS = (48 * 1024 // 4 - 256) // 4  # plan_and_quant's shared memory: 4 ints per expert + 256
 _PERM8 = (0, 2, 4, 6, 1, 3, 5, 7)  # stored position of element e of an 8-group
 
 
@@ -167,7 +170,7 @@ def plan_and_quant(x: Tensor, ids: Tensor, num_experts: int, block_m: int = MAX_
     assert ids.dtype == torch.int32 and ids.dim() == 2 and ids.is_contiguous() and ids.device == x.device, (
         f"ids: {ids.dtype} {tuple(ids.shape)}")
     assert x.dtype == torch.bfloat16 and x.dim() == 2 and x.is_contiguous() and x.is_cuda, f"x: {x.dtype} {x.shape}"
-    assert x.size(1) % 32 == 0 and x.data_ptr() % 16 == 0 and 1 <= num_experts <= 4096
+    assert x.size(1) % 32 == 0 and x.data_ptr() % 16 == 0 and 1 <= num_experts <= PLAN_MAX_EXPERTS
     r = ids.numel()
     max_tiles = min(num_experts, r) + r // block_m
     sorted_pairs = torch.empty(r, dtype=torch.int32, device=x.device)
@@ -260,9 +263,10 @@ def moe_down_fp4(hq: Tensor, hs: Tensor, experts, plan, max_tile_rows: int | Non
     return out
 
 
-def fp4_applies(x: Tensor, experts) -> bool:
-    """Whether moe_forward should use these kernels: CUDA (sm_90+, nvcc), the shapes the kernels take, and a
-    decode-sized batch (<= 64 tokens: beyond that the Triton GEMM re-reads each expert's weights less often)."""
+def fp4_applies(x: Tensor, experts, max_tokens: int | None = None) -> bool:
+    """Whether moe_forward should use these kernels: CUDA (sm_90+, nvcc), the shapes the kernels take, and at most
+    max_tokens tokens (default FP4_MAX_TOKENS)."""
     d, inter = experts.w13.size(2) * 2, experts.inter
-    return (x.is_cuda and 0 < x.size(0) <= 64 and d % CHUNK == 0 and inter % CHUNK == 0
+    limit = FP4_MAX_TOKENS if max_tokens is None else max_tokens
+    return (x.is_cuda and 0 < x.size(0) <= limit and d % CHUNK == 0 and inter % CHUNK == 0
             and cuda_kernels_available(x.device.index or 0))

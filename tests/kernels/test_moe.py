@@ -32,8 +32,8 @@ from engine.kernels.fp8_linear import split_k_tickets
 from engine.kernels.moe import (ExpertWeights, MoeGemmConfig, gate_scores, moe_down, moe_down_ref, moe_forward,
                                 moe_forward_ref, moe_plan, moe_route, moe_route_ref, moe_up, moe_up_ref,
                                 pick_block_m, pick_gemm_config, route_scores, stack_experts)
-from engine.kernels.moe_fp4 import (Fp4Params, dequant_rows, moe_down_fp4, moe_up_fp4, plan_and_quant, quant_rows,
-                                    route_cuda)
+from engine.kernels.moe_fp4 import (FP4_MAX_TOKENS, Fp4Params, dequant_rows, moe_down_fp4, moe_up_fp4,
+                                    plan_and_quant, quant_rows, route_cuda)
 from engine.model.layers import Linear
 from engine.model.moe import MoE
 from engine.presets import full_config, tiny_config
@@ -505,7 +505,7 @@ def test_experts_real_shapes_gpu(full_moe, t, dot_scaled):
 
 @gpu
 @needs_cuda
-@pytest.mark.parametrize("t", [1, 6, 64])
+@pytest.mark.parametrize("t", [1, 6, 64, 256, 4096])  # from 256: prefill chunks
 def test_moe_forward_real_shapes_gpu(full_moe, t):
     moe, ex = full_moe
     x = _gpu_tokens(t, 200 + t)
@@ -555,6 +555,19 @@ def test_fp4_experts_real_shapes_gpu(full_moe, t, params):
 
 @gpu
 @needs_cuda
+@pytest.mark.parametrize("t", [256, 2048, FP4_MAX_TOKENS])
+def test_fp4_experts_at_prefill_chunk_sizes_gpu(full_moe, t):
+    """A prefill chunk's tokens on the CUDA GEMVs (moe_forward takes them up to FP4_MAX_TOKENS): experts with more
+    pairs than a tile of 8, several tiles each."""
+    moe, ex = full_moe
+    x = _gpu_tokens(t, 400 + t)
+    w, ids = _route(x, moe)
+    o, by_pair, _, _ = _check_fp4_experts(x, moe, ex, w, ids, None, f"fp4 T={t}", max_tile_rows=8)
+    assert_down_close(o, by_pair, ex, ids, GPU_EPS, f"down fp4 T={t}")
+
+
+@gpu
+@needs_cuda
 @pytest.mark.parametrize("params", FP4_PARAMS[:4], ids=str)
 def test_fp4_exact_problem_with_repeats_and_dropped_slots_gpu(params):
     """Integer activations and one weight scale (every fp32 sum exact): g, u are the golden's; h within 1 ULP
@@ -576,7 +589,8 @@ def test_fp4_exact_problem_with_repeats_and_dropped_slots_gpu(params):
 @gpu
 @needs_cuda
 @pytest.mark.parametrize("t,k,e,block_m", [(1, 6, 384, 8), (8, 6, 384, 8), (64, 6, 384, 8), (19, 2, 8, 8),
-                                           (5, 3, 4, 2), (40, 6, 384, 16), (0, 6, 384, 8)])
+                                           (5, 3, 4, 2), (40, 6, 384, 16), (0, 6, 384, 8), (300, 2, 8, 8),
+                                           (512, 6, 384, 8), (2048, 6, 384, 8)])  # from 300: pairs in many chunks
 def test_plan_and_quant_is_moe_plan_and_quant_rows_gpu(t, k, e, block_m):
     """The fused CUDA plan + activation quantisation equals the Triton moe_plan and quant_rows bit for bit
     (router-like ids, repeated experts within a token, dropped slots, experts with more pairs than a tile)."""
