@@ -105,8 +105,11 @@ class HostKVStore:
         self._evict(victims)
         slots = [self._free.pop() for _ in missing]
         if missing:
-            self.buffer[slots] = prefix.data[missing]
-            for i, slot, checksum in zip(missing, slots, block_checksums(self.buffer[slots])):
+            # every block new (an export of the blocks past those stored): the rows as they are, no gathered copy;
+            # the checksums are of these bytes, the ones the slots now hold
+            rows = prefix.data if len(missing) == prefix.data.shape[0] else prefix.data[missing]
+            self.buffer[slots] = rows
+            for i, slot, checksum in zip(missing, slots, block_checksums(rows)):
                 self._checksum[hashes[i]] = checksum
                 self._slot[hashes[i]] = slot
         for h in reversed(hashes):  # the head most recently used: the tail is evicted first

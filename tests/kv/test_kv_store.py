@@ -41,6 +41,20 @@ def test_put_get_read_and_integrity():
     store.check_integrity(verify_checksums=True)
 
 
+def test_a_prefix_partly_held_stores_its_new_blocks_with_their_own_checksums():
+    """put() stores only the blocks it lacks (rows gathered from the prefix) and records their checksums, as it does
+    for an all-new prefix (its rows taken whole)."""
+    store = HostKVStore(FP, BLOCK, 6 * BLOCK)
+    a, tail = prefix("a", 2), prefix("t", 4)
+    store.put(a)
+    longer = ExportedPrefix(FP, a.hashes + tail.hashes[2:], np.concatenate([a.data, tail.data[2:]]))
+    assert store.put(longer) == longer.hashes and store.num_blocks == 4
+    for i, r in enumerate(store.get_descriptors(longer.hashes)):
+        assert r.checksum == block_checksum(longer.data[i])
+        assert np.array_equal(store.buffer[(r.address - store.address) // BLOCK], longer.data[i])
+    store.check_integrity(verify_checksums=True)
+
+
 def test_lru_eviction_takes_the_tail_first_and_calls_back_before_reuse():
     evicted: list[list[bytes]] = []
     store = HostKVStore(FP, BLOCK, 4 * BLOCK, on_evict=lambda hs: evicted.append(list(hs)))
