@@ -136,7 +136,7 @@ __global__ void quant_rows_kernel(const __nv_bfloat16* __restrict__ x, __half* _
 // dropped pairs (id -1) left out, expert e owning ceil(count_e / bm) consecutive tiles of bm sorted rows; tiles
 // past the total get 0 rows), computed by block 0 of the launch; the other blocks run quant_rows on x. Shared
 // memory: counts, segment starts, tile ends and pairs placed so far per expert (4 E ints), then one chunk's
-// expert ids (blockDim ints): plan_smem_ints.
+// expert ids (blockDim ints).
 __device__ void plan_block(const int* __restrict__ ids, int R, int E, int bm, int max_tiles, int* __restrict__ sorted,
                            int* __restrict__ tile_e, int* __restrict__ tile_start, int* __restrict__ tile_rows,
                            int* sm) {
@@ -220,11 +220,10 @@ __device__ void plan_block(const int* __restrict__ ids, int R, int E, int bm, in
 }
 
 // Block 0: the plan; blocks 1..: quant_rows of x (one thread per 32-block).
-__global__ void __launch_bounds__(kPlanThreads) plan_quant_kernel(const int* __restrict__ ids, int R, int E, int bm,
-                                                         int max_tiles, int* __restrict__ sorted,
-                                                         int* __restrict__ tiles, const __nv_bfloat16* __restrict__ x,
-                                                         __half* __restrict__ xq, float* __restrict__ xs, int rows,
-                                                         int K) {
+__global__ void __launch_bounds__(kPlanThreads)
+    plan_quant_kernel(const int* __restrict__ ids, int R, int E, int bm, int max_tiles, int* __restrict__ sorted,
+                      int* __restrict__ tiles, const __nv_bfloat16* __restrict__ x, __half* __restrict__ xq,
+                      float* __restrict__ xs, int rows, int K) {
   extern __shared__ int plan_smem[];
   if (blockIdx.x == 0) {
     plan_block(ids, R, E, bm, max_tiles, sorted, tiles, tiles + max_tiles, tiles + 2 * max_tiles, plan_smem);

@@ -38,7 +38,7 @@ _MAX_SMEM = 200 * 1024
 _SMEM_PER_SM = 228 * 1024
 _STAGES = (2, 3, 4, 6, 8)
 FP4_MAX_TOKENS = 8192  # moe_forward takes these kernels up to this many tokens (the default step budget), the
-#   Triton grouped GEMM above: 0.40-0.63x its time at 64-4,096 tokens on an H100 (benchmarks/RESULTS.md, issue 23)
+#   Triton grouped GEMM above: 0.40-0.66x its time at 64-8,192 tokens on an H100 (benchmarks/RESULTS.md, issue 23)
 PLAN_MAX_EXPERTS = (48 * 1024 // 4 - 256) // 4  # plan_and_quant's shared memory: 4 ints per expert + 256
 _PERM8 = (0, 2, 4, 6, 1, 3, 5, 7)  # stored position of element e of an 8-group
 
@@ -263,10 +263,9 @@ def moe_down_fp4(hq: Tensor, hs: Tensor, experts, plan, max_tile_rows: int | Non
     return out
 
 
-def fp4_applies(x: Tensor, experts, max_tokens: int | None = None) -> bool:
+def fp4_applies(x: Tensor, experts) -> bool:
     """Whether moe_forward should use these kernels: CUDA (sm_90+, nvcc), the shapes the kernels take, and at most
-    max_tokens tokens (default FP4_MAX_TOKENS)."""
+    FP4_MAX_TOKENS tokens."""
     d, inter = experts.w13.size(2) * 2, experts.inter
-    limit = FP4_MAX_TOKENS if max_tokens is None else max_tokens
-    return (x.is_cuda and 0 < x.size(0) <= limit and d % CHUNK == 0 and inter % CHUNK == 0
+    return (x.is_cuda and 0 < x.size(0) <= FP4_MAX_TOKENS and d % CHUNK == 0 and inter % CHUNK == 0
             and cuda_kernels_available(x.device.index or 0))
