@@ -1,0 +1,170 @@
+"""Prefill time per layer and per layer kind through LLMEngine (issue 23: "prefill tokens/s per layer kind", and the
+1M-token projection from them).
+
+    python benchmarks/layer_prefill.py [--model real-width|tiny] [--layers 8] [--lengths 8K,32K] [--chunk 8192]
+
+One request per length (prefix caching off, one output token), prefilled in chunks of --chunk tokens. Every layer
+call of the step is timed where it runs (CUDA events around the kernel path's layer_forward, which joins its side
+streams before it returns; on the CPU the golden Block's forward, host time). Per length: each layer's total time
+over the prompt, its kind (attention mode, compression ratio, Engram, decoder = at or after the CED cut: those run
+only the rows bounded replay keeps) and prompt tokens/s; then the released 40-layer config's prefill, each of its
+layers costed as the measured layer of the same kind (mode, ratio, decoder or not), on one GPU and split ideally
+over 8 (collectives not counted), at the measured length and scaled linearly to 1M tokens. The linear scaling is a
+lower bound: attention and the indexer cost more per token as the context grows; measure longer lengths to see how
+much.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from collections import defaultdict
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from benchmarks.engine_ttft import parse_length  # noqa: E402
+from benchmarks.random_model import bench_model  # noqa: E402
+from engine.config import LayerRole  # noqa: E402
+from engine.core.engine import EngineConfig, LLMEngine  # noqa: E402
+from engine.core.sampling_params import SamplingParams  # noqa: E402
+from engine.presets import full_config  # noqa: E402
+
+ONE_MILLION = 1 << 20
+GPUS = 8
+
+
+def kind(role: LayerRole) -> tuple[str, int, bool]:
+    """What a layer's prefill cost depends on: attention mode, compression ratio, decoder (after the CED cut)."""
+    return role.mode, role.ratio, role.is_decoder
+
+
+def kind_text(k: tuple[str, int, bool]) -> str:
+    mode, ratio, decoder = k
+    return f"{mode} r{ratio}" + (" (decoder)" if decoder else "")
+
+
+class LayerClock:
+    """Per layer, the time of every call while installed (CUDA events, read after the step; or host time)."""
+
+    def __init__(self, engine: LLMEngine):
+        runner = engine.executor.runner
+        self.cuda = runner.device.type == "cuda"
+        self.spans: dict[int, list] = defaultdict(list)
+        self._undo: list[Callable[[], None]] = []
+        if runner.kernels:  # the kernel path: its layer_forward(layer, ...) per layer
+            kp = runner._kernel_path
+            inner = kp.layer_forward
+
+            def timed(layer, *args, **kwargs):
+                start = self._mark()
+                out = inner(layer, *args, **kwargs)
+                self.spans[layer.role.layer_id].append((start, self._mark()))
+                return out
+
+            kp.layer_forward = timed
+            self._undo.append(lambda: delattr(kp, "layer_forward"))
+        else:  # the golden path: each Block's forward
+            for block in runner.model.layers:  # (layers do not nest: one start at a time)
+                pre = block.register_forward_pre_hook(lambda m, a: setattr(self, "_start", self._mark()))
+                post = block.register_forward_hook(
+                    lambda m, a, o: self.spans[m.role.layer_id].append((self._start, self._mark())))
+                self._undo += [pre.remove, post.remove]
+
+    def _mark(self):
+        if self.cuda:
+            e = torch.cuda.Event(enable_timing=True)
+            e.record()
+            return e
+        return time.perf_counter()
+
+    def totals_s(self) -> dict[int, float]:
+        """Each layer's time summed over its calls, in seconds."""
+        if self.cuda:
+            torch.cuda.synchronize()
+            return {i: sum(a.elapsed_time(b) for a, b in s) / 1e3 for i, s in self.spans.items()}
+        return {i: sum(b - a for a, b in s) for i, s in self.spans.items()}
+
+    def remove(self) -> None:
+        for undo in self._undo:
+            undo()
+
+
+def prefill_layers(engine: LLMEngine, prompt: list[int], rid: str) -> dict[int, float]:
+    """Each layer's time over one request's prefill (to its first token)."""
+    clock = LayerClock(engine)
+    try:
+        engine.add_request(rid, prompt, SamplingParams(max_tokens=1, ignore_eos=True))
+        while engine.has_unfinished:
+            engine.step()
+        return clock.totals_s()
+    finally:
+        clock.remove()
+
+
+def released_projection(measured: dict[tuple, float]) -> tuple[float, list[str]]:
+    """The released config's prefill on one GPU from the measured seconds per kind (each kind's mean layer, for the
+    prompt they were measured on), and the kinds it has that were not measured."""
+    cfg = full_config()
+    total, missing = 0.0, []
+    for role in cfg.roles[:cfg.n_layers]:  # (not the DSpark stages)
+        k = kind(role)
+        if k in measured:
+            total += measured[k]
+        elif kind_text(k) not in missing:
+            missing.append(kind_text(k))
+    return total, missing
+
+
+def main(argv: list[str] | None = None) -> dict[int, dict[tuple, float]]:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--model", choices=["real-width", "tiny"], default="real-width",
+                   help="real-width: real_width_config(--layers) on the GPU; tiny: the tiny config (CPU works)")
+    p.add_argument("--layers", type=int, default=8, help="real_width_config's role order (6, 8 or 10 layers)")
+    p.add_argument("--lengths", default="8K,32K")
+    p.add_argument("--chunk", type=int, default=8192, help="max_num_batched_tokens: prefill chunk size")
+    p.add_argument("--cache-mib", type=int, default=4096)
+    args = p.parse_args(argv)
+    lengths = [parse_length(t) for t in args.lengths.split(",")]
+    t0 = time.perf_counter()
+    model = bench_model(args.model, args.layers, max(lengths) + 64)
+    print(f"random {args.model} model ({model.cfg.n_layers} layers) built in {time.perf_counter() - t0:.0f} s",
+          flush=True)
+    config = EngineConfig(max_num_seqs=1, max_num_batched_tokens=args.chunk, enable_prefix_caching=False,
+                          cache_memory_bytes=args.cache_mib << 20, max_model_len=max(lengths) + 64)
+    engine = LLMEngine.local(model, config, eos_token_id=-1)
+    g = torch.Generator().manual_seed(0)
+    prefill_layers(engine, torch.randint(0, 120000, (min(args.chunk, max(lengths)),), generator=g).tolist(), "warm")
+    roles = model.cfg.roles
+    device = torch.cuda.get_device_name() if torch.cuda.is_available() else "CPU"
+    by_length = {}
+    for n in lengths:
+        per_layer = prefill_layers(engine, torch.randint(0, 120000, (n,), generator=g).tolist(), f"r{n}")
+        kinds: dict[tuple, list[float]] = defaultdict(list)
+        print(f"\n{device}, {args.model} model, a {n:,}-token prompt in chunks of {args.chunk}")
+        print("| layer | kind | Engram | ms over the prompt | prompt tok/s through it |")
+        print("|---|---|---|---|---|")
+        for i, s in sorted(per_layer.items()):
+            role = roles[i]
+            kinds[kind(role)].append(s)
+            print(f"| {i} | {kind_text(kind(role))} | {'yes' if role.has_engram else ''} | {s * 1e3:.1f} | "
+                  f"{n / s:,.0f} |")
+        measured = {k: sum(v) / len(v) for k, v in kinds.items()}
+        by_length[n] = measured
+        one_gpu, missing = released_projection(measured)
+        print("\nper kind (mean layer): " + "; ".join(f"{kind_text(k)} {s * 1e3:.1f} ms ({n / s:,.0f} tok/s)"
+                                                    for k, s in sorted(measured.items())))
+        print(f"released 40 layers, {n:,} tokens: {one_gpu:.2f} s on one GPU, {one_gpu / GPUS:.2f} s over {GPUS} "
+              f"(ideal split); x {ONE_MILLION / n:.0f} to 1M tokens: >= {one_gpu / GPUS * ONE_MILLION / n:.1f} s over "
+              f"{GPUS} (Baseten: 11.7 s on 8xB300)" + (f"; not measured, left out: {', '.join(missing)}"
+                                                       if missing else ""))
+    engine.close()
+    return by_length
+
+
+if __name__ == "__main__":
+    main()
