@@ -39,7 +39,8 @@ _SMEM_PER_SM = 228 * 1024
 _STAGES = (2, 3, 4, 6, 8)
 FP4_MAX_TOKENS = 8192  # moe_forward takes these kernels up to this many tokens (the default step budget), the
 #   Triton grouped GEMM above: 0.40-0.66x its time at 64-8,192 tokens on an H100 (benchmarks/RESULTS.md, issue 23)
-PLAN_MAX_EXPERTS = (48 * 1024 // 4 - 256) // 4  # plan_and_quant's shared memory: 4 ints per expert + 256
+_PLAN_THREADS = 256  # plan_and_quant's block (cuda/moe_fp4.cu: kPlanThreads)
+PLAN_MAX_EXPERTS = (48 * 1024 // 4 - _PLAN_THREADS) // 4  # its shared memory: 4 ints per expert + one per thread
 _PERM8 = (0, 2, 4, 6, 1, 3, 5, 7)  # stored position of element e of an 8-group
 
 
