@@ -77,7 +77,7 @@ def measure(model, args, cap: int | None, split: bool, g: torch.Generator) -> tu
             gaps = gaps_until(lambda: next(steps) == ALONE_STEPS)
         t0 = time.perf_counter()
         engine.add_request(f"long{round_}", tokens(args.prompt), SamplingParams(max_tokens=1, ignore_eos=True))
-        with profiled(round_ == 2, "beside the prefill", None):
+        with profiled(round_ == 2, "beside the prefill", None), sync_sites(args.sync_sites and round_ == 0):
             beside_gaps = gaps_until(lambda: f"long{round_}" in first_tokens)
         if round_ < 2:
             alone, beside, ttft = gaps, beside_gaps, first_tokens[f"long{round_}"] - t0
@@ -85,6 +85,30 @@ def measure(model, args, cap: int | None, split: bool, g: torch.Generator) -> tu
         engine.abort(rid)
     engine.close()
     return np.array(alone), np.array(beside), ttft
+
+
+@contextmanager
+def sync_sites(on: bool):
+    """--sync-sites: the window under torch's CUDA sync debug mode ("warn"); prints where the host waited for the
+    device (each synchronizing call's Python file and line, with its count). In the first round, which is not
+    reported: the warnings cost host time."""
+    if not on or not torch.cuda.is_available():
+        yield
+        return
+    import warnings
+    from collections import Counter
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            yield
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    sites = Counter(f"{Path(w.filename).name}:{w.lineno}" for w in caught if "synchroniz" in str(w.message))
+    print(f"\n--- synchronizing CUDA calls beside the prefill: {sum(sites.values())}")
+    for site, n in sites.most_common(25):
+        print(f"  {n:6d}  {site}")
 
 
 @contextmanager
@@ -123,6 +147,8 @@ def main() -> None:
     p.add_argument("--cache-mib", type=int, default=2048)
     p.add_argument("--split", choices=["on", "off", "both"], default="on",
                    help="split_mixed_steps: a mixed step's decodes through the decode step (both: each cap twice)")
+    p.add_argument("--sync-sites", action="store_true",
+                   help="count the synchronizing CUDA calls beside the prefill by Python file and line")
     p.add_argument("--profile", action="store_true",
                    help="a third round under torch.profiler: the top CUDA kernels and CPU ops, alone and beside")
     args = p.parse_args()

@@ -47,6 +47,7 @@ from engine.core.kv_cache import PagedKVCache
 from engine.core.plan import ChunkPlan, StepPlan
 from engine.core.step_rows import (CompressorRows, ForwardState, Segment, StepLogits, decoder_rows, engram_hashes,
                                    head_rows, no_logits, segments, split_logits)
+from engine.host_copy import tensor_on, to_device
 from engine.kernels import paged
 from engine.kernels.compressor import Ratio2Chunk, Ratio2Plan, plan_ratio2
 from engine.kernels.engram_gather import EngramPrefetch
@@ -223,7 +224,7 @@ class KernelRunner:
         if not chunks:
             return ForwardState(no_logits(cfg.vocab_size, self.device))
         step = self.prepare(out)
-        ids = torch.tensor([t for c in chunks for t in c.token_ids], dtype=torch.long, device=self.device)
+        ids = tensor_on([t for c in chunks for t in c.token_ids], self.device, torch.long)
         tapped: list[Tensor] | None = [] if taps else None
         image_rows = None if step.image_at is None else self._spans.stream_rows(chunks)
         h, pre_mix = self.run_layers(ids, step, None if step.hashes is None else step.hashes.to(self.device),
@@ -233,7 +234,7 @@ class KernelRunner:
                              segs, step.groups or {})
         head = head_rows(chunks, segs)
         if head.picks:
-            sel = torch.tensor(head.picks, device=self.device)
+            sel = tensor_on(head.picks, self.device, torch.long)
             state.logits = split_logits(self.head(h[sel], pre_mix[sel]), head)
         return state
 
@@ -288,17 +289,17 @@ class KernelRunner:
         hashes = None
         tables = getattr(self.model, "engram_tables", None)
         if tables is not None:
-            ids = torch.tensor([t for c in chunks for t in c.token_ids], dtype=torch.long, device=self.device)
+            ids = tensor_on([t for c in chunks for t in c.token_ids], self.device, torch.long)
             hashes = engram_hashes(tables, chunks, segs, ids)[0]  # [T, layers, cols]
         self._max_pos = max(self._max_pos, max(c.end for c in chunks))
-        step = Step(chunks, segs, dec_segs, keep.to(self.device), hashes, [Shared() for _ in chunks],
+        step = Step(chunks, segs, dec_segs, to_device(keep, self.device), hashes, [Shared() for _ in chunks],
                     groups={} if any(c.num_draft for c in chunks) else None)
         mask = stream_image_mask(chunks)
         if mask is not None and any(mask):  # else images only in a chunk's Engram look-back: the hashes hold them
             assert self._spans is not None, "image positions for a model without a vision tower (the engine refuses)"
             is_image = torch.tensor(mask)
-            step.is_image, step.dec_is_image = is_image.to(self.device), is_image[keep].to(self.device)
-            step.image_at = is_image.nonzero()[:, 0].to(self.device)
+            step.is_image, step.dec_is_image = to_device(is_image, self.device), to_device(is_image[keep], self.device)
+            step.image_at = to_device(is_image.nonzero()[:, 0], self.device)
         return step
 
     # ---- one layer --------------------------------------------------------------------------------------------
@@ -541,8 +542,8 @@ class KernelRunner:
                 n = so.end // ratio
                 entries = paged.entry_slots(req.global_blocks, 0, n, per_block)
                 requests.append(RequestRows(so.index, slice(so.offset, so.offset + so.rows), n,
-                                            entries.to(dev, torch.int32), ((p + 1) // ratio).to(dev, torch.int32),
-                                            min(cfg.index_topk, n)))
+                                            to_device(entries, dev, torch.int32),
+                                            to_device((p + 1) // ratio, dev, torch.int32), min(cfg.index_topk, n)))
             start = max(si.start, req.global_from)
             if ratio == 0 or start >= si.end:
                 continue
@@ -561,13 +562,15 @@ class KernelRunner:
             else:
                 pending = start % ratio
                 groups.append(GroupWrite(slice(si.offset + start - si.start, si.offset + si.rows), pending,
-                                         req.pending_slot, count * ratio, entries.to(dev), gpos.to(dev),
+                                         req.pending_slot, count * ratio, to_device(entries, dev), to_device(gpos, dev),
                                          req.num_draft > 0, si.index, start - pending))
         writes = None
         if 0 < ratio <= 2:
-            writes = GlobalWrite(cat(g_rows).to(dev), cat(g_entries).to(dev), cat(g_pos).to(dev),
+            writes = GlobalWrite(to_device(cat(g_rows), dev), to_device(cat(g_entries), dev),
+                                 to_device(cat(g_pos), dev),
                                  plan_ratio2(r2_chunks, dev) if ratio == 2 else None, verify)
         q_rows = cat(q_rows)
         every_row = 0 < q_rows.numel() == pos.numel() and bool((q_rows == torch.arange(pos.numel())).all())
-        return AttnMeta(pos.to(dev), write.to(dev), None if every_row else q_rows.to(dev), cat(qpos).to(dev),
-                        torch.cat(swa_idx or [empty.view(0, W)]).to(dev, torch.int32), requests, writes, groups)
+        swa = torch.cat(swa_idx or [empty.view(0, W)])
+        return AttnMeta(to_device(pos, dev), to_device(write, dev), None if every_row else to_device(q_rows, dev),
+                        to_device(cat(qpos), dev), to_device(swa, dev, torch.int32), requests, writes, groups)

@@ -12,6 +12,7 @@ from engine.core.plan import ENGRAM_LOOKBACK, ChunkPlan, StepPlan
 from engine.core.sampler import SampleOutput, sample_specs
 from engine.core.speculative import Verified
 from engine.engram_tables import EngramTables, hash_ngrams, initial_history, next_history
+from engine.host_copy import tensor_on
 from engine.vision.inputs import image_mask
 
 
@@ -107,12 +108,12 @@ def engram_hashes(tables: EngramTables | None, chunks: list[ChunkPlan], segs: li
     assert K <= ENGRAM_LOOKBACK, f"Engram n-grams of {K + 1} need more look-back than plans carry"
     for c, s in zip(chunks, segs):
         prev = c.prev_ids[len(c.prev_ids) - min(K, len(c.prev_ids)):]
-        before = torch.tensor([prev], dtype=torch.long, device=ids.device).view(1, -1)
+        before = tensor_on([prev], ids.device, torch.long).view(1, -1)
         before_text = text = None  # Engram's token_mask: False in image spans
         if c.images:
-            before_text = ~torch.tensor([image_mask(c.start - len(prev), c.start, c.images)], dtype=torch.bool,
-                                        device=ids.device).view(1, -1)
-            text = ~torch.tensor([image_mask(s.start, s.end, c.images)], dtype=torch.bool, device=ids.device)
+            before_text = ~tensor_on([image_mask(c.start - len(prev), c.start, c.images)], ids.device,
+                                     torch.bool).view(1, -1)
+            text = ~tensor_on([image_mask(s.start, s.end, c.images)], ids.device, torch.bool)
         history = next_history(tables, initial_history(tables, 1, ids.device), before, before_text)
         out.append(hash_ngrams(tables, ids[s.offset:s.offset + s.rows].view(1, -1), history, c.start, text))
     return torch.cat(out, dim=1)

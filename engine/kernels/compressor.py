@@ -31,6 +31,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
+from engine.host_copy import to_device
 from engine.kernels.cache_records import MAIN_KV_BLOCK, fp4_record_bytes
 from engine.kernels.cache_store import store_index_k_fused, write_rows
 from engine.kernels.rope import RopeTable
@@ -91,7 +92,7 @@ def plan_ratio2(chunks: Sequence[Ratio2Chunk], device: torch.device | str) -> Ra
         out += count
     items = torch.cat(rows) if rows else torch.empty(0, _PLAN_COLS, dtype=torch.int64)
     pos = torch.cat(positions) if positions else torch.empty(0, dtype=torch.int64)
-    return Ratio2Plan(items.contiguous().to(device), groups, pos.to(device), out)
+    return Ratio2Plan(to_device(items.contiguous(), device), groups, to_device(pos, device), out)
 
 
 @triton.jit
