@@ -43,7 +43,8 @@ namespace cg = cooperative_groups;
 
 namespace {
 
-constexpr int kMaxM = 8;            // pairs per tile: the MMA's N
+constexpr int kFrag = 8;            // pairs per MMA fragment: the MMA's N
+constexpr int kMaxM = 32;           // pairs per tile: up to 4 fragments (a weight fragment feeds each)
 constexpr int kMaxWarps = 8;        // per CTA
 constexpr int kMaxSplits = 8;       // portable cluster size
 constexpr int kMaxSmem = 200 * 1024;
@@ -80,14 +81,19 @@ using dsv41::x_stride;
 
 __host__ __device__ __forceinline__ size_t align128(size_t b) { return (b + 127) / 128 * 128; }
 
-// Shared memory: x_s f16 [x_rows][stride] | sa_s f32 [kc/32][8] | red f32 [warps_k][8][warps_n*32] | rings
+// Pairs of a tile of at most x_rows pairs, in whole fragments: 8, 16 or 32 (the kernel's template MT = this / 8).
+__host__ __device__ __forceinline__ int tile_m(int x_rows) { return x_rows <= 8 ? 8 : x_rows <= 16 ? 16 : 32; }
+
+// Shared memory: x_s f16 [x_rows][stride] | sa_s f32 [kc/32][M] | red f32 [warps_k][M][warps_n*32] | rings,
+// M = tile_m(x_rows)
 __host__ __device__ __forceinline__ size_t smem_layout(int kc, int x_rows, int warps_n, int warps_k, int stages,
                                                        size_t* off_sa, size_t* off_red, size_t* off_ring) {
+  const int m = tile_m(x_rows);
   size_t b = align128(size_t(x_rows) * x_stride(kc) * 2);
   *off_sa = b;
-  b = align128(b + size_t(kc / 32) * kMaxM * 4);
+  b = align128(b + size_t(kc / 32) * m * 4);
   *off_red = b;
-  b = align128(b + size_t(warps_k) * kMaxM * warps_n * kWarpRows * 4);
+  b = align128(b + size_t(warps_k) * m * warps_n * kWarpRows * 4);
   *off_ring = b;
   return b + size_t(warps_n) * warps_k * stages * kStageBytes;
 }
@@ -319,8 +325,11 @@ __global__ void __launch_bounds__(kRouteMaxExperts) route_kernel(const float* __
   }
 }
 
-template <bool UP, int STAGES>
+// MT fragments of 8 pairs per tile (M = 8 MT pairs): each weight fragment, converted once, feeds MT MMAs. Every
+// output element is the same sequence of operations whatever MT is, so the results do not depend on the tile size.
+template <bool UP, int STAGES, int MT>
 __global__ void __launch_bounds__(32 * kMaxWarps) moe_fp4_kernel(const MoeArgs a) {
+  constexpr int M = MT * kFrag;
   extern __shared__ __align__(128) unsigned char smem[];
   const int tile = blockIdx.z;
   const int n_rows = a.tile_rows[tile];
@@ -391,23 +400,27 @@ __global__ void __launch_bounds__(32 * kMaxWarps) moe_fp4_kernel(const MoeArgs a
           *reinterpret_cast<const uint4*>(a.xq + size_t(src_row) * K + k0 + q8 * 8);
     }
   }
-  for (int p = tid; p < kMaxM * kbc; p += blockDim.x) {
-    const int j = p % kMaxM, kb = p / kMaxM;
+  for (int p = tid; p < M * kbc; p += blockDim.x) {
+    const int j = p % M, kb = p / M;
     float s = 0.f;
     if (j < n_rows && kb < kc_valid / 32) {
       const int src_row = UP ? a.sorted_pairs[row0 + j] / a.topk : row0 + j;
       s = a.xs[size_t(src_row) * (K / 32) + k0 / 32 + kb];
     }
-    sa_s[kb * kMaxM + j] = s;
+    sa_s[kb * M + j] = s;
   }
   __syncthreads();
 
-  const __half* x_row = x_s + min(g, a.x_rows - 1) * stride;  // token g's row (tokens past the tile: unused)
-  float acc[2][4];
+  const __half* x_row[MT];  // fragment f: pair f * 8 + g's row (pairs past the tile: unused)
+#pragma unroll
+  for (int f = 0; f < MT; ++f) x_row[f] = x_s + min(f * kFrag + g, a.x_rows - 1) * stride;
+  float acc[2][MT][4];
 #pragma unroll
   for (int rt = 0; rt < 2; ++rt)
 #pragma unroll
-    for (int i = 0; i < 4; ++i) acc[rt][i] = 0.f;
+    for (int f = 0; f < MT; ++f)
+#pragma unroll
+      for (int i = 0; i < 4; ++i) acc[rt][f][i] = 0.f;
 
   for (int c = c_lo; c < c_hi; ++c) {
     issue(c + STAGES - 1);
@@ -428,20 +441,30 @@ __global__ void __launch_bounds__(32 * kMaxWarps) moe_fp4_kernel(const MoeArgs a
 #pragma unroll
       for (int bb = 0; bb < 2; ++bb) {
         const int b = bp + bb, kb = c * 4 + b;
-        const uint4 q = *reinterpret_cast<const uint4*>(x_row + kb * 32 + 8 * t);
-        const float2 sa = *reinterpret_cast<const float2*>(sa_s + kb * kMaxM + 2 * t);
+        uint4 q[MT];
+        float2 sa[MT];
+#pragma unroll
+        for (int f = 0; f < MT; ++f) {
+          q[f] = *reinterpret_cast<const uint4*>(x_row[f] + kb * 32 + 8 * t);
+          sa[f] = *reinterpret_cast<const float2*>(sa_s + kb * M + f * kFrag + 2 * t);
+        }
 #pragma unroll
         for (int rt = 0; rt < 2; ++rt) {
           const uint32_t wg = d[rt][2 * bb], wg8 = d[rt][2 * bb + 1];
-          float cc[4] = {0.f, 0.f, 0.f, 0.f};
-          dsv41::mma_f16_16816(cc, e2m1_pair<0>(wg), e2m1_pair<0>(wg8), e2m1_pair<1>(wg), e2m1_pair<1>(wg8), q.x, q.y);
-          dsv41::mma_f16_16816(cc, e2m1_pair<2>(wg), e2m1_pair<2>(wg8), e2m1_pair<3>(wg), e2m1_pair<3>(wg8), q.z, q.w);
+          const uint32_t w0 = e2m1_pair<0>(wg), w1 = e2m1_pair<0>(wg8), w2 = e2m1_pair<1>(wg), w3 = e2m1_pair<1>(wg8);
+          const uint32_t w4 = e2m1_pair<2>(wg), w5 = e2m1_pair<2>(wg8), w6 = e2m1_pair<3>(wg), w7 = e2m1_pair<3>(wg8);
           const float sw0 = e8m0_x16384((swr[rt][0] >> (8 * b)) & 0xFFu);
           const float sw1 = e8m0_x16384((swr[rt][1] >> (8 * b)) & 0xFFu);
-          acc[rt][0] = fmaf(cc[0], __fmul_rn(sw0, sa.x), acc[rt][0]);
-          acc[rt][1] = fmaf(cc[1], __fmul_rn(sw0, sa.y), acc[rt][1]);
-          acc[rt][2] = fmaf(cc[2], __fmul_rn(sw1, sa.x), acc[rt][2]);
-          acc[rt][3] = fmaf(cc[3], __fmul_rn(sw1, sa.y), acc[rt][3]);
+#pragma unroll
+          for (int f = 0; f < MT; ++f) {
+            float cc[4] = {0.f, 0.f, 0.f, 0.f};
+            dsv41::mma_f16_16816(cc, w0, w1, w2, w3, q[f].x, q[f].y);
+            dsv41::mma_f16_16816(cc, w4, w5, w6, w7, q[f].z, q[f].w);
+            acc[rt][f][0] = fmaf(cc[0], __fmul_rn(sw0, sa[f].x), acc[rt][f][0]);
+            acc[rt][f][1] = fmaf(cc[1], __fmul_rn(sw0, sa[f].y), acc[rt][f][1]);
+            acc[rt][f][2] = fmaf(cc[2], __fmul_rn(sw1, sa[f].x), acc[rt][f][2]);
+            acc[rt][f][3] = fmaf(cc[3], __fmul_rn(sw1, sa[f].y), acc[rt][f][3]);
+          }
         }
       }
     }
@@ -450,21 +473,25 @@ __global__ void __launch_bounds__(32 * kMaxWarps) moe_fp4_kernel(const MoeArgs a
   cp_async_wait<0>();
   asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
 
-  // C fragment: (row g, tokens 2t, 2t + 1), (row g + 8, tokens 2t, 2t + 1); partials [wk][token][row]
-  float* red_w = red + wk * kMaxM * rows_cta_w;
+  // C fragment f: (row g, pairs f8 + 2t, f8 + 2t + 1), (row g + 8, the same pairs); partials [wk][pair][row]
+  float* red_w = red + wk * M * rows_cta_w;
 #pragma unroll
   for (int rt = 0; rt < 2; ++rt) {
     const int r = wn * kWarpRows + rt * 16 + g;
-    red_w[(2 * t) * rows_cta_w + r] = acc[rt][0];
-    red_w[(2 * t + 1) * rows_cta_w + r] = acc[rt][1];
-    red_w[(2 * t) * rows_cta_w + r + 8] = acc[rt][2];
-    red_w[(2 * t + 1) * rows_cta_w + r + 8] = acc[rt][3];
+#pragma unroll
+    for (int f = 0; f < MT; ++f) {
+      const int j = f * kFrag + 2 * t;
+      red_w[j * rows_cta_w + r] = acc[rt][f][0];
+      red_w[(j + 1) * rows_cta_w + r] = acc[rt][f][1];
+      red_w[j * rows_cta_w + r + 8] = acc[rt][f][2];
+      red_w[(j + 1) * rows_cta_w + r + 8] = acc[rt][f][3];
+    }
   }
   __syncthreads();
   const int outs = n_rows * rows_cta_w;
   for (int e = tid; e < outs; e += blockDim.x) {
     float s = red[e];
-    for (int j = 1; j < a.warps_k; ++j) s = __fadd_rn(s, red[j * kMaxM * rows_cta_w + e]);
+    for (int j = 1; j < a.warps_k; ++j) s = __fadd_rn(s, red[j * M * rows_cta_w + e]);
     red[e] = s;
   }
   cg::cluster_group cluster = cg::this_cluster();
@@ -522,11 +549,11 @@ __global__ void __launch_bounds__(32 * kMaxWarps) moe_fp4_kernel(const MoeArgs a
   if (a.splits > 1) cluster.sync();  // no CTA leaves while another still reads its shared memory
 }
 
-template <bool UP, int STAGES>
+template <bool UP, int STAGES, int MT>
 cudaError_t launch(const MoeArgs& a, int tiles, size_t smem, bool pdl, cudaStream_t stream) {
   static uint64_t smem_set = 0;  // this instance's shared-memory opt-in, per device
   const int rows_out = a.warps_n * (UP ? 16 : 32);
-  return dsv41::launch_ex(moe_fp4_kernel<UP, STAGES>, &smem_set, kMaxSmem,
+  return dsv41::launch_ex(moe_fp4_kernel<UP, STAGES, MT>, &smem_set, kMaxSmem,
                           dim3(a.splits, (a.n_out + rows_out - 1) / rows_out, tiles), dim3(32 * a.warps_n * a.warps_k, 1, 1),
                           smem, stream, a.splits > 1 ? a.splits : 0, pdl, a);
 }
@@ -618,10 +645,14 @@ int dsv41_moe_fp4(int up, const void* w, const void* ws, const void* xq, const v
   a.warps_k = warps_k;
   a.splits = splits;
   const cudaStream_t s = static_cast<cudaStream_t>(stream);
-#define DSV41_MOE_CASE(S)                                                                          \
-  if (stages == S) return int(up ? launch<true, S>(a, tiles, smem, pdl != 0, s)                    \
-                                 : launch<false, S>(a, tiles, smem, pdl != 0, s));
-  DSV41_MOE_CASE(2) DSV41_MOE_CASE(3) DSV41_MOE_CASE(4) DSV41_MOE_CASE(6) DSV41_MOE_CASE(8)
+  const int mt = tile_m(x_rows) / kFrag;
+#define DSV41_MOE_CASE(S, MT)                                                                      \
+  if (stages == S && mt == MT) return int(up ? launch<true, S, MT>(a, tiles, smem, pdl != 0, s)    \
+                                             : launch<false, S, MT>(a, tiles, smem, pdl != 0, s));
+#define DSV41_MOE_STAGES(MT) \
+  DSV41_MOE_CASE(2, MT) DSV41_MOE_CASE(3, MT) DSV41_MOE_CASE(4, MT) DSV41_MOE_CASE(6, MT) DSV41_MOE_CASE(8, MT)
+  DSV41_MOE_STAGES(1) DSV41_MOE_STAGES(2) DSV41_MOE_STAGES(4)
+#undef DSV41_MOE_STAGES
 #undef DSV41_MOE_CASE
   return int(cudaErrorInvalidValue);
 }

@@ -29,8 +29,8 @@ import torch.nn.functional as F
 from benchmarks.gpu_timing import graph_time_us, sweep
 from engine.kernels.moe import (ExpertWeights, MoeGemmConfig, MoePlan, gate_scores, moe_down, moe_forward, moe_plan,
                                 moe_route, moe_up, pick_block_m, route_scores)
-from engine.kernels.moe_fp4 import (FP4_MAX_TOKENS, MAX_PAIRS_PER_TILE, Fp4Params, fp4_applies, moe_down_fp4,
-                                    moe_up_fp4, plan_and_quant, quant_rows, route_cuda)
+from engine.kernels.moe_fp4 import (FP4_MAX_TOKENS, Fp4Params, fp4_applies, fp4_tile_pairs, moe_down_fp4, moe_up_fp4,
+                                    plan_and_quant, quant_rows, route_cuda)
 from engine.presets import full_config
 from engine.tools.random_moe import random_moe
 from engine.quant import dequant_fp4_weight
@@ -82,21 +82,37 @@ def _routed_fp4(x, ids, w, ex: ExpertWeights, limit: float, up: Fp4Params | None
     return hq if skip_down else moe_down_fp4(hq, hs, ex, plan, max_tile_rows=rows, params=down)
 
 
-def _routed_fp4_fused(x, ids, w, ex: ExpertWeights, limit: float):
-    """The CUDA path exactly as moe_forward runs it: plan_and_quant (one launch), up, down."""
-    sorted_pairs, tiles, xq, xs = plan_and_quant(x, ids, ex.w13.size(0), MAX_PAIRS_PER_TILE)
-    plan = MoePlan(sorted_pairs, tiles[0], tiles[1], tiles[2], MAX_PAIRS_PER_TILE, ids.size(1))
-    rows = min(MAX_PAIRS_PER_TILE, x.size(0))
+def _routed_fp4_fused(x, ids, w, ex: ExpertWeights, limit: float, block: int | None = None):
+    """The CUDA path as moe_forward runs it: plan_and_quant (one launch), up, down; tiles of `block` pairs
+    (default: fp4_tile_pairs, moe_forward's choice)."""
+    block = block or fp4_tile_pairs(ids.numel(), ex.w13.size(0))
+    sorted_pairs, tiles, xq, xs = plan_and_quant(x, ids, ex.w13.size(0), block)
+    plan = MoePlan(sorted_pairs, tiles[0], tiles[1], tiles[2], block, ids.size(1))
+    rows = min(block, x.size(0))
     hq, hs, _ = moe_up_fp4(xq, xs, ex, plan, w, limit, max_tile_rows=rows)
     return moe_down_fp4(hq, hs, ex, plan, max_tile_rows=rows)
 
 
 TOKEN_SWEEP_T = (64, 128, 256, 512, 1024, 2048, 4096, 8192)
+GEMM_SWEEP_T = (2048, 8192)
+TILE_SWEEP_T = (256, 512, 1024, 2048, 4096, 8192)
+TILE_SWEEP = (8, 16, 32)
+GEMM_SWEEP = tuple((bm, bn, bk, w, st) for bm in (64, 128) for bn, bk in ((128, 64), (128, 128), (256, 64))
+                   for w, st in ((4, 3), (8, 3), (8, 4)))
+
+
+def _routed_shape(x, ids, w, ex: ExpertWeights, limit: float, shape: tuple[int, int, int, int, int]):
+    """The Triton grouped GEMMs at a launch shape (block_m, block_n, block_k, warps, stages), no K split."""
+    block_m, block_n, block_k, warps, stages = shape
+    plan = moe_plan(ids, ex.w13.size(0), block_m)
+    cfg = MoeGemmConfig(block_n, block_k, 1, warps, stages, fuse_quant=False)
+    return moe_down(moe_up(x, ex, plan, w, limit, config=cfg), ex, plan, config=cfg)
 
 
 def bench_tokens(copy_bw: float) -> None:
     """Where the CUDA FP4 GEMVs stop beating the Triton grouped GEMM (moe_fp4.FP4_MAX_TOKENS): the routed path
-    (plan + up + down, random top-6 routes) on each at prefill-chunk token counts, and moe_forward as dispatched."""
+    (plan + up + down, random top-6 routes) on each at prefill-chunk token counts, and moe_forward as dispatched;
+    then the Triton GEMM's launch shapes at GEMM_SWEEP_T tokens (where neither reaches tensor-core rates)."""
     cfg = full_config()
     d, k, e = cfg.dim, cfg.n_activated_experts, cfg.n_routed_experts
     moe, ex = random_moe(cfg)
@@ -114,6 +130,30 @@ def bench_tokens(copy_bw: float) -> None:
         fwd_us = graph_time_us([lambda i=i: moe_forward(xs[i], moe, ex) for i in range(copies)])
         print(f"| {t} | {t * k / e:.1f} | {triton_us:.1f} | {cuda_us:.1f} | {cuda_us / triton_us:.2f} | {fwd_us:.1f} |",
               flush=True)
+        del routes, xs
+    print("\n## moe_tokens: the CUDA GEMVs' tile width (pairs per tile, each weight fragment converted once for all "
+          "of them), us per call of plan + up + down\n")
+    print("| T | pairs per expert | " + " | ".join(f"tiles of {b}" for b in TILE_SWEEP) + " | fp4_tile_pairs picks |")
+    print("|---|---|" + "---|" * (len(TILE_SWEEP) + 1))
+    for t in TILE_SWEEP_T:
+        routes = _routes(t, k, e, copies, seed=t)
+        xs = [torch.randn(t, d, device="cuda").bfloat16() for _ in range(copies)]
+        us = [graph_time_us([lambda i=i: _routed_fp4_fused(xs[i], *routes[i], ex, limit, b) for i in range(copies)])
+              for b in TILE_SWEEP]
+        print(f"| {t} | {t * k / e:.1f} | " + " | ".join(f"{u:.1f}" for u in us)
+              + f" | {fp4_tile_pairs(t * k, e)} |", flush=True)
+        del routes, xs
+    print("\n## moe_tokens: the Triton grouped GEMM's launch shapes at prefill sizes (plan + up + down, us per call; "
+          "(block_m, block_n, block_k, warps, stages), x quantised by one launch first)")
+    for t in GEMM_SWEEP_T:
+        routes = _routes(t, k, e, 2, seed=t)
+        xs = [torch.randn(t, d, device="cuda").bfloat16() for _ in range(2)]
+        flops = 2 * t * k * 3 * cfg.moe_inter_dim * d
+        res, best = sweep(GEMM_SWEEP, f"T={t}", lambda c: graph_time_us(
+            [lambda i=i: _routed_shape(xs[i], *routes[i], ex, limit, c) for i in range(2)], replays=3))
+        print(f"- T={t}: " + "; ".join(f"{c}: {us:.0f}" for c, us in sorted(res.items(), key=lambda kv: kv[1])))
+        if res:
+            print(f"  best {best[0]}: {best[1]:.0f} us, {flops / best[1] / 1e6:.0f} TFLOP/s", flush=True)
         del routes, xs
 
 

@@ -21,8 +21,8 @@ Launches of moe_forward:
      tile list (expert, first sorted row, rows) with BLOCK_M rows per tile; the grid is sized by the bound
      max_tiles = min(E, T·k) + T·k // BLOCK_M, so nothing is read back to the host (graph-capturable);
   (on CUDA up to moe_fp4.FP4_MAX_TOKENS tokens: step 2 is moe_fp4.route_cuda (one CTA per token) and steps 3-5 are
-  engine/kernels/moe_fp4.py: plan_and_quant (this plan, bit for bit, with 8-pair tiles, and x's act_quant, one
-  launch), then the CUDA FP4 GEMVs up and down)
+  engine/kernels/moe_fp4.py: plan_and_quant (this plan, bit for bit, with tiles of 8-32 pairs by
+  moe_fp4.fp4_tile_pairs, and x's act_quant, one launch), then the CUDA FP4 GEMVs up and down)
   4. `_expert_gemm_kernel` UP: for each tile, BLOCK_N rows of W1 and of W3 (swap-AB: weight rows on the MMA's
      M side, the tile's tokens on N; x act-quantised in registers at 16-token tiles, by one fp8_act_qdq
      launch before it for larger tiles), SwiGLU + clamps + routing weight, bf16, then
@@ -61,7 +61,7 @@ import triton.language as tl
 from torch import Tensor
 
 from engine.kernels.fp8_linear import MAX_TICKETS, fp8_act_qdq, fp8_linear, split_k_tickets, stacked_fp8
-from engine.kernels.moe_fp4 import (MAX_PAIRS_PER_TILE, fp4_applies, moe_down_fp4, moe_up_fp4, plan_and_quant,
+from engine.kernels.moe_fp4 import (fp4_applies, fp4_tile_pairs, moe_down_fp4, moe_up_fp4, plan_and_quant,
                                     route_cuda)
 from engine.kernels.side_stream import fork
 from engine.kernels.triton_common import act_quant_blocks, bf16_bits, cdiv, launch_sms, round_bf16
@@ -663,9 +663,10 @@ def moe_forward(x: Tensor, moe: MoE, experts: ExpertWeights, ids: Tensor | None 
     ids = local_ids(ids, moe.local_experts, gate.weight.size(0))  # expert-parallel: other ranks' pairs dropped
     limit = moe.experts[moe.local_experts[0]].limit
     if decode:  # on CUDA: the FP4 GEMVs of cuda/moe_fp4.cu (tiles of <= 8 pairs)
-        sorted_pairs, tiles, xq, xs = plan_and_quant(x, ids, experts.w13.size(0), MAX_PAIRS_PER_TILE)
-        plan = MoePlan(sorted_pairs, tiles[0], tiles[1], tiles[2], MAX_PAIRS_PER_TILE, ids.size(1))
-        rows = min(MAX_PAIRS_PER_TILE, t) if routed else None  # the router names an expert once per token
+        block = fp4_tile_pairs(ids.numel(), experts.w13.size(0))
+        sorted_pairs, tiles, xq, xs = plan_and_quant(x, ids, experts.w13.size(0), block)
+        plan = MoePlan(sorted_pairs, tiles[0], tiles[1], tiles[2], block, ids.size(1))
+        rows = min(block, t) if routed else None  # the router names an expert once per token
         hq, hs, _ = moe_up_fp4(xq, xs, experts, plan, weights, limit, max_tile_rows=rows)
         o = moe_down_fp4(hq, hs, experts, plan, max_tile_rows=rows)
     else:

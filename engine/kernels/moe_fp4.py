@@ -1,12 +1,14 @@
-"""Routed-expert FP4 GEMVs for decode: the CUDA C++ kernels of `cuda/moe_fp4.cu`.
+"""Routed-expert FP4 GEMVs (decode, and prefill chunks up to FP4_MAX_TOKENS): the CUDA C++ kernels of
+`cuda/moe_fp4.cu`.
 
 The same math and contract as engine.kernels.moe's moe_up / moe_down (whose docstring states it), for plans
-with tiles of at most 8 pairs (moe_plan(ids, E, block_m=8)):
+with tiles of at most 32 pairs (moe_plan(ids, E, block_m) with block_m <= 32; a CTA computes its tile in
+fragments of 8 pairs, each weight fragment converted once for all of them: the results do not depend on block_m):
 
     route_cuda(part, bias)   -> the router's top-k from the gate's partials (engine.kernels.moe.route_scores)
     quant_rows(x)            -> A(x): E4M3 codes (as f16, each group of 8 stored in the order 0 4 1 5 2 6 3 7)
                                 and one power-of-two scale per 32 (act_quant bit for bit)
-    plan_and_quant(x, ids)   -> moe_plan(ids, E, 8) bit for bit and quant_rows(x), in one launch
+    plan_and_quant(x, ids)   -> moe_plan(ids, E, block_m) bit for bit and quant_rows(x), in one launch
     moe_up_fp4(...)          -> A(h) of h = bf16(w silu(min(g, L)) clamp(u, ±L)) by sorted row (and optionally
                                 h itself), g / u = bf16 of the fp32 sums of exact products
     moe_down_fp4(...)        -> o = A(h) W2^T in fp32 by pair
@@ -32,7 +34,8 @@ from torch import Tensor
 
 from engine.kernels.cuda_build import cuda_kernels_available, load, num_sms
 
-MAX_PAIRS_PER_TILE = 8  # the MMA's N
+MAX_PAIRS_PER_TILE = 8  # the MMA's N: a decode tile (one fragment)
+MAX_TILE_PAIRS = 32  # the widest tile: 4 fragments, each weight fragment converted once for all 4
 CHUNK = 128  # K elements per pipeline stage
 _MAX_SMEM = 200 * 1024
 _SMEM_PER_SM = 228 * 1024
@@ -88,24 +91,41 @@ def _lib() -> ctypes.CDLL:
     return declare(load("moe_fp4"))
 
 
+def tile_pairs_held(x_rows: int) -> int:
+    """The pairs a CTA computes for a tile of at most x_rows pairs: whole fragments of 8 (8, 16 or 32)."""
+    assert 1 <= x_rows <= MAX_TILE_PAIRS, f"tiles of 1..{MAX_TILE_PAIRS} pairs, got {x_rows}"
+    return 8 if x_rows <= 8 else 16 if x_rows <= 16 else 32
+
+
+def fp4_tile_pairs(num_pairs: int, num_experts: int) -> int:
+    """Pairs per plan tile for moe_forward: 8 while experts average at most 8 pairs (decode, chunks of up to
+    ~512 tokens at 384 experts x top-6), then 16 and 32, so that an expert's weights are converted once per 16 or
+    32 of its pairs instead of once per 8."""
+    avg = num_pairs / max(1, num_experts)
+    return 8 if avg <= 8 else 16 if avg <= 16 else MAX_TILE_PAIRS
+
+
 def smem_bytes(k: int, x_rows: int, p: Fp4Params) -> int:
     """Shared memory of one CTA: activations f16 [x_rows, kc (+32)], scales, fp32 partials, the warps' rings."""
     kc = p.kc(k)
     stride = kc + 32 if kc % 64 == 0 else kc
     a128 = lambda b: _cdiv(b, 128) * 128  # noqa: E731
+    m = tile_pairs_held(x_rows)
     b = a128(x_rows * stride * 2)
-    b = a128(b + (kc // 32) * 8 * 4)
-    b = a128(b + p.warps_k * 8 * p.warps_n * 32 * 4)
+    b = a128(b + (kc // 32) * m * 4)
+    b = a128(b + p.warps_k * m * p.warps_n * 32 * 4)
     return b + p.warps_n * p.warps_k * p.stages * (32 * 64 + 32 * 4)
 
 
 def pick_params(up: bool, n: int, k: int, tiles: int, x_rows: int, num_sms: int = 132) -> Fp4Params:
     """8 warps of 32 weight rows each, K over a 2-CTA cluster, 2 stages per warp: the best shape for both
     GEMVs at T = 1 and T = 8 in the H200 sweep (benchmarks/kernel_benches/moe.py, 2026-11-30; deeper rings
-    and more, smaller CTAs were slower). More splits only where shared memory needs them."""
+    and more, smaller CTAs were slower). More splits only where shared memory needs them (two CTAs per SM), then
+    (wide tiles: their activations and partials) fewer warps."""
     p = Fp4Params(8, 1, 2, 2)
-    while smem_bytes(k, x_rows, p) > _MAX_SMEM // 2 and p.splits < 8:  # keep two CTAs per SM
-        p = Fp4Params(p.warps_n, p.warps_k, p.splits + 1, p.stages)
+    while smem_bytes(k, x_rows, p) > _MAX_SMEM // 2 and (p.splits < 8 or p.warps_n > 2):
+        more = p.splits < 8
+        p = Fp4Params(p.warps_n if more else p.warps_n // 2, p.warps_k, p.splits + 1 if more else p.splits, p.stages)
     return _normalised(p, k)
 
 
@@ -197,7 +217,7 @@ def _launch(up: bool, w: Tensor, ws: Tensor, xq: Tensor, xs: Tensor, plan, rw: T
     tiles = plan.tile_rows.numel()
     if tiles == 0:
         return
-    assert plan.block_m <= MAX_PAIRS_PER_TILE, f"plan tiles of {plan.block_m} pairs; the kernels take <= 8"
+    assert plan.block_m <= MAX_TILE_PAIRS, f"plan tiles of {plan.block_m} pairs; the kernels take <= {MAX_TILE_PAIRS}"
     assert k % CHUNK == 0 and n % 32 == 0, f"K = {k} must be a multiple of {CHUNK}, N = {n} of 32"
     bound = min(plan.block_m, plan.sorted_pairs.numel())
     x_rows = max(1, bound if max_tile_rows is None else min(max_tile_rows, bound))

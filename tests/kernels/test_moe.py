@@ -522,8 +522,8 @@ FP4_PARAMS = [None, Fp4Params(2, 2, 1, 4), Fp4Params(2, 1, 3, 3), Fp4Params(4, 2
               Fp4Params(2, 4, 8, 6, pdl=False)]
 
 
-def _check_fp4_experts(x, moe, ex, w, ids, params, what, max_tile_rows=None, min_bitwise=0.9):
-    plan = moe_plan(ids, ex.w13.size(0), 8)
+def _check_fp4_experts(x, moe, ex, w, ids, params, what, max_tile_rows=None, min_bitwise=0.9, block_m=8):
+    plan = moe_plan(ids, ex.w13.size(0), block_m)
     xq, xs = quant_rows(x)
     assert torch.equal(dequant_rows(xq, xs), act_quant_qdq(x).float()), "quant_rows is not act_quant"
     hq, hs, h = moe_up_fp4(xq, xs, ex, plan, w, LIMIT, want_h=True, max_tile_rows=max_tile_rows, params=params)
@@ -568,6 +568,50 @@ def test_fp4_experts_at_prefill_chunk_sizes_gpu(full_moe, t):
 
 @gpu
 @needs_cuda
+@pytest.mark.parametrize("t", [512, 2048])
+def test_fp4_wide_tiles_equal_tiles_of_8_gpu(full_moe, t):
+    """Tiles of 16 and 32 pairs (a weight fragment converted once for 2 or 4 MMAs) give what tiles of 8 give, bit
+    for bit: h, its codes and scales by sorted row (the stable sort does not depend on the tile size), o by pair."""
+    moe, ex = full_moe
+    x = _gpu_tokens(t, 500 + t)
+    w, ids = _route(x, moe)
+    xq, xs = quant_rows(x)
+    e = ex.w13.size(0)
+
+    def run(block_m):
+        plan = moe_plan(ids, e, block_m)
+        hq, hs, h = moe_up_fp4(xq, xs, ex, plan, w, LIMIT, want_h=True, max_tile_rows=min(block_m, t))
+        return plan.sorted_pairs, hq, hs, h, moe_down_fp4(hq, hs, ex, plan, max_tile_rows=min(block_m, t))
+
+    ref = run(8)
+    for block_m in (16, 32):
+        got = run(block_m)
+        for name, a, b in zip(("sorted pairs", "h codes", "h scales", "h", "o"), got, ref):
+            assert torch.equal(a, b), f"T={t}: tiles of {block_m} pairs: {name} differ from tiles of 8"
+
+
+@gpu
+@needs_cuda
+@pytest.mark.parametrize("block_m", [16, 32])
+def test_fp4_exact_problem_in_wide_tiles_gpu(block_m):
+    """The exact problem below (repeats, dropped slots, expert 3 in every token) in tiles of 16 and 32 pairs:
+    down bitwise against the golden."""
+    moe = _fill_moe(MoE(tiny_config(), 0), 5, exact=True).cuda()
+    ex = stack_experts(moe)
+    x = _tokens(19, moe, seed=7, exact=True)
+    g = torch.Generator().manual_seed(6)
+    ids = torch.stack([torch.full((19,), 3), torch.randint(5, 8, (19,), generator=g)], 1).to(torch.int32)
+    ids[2, 1] = 3
+    ids[4, 1] = -1
+    ids[11] = -1
+    ids, w = ids.cuda().contiguous(), (torch.rand(19, 2, generator=g) + 0.1).cuda()
+    o, by_pair, _, _ = _check_fp4_experts(x, moe, ex, w, ids, None, f"exact block_m={block_m}", min_bitwise=0.95,
+                                          block_m=block_m)
+    assert_down_close(o, by_pair, ex, ids, 0.0, f"exact down block_m={block_m}", exact=True)
+
+
+@gpu
+@needs_cuda
 @pytest.mark.parametrize("params", FP4_PARAMS[:4], ids=str)
 def test_fp4_exact_problem_with_repeats_and_dropped_slots_gpu(params):
     """Integer activations and one weight scale (every fp32 sum exact): g, u are the golden's; h within 1 ULP
@@ -590,7 +634,8 @@ def test_fp4_exact_problem_with_repeats_and_dropped_slots_gpu(params):
 @needs_cuda
 @pytest.mark.parametrize("t,k,e,block_m", [(1, 6, 384, 8), (8, 6, 384, 8), (64, 6, 384, 8), (19, 2, 8, 8),
                                            (5, 3, 4, 2), (40, 6, 384, 16), (0, 6, 384, 8), (300, 2, 8, 8),
-                                           (512, 6, 384, 8), (2048, 6, 384, 8)])  # from 300: pairs in many chunks
+                                           (512, 6, 384, 8), (2048, 6, 384, 8), (300, 2, 8, 32),
+                                           (2048, 6, 384, 32)])  # from 300: pairs in many chunks
 def test_plan_and_quant_is_moe_plan_and_quant_rows_gpu(t, k, e, block_m):
     """The fused CUDA plan + activation quantisation equals the Triton moe_plan and quant_rows bit for bit
     (router-like ids, repeated experts within a token, dropped slots, experts with more pairs than a tile)."""

@@ -35,7 +35,7 @@ def lib(tmp_path_factory) -> ctypes.CDLL:
 def test_launchers_reject_parameters_outside_the_contract(lib):
     ok = dict(up=1, tiles=6, n=2304, k=5120, kc=2560, x_rows=1, wn=8, wk=1, s=2, st=2)
     assert lib.dsv41_moe_fp4_smem(ok["kc"], 1, 8, 1, 2) > 0
-    bad = [dict(kc=2500), dict(x_rows=0), dict(x_rows=9), dict(wn=8, wk=2), dict(st=1), dict(st=5), dict(s=9),
+    bad = [dict(kc=2500), dict(x_rows=0), dict(x_rows=33), dict(wn=8, wk=2), dict(st=1), dict(st=5), dict(s=9),
            dict(s=3),  # (splits - 1) * kc >= K: a rank without columns
            dict(s=1),  # splits * kc < K: columns nobody owns
            dict(wn=3, wk=1),  # up quantises h per 32 outputs: warps_n must be even
@@ -63,7 +63,7 @@ def test_launchers_reject_parameters_outside_the_contract(lib):
 @needs_nvcc
 def test_shared_memory_model_matches_the_launcher(lib):
     for k in (5120, 2304, 256, 128):
-        for x_rows in (1, 3, 8):
+        for x_rows in (1, 3, 8, 9, 16, 17, 32):  # tiles of one, two and four fragments
             for p in (Fp4Params(8, 1, 2, 2), Fp4Params(2, 2, 1, 6), Fp4Params(4, 2, 3, 3), Fp4Params(1, 1, 1, 8)):
                 assert smem_bytes(k, x_rows, p) == lib.dsv41_moe_fp4_smem(p.kc(k), x_rows, p.warps_n, p.warps_k,
                                                                            p.stages), (k, x_rows, p)
@@ -74,7 +74,7 @@ def test_picked_shapes_are_launchable():
     d, inter = cfg.dim, cfg.moe_inter_dim
     for up, n, k in ((True, inter, d), (False, d, inter), (True, 128, 256), (False, 256, 128)):
         for tiles in (1, 6, 54, 432):
-            for x_rows in (1, 8):
+            for x_rows in (1, 8, 16, 32):
                 p = pick_params(up, n, k, tiles, x_rows)
                 kc, chunks = p.kc(k), k // CHUNK
                 assert kc % CHUNK == 0 and (p.splits - 1) * kc < k <= p.splits * kc, (p, k)
