@@ -592,31 +592,11 @@ def test_fp4_wide_tiles_equal_tiles_of_8_gpu(full_moe, t):
 
 @gpu
 @needs_cuda
-@pytest.mark.parametrize("block_m", [16, 32])
-def test_fp4_exact_problem_in_wide_tiles_gpu(block_m):
-    """The exact problem below (repeats, dropped slots, expert 3 in every token) in tiles of 16 and 32 pairs:
-    down bitwise against the golden."""
-    moe = _fill_moe(MoE(tiny_config(), 0), 5, exact=True).cuda()
-    ex = stack_experts(moe)
-    x = _tokens(19, moe, seed=7, exact=True)
-    g = torch.Generator().manual_seed(6)
-    ids = torch.stack([torch.full((19,), 3), torch.randint(5, 8, (19,), generator=g)], 1).to(torch.int32)
-    ids[2, 1] = 3
-    ids[4, 1] = -1
-    ids[11] = -1
-    ids, w = ids.cuda().contiguous(), (torch.rand(19, 2, generator=g) + 0.1).cuda()
-    o, by_pair, _, _ = _check_fp4_experts(x, moe, ex, w, ids, None, f"exact block_m={block_m}", min_bitwise=0.95,
-                                          block_m=block_m)
-    assert_down_close(o, by_pair, ex, ids, 0.0, f"exact down block_m={block_m}", exact=True)
-
-
-@gpu
-@needs_cuda
-@pytest.mark.parametrize("params", FP4_PARAMS[:4], ids=str)
-def test_fp4_exact_problem_with_repeats_and_dropped_slots_gpu(params):
+@pytest.mark.parametrize("params,block_m", [(p, 8) for p in FP4_PARAMS[:4]] + [(None, 16), (None, 32)], ids=str)
+def test_fp4_exact_problem_with_repeats_and_dropped_slots_gpu(params, block_m):
     """Integer activations and one weight scale (every fp32 sum exact): g, u are the golden's; h within 1 ULP
     (fp32 vs float64 SwiGLU); down bitwise. Ids name one expert twice for a token, drop slots, and give
-    expert 3 every token (three tiles of 8)."""
+    expert 3 every token (three tiles of 8, two of 16, one of 32)."""
     moe = _fill_moe(MoE(tiny_config(), 0), 5, exact=True).cuda()
     ex = stack_experts(moe)
     x = _tokens(19, moe, seed=7, exact=True)
@@ -626,8 +606,9 @@ def test_fp4_exact_problem_with_repeats_and_dropped_slots_gpu(params):
     ids[4, 1] = -1
     ids[11] = -1
     ids, w = ids.cuda().contiguous(), (torch.rand(19, 2, generator=g) + 0.1).cuda()
-    o, by_pair, _, _ = _check_fp4_experts(x, moe, ex, w, ids, params, f"exact {params}", min_bitwise=0.95)
-    assert_down_close(o, by_pair, ex, ids, 0.0, f"exact down {params}", exact=True)
+    what = f"exact {params} block_m={block_m}"
+    o, by_pair, _, _ = _check_fp4_experts(x, moe, ex, w, ids, params, what, min_bitwise=0.95, block_m=block_m)
+    assert_down_close(o, by_pair, ex, ids, 0.0, f"down {what}", exact=True)
 
 
 @gpu
