@@ -19,8 +19,8 @@ salt. Per history length L and run, with fresh random token ids:
 Then, per length, the pull's parts timed alone on the same blocks (best of 5): lookup (one script call), read (a
 copy out of A's mapped store, or one NIXL READ, into pinned memory), host to pools (one copy and scatter), the device
 checks, the pipeline a pull runs per path (engine/core/kv_import.py: chunked reads overlapped with the copies and
-checks; at the default chunk and at BIG_CHUNK_BLOCKS), and the owner's export (A's pools -> host, what a publish
-reads). Prints markdown tables: the fastest run per length. With --decodes N, last: N requests decode on B while it
+checks; at the default chunk and at BIG_CHUNK_BLOCKS), and the owner's export (A's pools -> host with the
+blocks' checksums, what a publish reads). Prints markdown tables: the fastest run per length. With --decodes N, last: N requests decode on B while it
 pulls a fresh conversation of the longest length, and their inter-token gaps before and during the pull are printed.
 """
 
@@ -141,7 +141,7 @@ async def parts(a: Replica, b: Replica, prompt: list[int], num_blocks: int) -> d
         "read_nixl": best_of(5, lambda: b.kv.agent.pull(owner.agent_metadata, refs, dst, verify=False)),
         "import": best_of(5, import_once),
         "check": best_of(5, check_once),
-        "export": best_of(5, lambda: a.engine.executor.read_blocks(ids_a)),
+        "export": best_of(5, lambda: a.engine.executor.read_blocks_checked(ids_a)),
         "bytes": float(dst.nbytes),
     }
     for path, reader in readers.items():

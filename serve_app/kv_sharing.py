@@ -235,8 +235,8 @@ class KVSharing:
         try:
             hashes = block_hashes(token_ids, self.block_size, self.salt)
             num_stored = await self._run(self.store.longest_prefix, hashes)
-            held, data = await self.aengine.call(self._read_new_blocks, token_ids, num_stored)
-            num_new = await self._run(self._store_and_publish, hashes, held, num_stored, data)
+            held, exported = await self.aengine.call(self._read_new_blocks, token_ids, num_stored)
+            num_new = await self._run(self._store_and_publish, hashes, held, num_stored, exported)
         except OwnershipUnavailable as e:
             self.metrics.observe_publish_failure("redis_unavailable")
             logger.warning("KV sharing: publish failed (peers will recompute this prefix): %s", e)
@@ -245,18 +245,19 @@ class KVSharing:
             return
         self.metrics.observe_published(num_new)
 
-    def _read_new_blocks(self, token_ids: list[int], num_stored: int) -> tuple[list[bytes], np.ndarray | None]:
+    def _read_new_blocks(self, token_ids: list[int], num_stored: int
+                         ) -> tuple[list[bytes], tuple[np.ndarray, np.ndarray] | None]:
         """On the engine's worker: the hashes of token_ids' blocks the engine holds, and the flat records
-        of those past the first num_stored (the store has those already)."""
+        of those past the first num_stored (the store has those already) with their checksums."""
         _, block_ids, held = self.engine.cache.cached_prefix(token_ids)
         new = block_ids[num_stored:]
-        return held, self.engine.executor.read_blocks(new) if new else None
+        return held, self.engine.executor.read_blocks_checked(new) if new else None
 
     def _store_and_publish(self, hashes: list[bytes], held: list[bytes], num_stored: int,
-                           data: np.ndarray | None) -> int:
+                           exported: tuple[np.ndarray, np.ndarray] | None) -> int:
         self.store.get_descriptors(hashes[:num_stored])  # the head most recent: this put evicts other chains first
-        if data is not None:
-            self.store.put(ExportedPrefix(self.salt, held[num_stored:], data))
+        if exported is not None:
+            self.store.put(ExportedPrefix(self.salt, held[num_stored:], *exported))
         refs = self.store.get_descriptors(hashes)  # the leading run from block 0 now stored
         new = refs[num_stored:]
         if new:

@@ -106,10 +106,17 @@ class HostKVStore:
         slots = [self._free.pop() for _ in missing]
         if missing:
             # every block new (an export of the blocks past those stored): the rows as they are, no gathered copy;
-            # the checksums are of these bytes, the ones the slots now hold
-            rows = prefix.data if len(missing) == prefix.data.shape[0] else prefix.data[missing]
+            # the checksums are of these bytes, the ones the slots now hold: the exporter's (summed on its device)
+            # where it sent them, else summed here
+            every = len(missing) == prefix.data.shape[0]
+            rows = prefix.data if every else prefix.data[missing]
             self.buffer[slots] = rows
-            for i, slot, checksum in zip(missing, slots, block_checksums(rows)):
+            if prefix.checksums is None:
+                checksums = block_checksums(rows)
+            else:
+                sums = prefix.checksums if every else prefix.checksums[missing]
+                checksums = [checksum_bytes(v) for v in sums.tolist()]
+            for i, slot, checksum in zip(missing, slots, checksums):
                 self._checksum[hashes[i]] = checksum
                 self._slot[hashes[i]] = slot
         for h in reversed(hashes):  # the head most recently used: the tail is evicted first

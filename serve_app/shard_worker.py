@@ -122,6 +122,13 @@ class ShardWorker:
         return self.leader.read_blocks(block_ids) if self._leads() else kv_blocks.read_blocks(self.kv, block_ids)
 
     @ray.method(concurrency_group="step")
+    def read_blocks_checked(self, block_ids: list[int]) -> tuple[np.ndarray, np.ndarray]:
+        """read_blocks and the records' checksums, int64 [n] (summed on the device)."""
+        if self._leads():
+            return self.leader.read_blocks_checked(block_ids)
+        return kv_blocks.read_blocks_checked(self.kv, block_ids)
+
+    @ray.method(concurrency_group="step")
     def write_blocks(self, block_ids: list[int], data: np.ndarray) -> None:
         if self._leads():
             self.leader.write_blocks(block_ids, data)
@@ -226,6 +233,9 @@ class ShardExecutor:
 
     def read_blocks(self, block_ids: list[int]) -> np.ndarray:
         return self._wait(self.actors[0].read_blocks.remote(block_ids))
+
+    def read_blocks_checked(self, block_ids: list[int]) -> tuple[np.ndarray, np.ndarray]:
+        return self._wait(self.actors[0].read_blocks_checked.remote(block_ids))
 
     def write_blocks(self, block_ids: list[int], data: np.ndarray) -> None:
         self._wait(self.actors[0].write_blocks.remote(block_ids, data))

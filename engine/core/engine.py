@@ -101,6 +101,10 @@ class Executor(Protocol):
         """Global blocks' flat records, uint8 [n, block_bytes] (engine/core/kv_blocks.py)."""
         ...
 
+    def read_blocks_checked(self, block_ids: list[int]) -> tuple[np.ndarray, np.ndarray]:
+        """read_blocks and the records' checksums, int64 [n] (kv_blocks.read_blocks_checked: summed on the device)."""
+        ...
+
     def write_blocks(self, block_ids: list[int], data: np.ndarray) -> None: ...
 
     def import_blocks(self, block_ids: list[int], reader: BlockReader) -> None:
@@ -143,6 +147,9 @@ class LocalExecutor:
 
     def read_blocks(self, block_ids: list[int]) -> np.ndarray:
         return kv_blocks.read_blocks(self.kv, block_ids)
+
+    def read_blocks_checked(self, block_ids: list[int]) -> tuple[np.ndarray, np.ndarray]:
+        return kv_blocks.read_blocks_checked(self.kv, block_ids)
 
     def write_blocks(self, block_ids: list[int], data: np.ndarray) -> None:
         kv_blocks.write_blocks(self.kv, block_ids, data)

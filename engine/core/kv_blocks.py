@@ -21,6 +21,7 @@ import numpy as np
 import torch
 
 from engine.config import ModelConfig
+from engine.core.block_checksum import block_checksums
 from engine.core.kv_cache import PagedKVCache
 from engine.kernels.cache_records import INDEX_K_BLOCK, MAIN_KV_BLOCK, fp4_record_bytes
 
@@ -56,10 +57,13 @@ class ExportedPrefix:
     fingerprint: bytes  # the exporting replica's salt (model config + weights + block format: engine.prefix_salt)
     hashes: list[bytes]
     data: np.ndarray  # uint8 [len(hashes), block_bytes], C-contiguous
+    checksums: np.ndarray | None = None  # int64 [len(hashes)]: data's block checksums where the exporter has them
 
     def __post_init__(self) -> None:
         assert self.data.dtype == np.uint8 and self.data.ndim == 2 and self.data.shape[0] == len(self.hashes), \
             f"data {self.data.dtype} {self.data.shape} for {len(self.hashes)} hashes"
+        assert self.checksums is None or (self.checksums.dtype == np.int64 and self.checksums.shape == (
+            len(self.hashes),)), f"checksums {self.checksums.dtype} {self.checksums.shape}"
 
     @property
     def num_blocks(self) -> int:
@@ -106,20 +110,45 @@ def _copy_unit(pools: list[tuple[Segment, torch.Tensor]]) -> tuple[torch.dtype, 
     return (torch.int32, 4) if whole_words else (torch.uint8, 1)
 
 
-@torch.inference_mode()
-def read_blocks(kv: PagedKVCache, block_ids: list[int]) -> np.ndarray:
-    """uint8 [len(block_ids), block_bytes] on the host: the blocks' flat records (one device gather
-    per pool, one copy to the host)."""
-    nbytes = block_bytes(kv.cfg, kv.layout.global_block_size)
-    if not block_ids:
-        return np.empty((0, nbytes), dtype=np.uint8)
+def _gather(kv: PagedKVCache, block_ids: list[int]) -> torch.Tensor:
+    """The blocks' flat records on the pools' device, uint8 [len(block_ids), block_bytes] (one gather per pool)."""
     pools = _pools(kv)
     idx = torch.tensor(block_ids, dtype=torch.long, device=pools[0][1].device)
     unit, _ = _copy_unit(pools)
     flat = torch.cat([t.view(unit).index_select(0, idx).reshape(len(block_ids), -1) for _, t in pools], dim=1)
     flat = flat.view(torch.uint8)  # [n, bytes]
-    assert flat.shape[1] == nbytes
-    return flat.cpu().numpy()
+    assert flat.shape[1] == block_bytes(kv.cfg, kv.layout.global_block_size)
+    return flat
+
+
+def _to_host(t: torch.Tensor) -> np.ndarray:
+    """t on the host as numpy; from a GPU through page-locked memory (torch's caching host allocator: a copy at
+    the link's rate, where a pageable destination ran at ~5-8 GB/s on the H100 machines' hosts)."""
+    if t.device.type == "cpu":
+        return t.numpy()
+    out = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+    out.copy_(t)  # blocking: the array is complete when returned
+    return out.numpy()
+
+
+@torch.inference_mode()
+def read_blocks(kv: PagedKVCache, block_ids: list[int]) -> np.ndarray:
+    """uint8 [len(block_ids), block_bytes] on the host: the blocks' flat records (one device gather
+    per pool, one copy to the host)."""
+    if not block_ids:
+        return np.empty((0, block_bytes(kv.cfg, kv.layout.global_block_size)), dtype=np.uint8)
+    return _to_host(_gather(kv, block_ids))
+
+
+@torch.inference_mode()
+def read_blocks_checked(kv: PagedKVCache, block_ids: list[int]) -> tuple[np.ndarray, np.ndarray]:
+    """read_blocks and each record's checksum (int64 [n], engine/core/block_checksum.py), computed where the records
+    are: on a GPU by one kernel before the copy to the host, so an export never sums its bytes on the host."""
+    if not block_ids:
+        return read_blocks(kv, []), np.empty(0, dtype=np.int64)
+    flat = _gather(kv, block_ids)
+    sums = block_checksums(flat)
+    return _to_host(flat), _to_host(sums)
 
 
 @torch.inference_mode()

@@ -158,6 +158,9 @@ class ShardGroupExecutor:
     def read_blocks(self, block_ids: list[int]) -> np.ndarray:
         return self.leader.read_blocks(block_ids)
 
+    def read_blocks_checked(self, block_ids: list[int]) -> tuple[np.ndarray, np.ndarray]:
+        return self.leader.read_blocks_checked(block_ids)
+
     def write_blocks(self, block_ids: list[int], data: np.ndarray) -> None:
         self.leader.write_blocks(block_ids, data)
 

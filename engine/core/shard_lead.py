@@ -168,6 +168,10 @@ class ShardLeader:
         self.check()
         return kv_blocks.read_blocks(self.kv, block_ids)
 
+    def read_blocks_checked(self, block_ids: list[int]) -> tuple[np.ndarray, np.ndarray]:
+        self.check()
+        return kv_blocks.read_blocks_checked(self.kv, block_ids)
+
     def write_blocks(self, block_ids: list[int], data: np.ndarray) -> None:
         with self._command:
             self.check()

@@ -23,10 +23,11 @@ import numpy as np
 import pytest
 import torch
 
+from engine.core.block_checksum import host_block_checksums
 from engine.core.cache_manager import CacheLayout, KVCacheManager
 from engine.core.engine import EngineConfig, LLMEngine
 from engine.core.kv_blocks import (ExportedPrefix, PrefixImportError, block_bytes, block_segments,
-                                   layout_fingerprint, read_blocks, write_blocks)
+                                   layout_fingerprint, read_blocks, read_blocks_checked, write_blocks)
 from engine.core.kv_cache import PagedKVCache, global_bytes_per_block
 from engine.core.sampling_params import SamplingParams
 from engine.presets import full_config
@@ -84,6 +85,23 @@ def test_read_then_write_moves_every_pool_bit_for_bit(tiny_cfg, records):
     write_blocks(dst, [4, 5, 6], ro)
     with pytest.raises(AssertionError, match="expected uint8"):
         write_blocks(dst, [0], data)
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="needs a CUDA GPU")])])
+def test_checked_reads_give_the_records_and_their_checksums(tiny_cfg, device):
+    """read_blocks_checked: read_blocks' records and each one's block checksum (on CUDA summed on the device),
+    equal to the host's sums of the records it returns."""
+    cfg = whole_word_cfg(tiny_cfg)
+    kv = PagedKVCache(cfg, small_layout(), device)
+    g = torch.Generator().manual_seed(1)
+    for t in (*kv.main_kv.values(), *kv.index_k.values()):
+        t.copy_(torch.randint(0, 256, t.shape, dtype=torch.uint8, generator=g))
+    data, sums = read_blocks_checked(kv, [6, 2, 0])
+    assert np.array_equal(data, read_blocks(kv, [6, 2, 0]))
+    assert sums.dtype == np.int64 and np.array_equal(sums, host_block_checksums(data))
+    empty, none = read_blocks_checked(kv, [])
+    assert empty.shape == (0, block_bytes(cfg, 64)) and none.shape == (0,)
 
 
 def chain(n: int) -> list[bytes]:

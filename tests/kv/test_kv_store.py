@@ -55,6 +55,21 @@ def test_a_prefix_partly_held_stores_its_new_blocks_with_their_own_checksums():
     store.check_integrity(verify_checksums=True)
 
 
+def test_an_exporters_checksums_are_what_the_store_records():
+    """put() records the checksums an exporter sent (summed on its device) instead of summing the rows again; they are
+    the rows' own, and a wrong one is what check_integrity's verification finds."""
+    store = HostKVStore(FP, BLOCK, 4 * BLOCK)
+    a = prefix("a", 3)
+    sums = host_block_checksums(a.data)
+    store.put(ExportedPrefix(FP, a.hashes, a.data, sums))
+    assert [r.checksum for r in store.get_descriptors(a.hashes)] == [checksum_bytes(int(v)) for v in sums]
+    store.check_integrity(verify_checksums=True)
+    b = prefix("b", 1)
+    store.put(ExportedPrefix(FP, b.hashes, b.data, sums[:1]))  # another block's sum
+    with pytest.raises(AssertionError, match="corrupted"):
+        store.check_integrity(verify_checksums=True)
+
+
 def test_lru_eviction_takes_the_tail_first_and_calls_back_before_reuse():
     evicted: list[list[bytes]] = []
     store = HostKVStore(FP, BLOCK, 4 * BLOCK, on_evict=lambda hs: evicted.append(list(hs)))
