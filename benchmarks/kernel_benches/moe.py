@@ -27,8 +27,8 @@ import torch
 import torch.nn.functional as F
 
 from benchmarks.gpu_timing import graph_time_us, sweep
-from engine.kernels.moe import (ExpertWeights, MoeGemmConfig, MoePlan, gate_scores, moe_down, moe_forward, moe_plan,
-                                moe_route, moe_up, pick_block_m, route_scores)
+from engine.kernels.moe import (ExpertWeights, MoeGemmConfig, gate_scores, moe_down, moe_forward, moe_plan, moe_route,
+                                moe_up, pick_block_m, route_scores, routed_fp4)
 from engine.kernels.moe_fp4 import (FP4_MAX_TOKENS, Fp4Params, fp4_applies, fp4_tile_pairs, moe_down_fp4, moe_up_fp4,
                                     plan_and_quant, quant_rows, route_cuda)
 from engine.presets import full_config
@@ -83,14 +83,9 @@ def _routed_fp4(x, ids, w, ex: ExpertWeights, limit: float, up: Fp4Params | None
 
 
 def _routed_fp4_fused(x, ids, w, ex: ExpertWeights, limit: float, block: int | None = None):
-    """The CUDA path as moe_forward runs it: plan_and_quant (one launch), up, down; tiles of `block` pairs
+    """The CUDA path as moe_forward runs it (moe.routed_fp4: plan_and_quant, up, down); tiles of `block` pairs
     (default: fp4_tile_pairs, moe_forward's choice)."""
-    block = block or fp4_tile_pairs(ids.numel(), ex.w13.size(0))
-    sorted_pairs, tiles, xq, xs = plan_and_quant(x, ids, ex.w13.size(0), block)
-    plan = MoePlan(sorted_pairs, tiles[0], tiles[1], tiles[2], block, ids.size(1))
-    rows = min(block, x.size(0))
-    hq, hs, _ = moe_up_fp4(xq, xs, ex, plan, w, limit, max_tile_rows=rows)
-    return moe_down_fp4(hq, hs, ex, plan, max_tile_rows=rows)
+    return routed_fp4(x, ids, w, ex, limit, once_per_token=True, block=block)
 
 
 TOKEN_SWEEP_T = (64, 128, 256, 512, 1024, 2048, 4096, 8192)

@@ -634,6 +634,20 @@ def local_ids(ids: Tensor, local: range, num_experts: int) -> Tensor:
     return torch.where((ids >= local.start) & (ids < local.stop), ids - local.start, -1).to(ids.dtype)
 
 
+def routed_fp4(x: Tensor, ids: Tensor, weights: Tensor, experts: ExpertWeights, limit: float,
+               once_per_token: bool, block: int | None = None) -> Tensor:
+    """The routed experts on the CUDA FP4 GEMVs (engine/kernels/moe_fp4.py): the plan with x's act_quant in one
+    launch, then up and down -> fp32 [T*k, D] by pair. block: pairs per tile (default fp4_tile_pairs);
+    once_per_token: no token names an expert twice (the router's ids), so a tile holds at most T pairs."""
+    e = experts.w13.size(0)
+    block = block or fp4_tile_pairs(ids.numel(), e)
+    sorted_pairs, tiles, xq, xs = plan_and_quant(x, ids, e, block)
+    plan = MoePlan(sorted_pairs, tiles[0], tiles[1], tiles[2], block, ids.size(1))
+    rows = min(block, x.size(0)) if once_per_token else None
+    hq, hs, _ = moe_up_fp4(xq, xs, experts, plan, weights, limit, max_tile_rows=rows)
+    return moe_down_fp4(hq, hs, experts, plan, max_tile_rows=rows)
+
+
 def moe_forward(x: Tensor, moe: MoE, experts: ExpertWeights, ids: Tensor | None = None,
                 weights: Tensor | None = None, partial: bool = False, is_image: Tensor | None = None) -> Tensor:
     """The MoE layer on the kernels: x bf16 [T, D] -> bf16 [T, D]. ids int32 / weights fp32 [T, k] override
@@ -662,13 +676,8 @@ def moe_forward(x: Tensor, moe: MoE, experts: ExpertWeights, ids: Tensor | None 
             ids = torch.where(is_image[:, None], ids_vl, ids)
     ids = local_ids(ids, moe.local_experts, gate.weight.size(0))  # expert-parallel: other ranks' pairs dropped
     limit = moe.experts[moe.local_experts[0]].limit
-    if decode:  # on CUDA: the FP4 GEMVs of cuda/moe_fp4.cu (tiles of <= 8 pairs)
-        block = fp4_tile_pairs(ids.numel(), experts.w13.size(0))
-        sorted_pairs, tiles, xq, xs = plan_and_quant(x, ids, experts.w13.size(0), block)
-        plan = MoePlan(sorted_pairs, tiles[0], tiles[1], tiles[2], block, ids.size(1))
-        rows = min(block, t) if routed else None  # the router names an expert once per token
-        hq, hs, _ = moe_up_fp4(xq, xs, experts, plan, weights, limit, max_tile_rows=rows)
-        o = moe_down_fp4(hq, hs, experts, plan, max_tile_rows=rows)
+    if decode:  # on CUDA: the FP4 GEMVs of cuda/moe_fp4.cu
+        o = routed_fp4(x, ids, weights, experts, limit, once_per_token=routed)
     else:
         plan = moe_plan(ids, experts.w13.size(0), pick_block_m(ids.numel(), experts.w13.size(0)))
         o = moe_down(moe_up(x, experts, plan, weights, limit), experts, plan)
