@@ -99,10 +99,12 @@ def tile_pairs_held(x_rows: int) -> int:
 
 def fp4_tile_pairs(num_pairs: int, num_experts: int) -> int:
     """Pairs per plan tile for moe_forward: 8 while experts average at most 8 pairs (decode, chunks of up to
-    ~512 tokens at 384 experts x top-6), then 16 and 32, so that an expert's weights are converted once per 16 or
-    32 of its pairs instead of once per 8."""
-    avg = num_pairs / max(1, num_experts)
-    return 8 if avg <= 8 else 16 if avg <= 16 else MAX_TILE_PAIRS
+    ~512 tokens at 384 experts x top-6), then 16, so that an expert's weights are converted once per 16 of its
+    pairs instead of once per 8. Never 32: on the H100 (kernels.py --only moe_tokens, 2026-12-07) tiles of 16 took
+    0.87-0.95x the time of tiles of 8 from 1,024 to 8,192 tokens (1.07x at 512), and tiles of 32 1.7-3.7x at every
+    size: their activations and partials fill the shared memory, so pick_params gives them more splits and fewer
+    warps."""
+    return 8 if num_pairs <= 8 * max(1, num_experts) else 16
 
 
 def smem_bytes(k: int, x_rows: int, p: Fp4Params) -> int:

@@ -32,8 +32,8 @@ from engine.kernels.fp8_linear import split_k_tickets
 from engine.kernels.moe import (ExpertWeights, MoeGemmConfig, gate_scores, moe_down, moe_down_ref, moe_forward,
                                 moe_forward_ref, moe_plan, moe_route, moe_route_ref, moe_up, moe_up_ref,
                                 pick_block_m, pick_gemm_config, route_scores, stack_experts)
-from engine.kernels.moe_fp4 import (FP4_MAX_TOKENS, Fp4Params, dequant_rows, moe_down_fp4, moe_up_fp4,
-                                    plan_and_quant, quant_rows, route_cuda)
+from engine.kernels.moe_fp4 import (FP4_MAX_TOKENS, MAX_TILE_PAIRS, Fp4Params, dequant_rows, moe_down_fp4,
+                                    moe_up_fp4, pick_params, plan_and_quant, quant_rows, route_cuda)
 from engine.model.layers import Linear
 from engine.model.moe import MoE
 from engine.presets import full_config, tiny_config
@@ -571,17 +571,22 @@ def test_fp4_experts_at_prefill_chunk_sizes_gpu(full_moe, t):
 @pytest.mark.parametrize("t", [512, 2048])
 def test_fp4_wide_tiles_equal_tiles_of_8_gpu(full_moe, t):
     """Tiles of 16 and 32 pairs (a weight fragment converted once for 2 or 4 MMAs) give what tiles of 8 give, bit
-    for bit: h, its codes and scales by sorted row (the stable sort does not depend on the tile size), o by pair."""
+    for bit, at one launch shape: h, its codes and scales by sorted row (the stable sort does not depend on the
+    tile size), o by pair. The shape is the one pick_params gives tiles of 32 (more K splits, which fit every
+    width): pick_params' own shapes differ by width, and a different split of K sums in a different order."""
     moe, ex = full_moe
     x = _gpu_tokens(t, 500 + t)
     w, ids = _route(x, moe)
     xq, xs = quant_rows(x)
-    e = ex.w13.size(0)
+    e, d = ex.w13.size(0), x.size(1)
+    up_p = pick_params(True, ex.inter, d, 1, MAX_TILE_PAIRS)
+    down_p = pick_params(False, d, ex.inter, 1, MAX_TILE_PAIRS)
 
     def run(block_m):
         plan = moe_plan(ids, e, block_m)
-        hq, hs, h = moe_up_fp4(xq, xs, ex, plan, w, LIMIT, want_h=True, max_tile_rows=min(block_m, t))
-        return plan.sorted_pairs, hq, hs, h, moe_down_fp4(hq, hs, ex, plan, max_tile_rows=min(block_m, t))
+        rows = min(block_m, t)
+        hq, hs, h = moe_up_fp4(xq, xs, ex, plan, w, LIMIT, want_h=True, max_tile_rows=rows, params=up_p)
+        return plan.sorted_pairs, hq, hs, h, moe_down_fp4(hq, hs, ex, plan, max_tile_rows=rows, params=down_p)
 
     ref = run(8)
     for block_m in (16, 32):
