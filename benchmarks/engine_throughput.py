@@ -4,7 +4,7 @@ generating --output-len tokens (greedy, ignore_eos), all submitted at once, run 
     python benchmarks/engine_throughput.py [--model real-width|tiny] [--layers 8] [--concurrency 16,64,256]
         [--prompt-len 8K] [--output-len 1K] [--chunk 8192]
 
-Per concurrency C (max_num_seqs = C, step budget --chunk, prefix caching off): wall time, output tok/s over the
+Per concurrency C (C requests at once into one engine, step budget --chunk, prefix caching off): wall time, output tok/s over the
 whole run, decode tok/s once every prompt is in (the steady state: C tokens a step), mean and worst TTFT, mean step
 time while decoding. The model has L real-width layers on one GPU; the released model has 40 over 8 GPUs, so a GPU
 of it does the work of 5 layers a token, and the per-GPU figure printed is the measured rate x L / 40 (an ideal
@@ -103,17 +103,20 @@ def main(argv: list[str] | None = None) -> list[Run]:
     layers = model.cfg.n_layers
     print(f"random {args.model} model ({layers} layers) built in {time.perf_counter() - t0:.0f} s", flush=True)
     g = torch.Generator().manual_seed(0)
+    # one engine for every level (a level of C submits C requests, so max_num_seqs = the largest C bounds none):
+    # an engine per level kept the last one's cache and graph pools until the process ended (C = 64 ran out of
+    # memory after C = 16 on an H100)
+    config = EngineConfig(max_num_seqs=max(levels), max_num_batched_tokens=args.chunk, enable_prefix_caching=False,
+                          cache_memory_bytes=args.cache_mib << 20, max_model_len=prompt_len + output_len + 64)
+    engine = LLMEngine.local(model, config, eos_token_id=-1)
+    measure(engine, 2, min(prompt_len, args.chunk), 2, g, "warm")  # compiles the step shapes' kernels
     runs = []
     for c in levels:
-        config = EngineConfig(max_num_seqs=c, max_num_batched_tokens=args.chunk, enable_prefix_caching=False,
-                              cache_memory_bytes=args.cache_mib << 20, max_model_len=prompt_len + output_len + 64)
-        engine = LLMEngine.local(model, config, eos_token_id=-1)
-        measure(engine, min(c, 2), min(prompt_len, args.chunk), 2, g, "warm")  # compiles the step shapes' kernels
-        runs.append(measure(engine, c, prompt_len, output_len, g))
-        engine.close()
+        runs.append(measure(engine, c, prompt_len, output_len, g, f"c{c}"))
         r = runs[-1]
         print(f"C={c}: {r.output_tok_s:,.0f} output tok/s over {r.wall_s:.1f} s; decode alone {r.decode_tok_s:,.0f} "
               f"tok/s; TTFT mean {r.ttft_s.mean() * 1e3:,.0f} ms", flush=True)
+    engine.close()
     device = torch.cuda.get_device_name() if torch.cuda.is_available() else "CPU"
     print(f"\n{device}, {args.model} model of {layers} layers, {prompt_len:,} in / {output_len:,} out, "
           f"step budget {args.chunk}")
