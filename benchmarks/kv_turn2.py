@@ -20,7 +20,7 @@ Then, per length, the pull's parts timed alone on the same blocks (best of 5): l
 copy out of A's mapped store, or one NIXL READ, into pinned memory), host to pools (one copy and scatter), the device
 checks, the pipeline a pull runs per path (engine/core/kv_import.py: chunked reads overlapped with the copies and
 checks; at the default chunk and at BIG_CHUNK_BLOCKS), and the owner's export (A's pools -> host with the
-blocks' checksums, what a publish reads). Prints markdown tables: the fastest run per length. With --decodes N, last: N requests decode on B while it
+blocks' checksums, what a publish reads); each publish's own parts are logged as it ends. Prints markdown tables: the fastest run per length. With --decodes N, last: N requests decode on B while it
 pulls a fresh conversation of the longest length, and their inter-token gaps before and during the pull are printed.
 """
 
@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import logging
 import os
 import sys
 import tempfile
@@ -322,6 +323,9 @@ def main() -> None:
     p.add_argument("--decodes", type=int, default=0,
                    help="then: this many requests decode on B while it pulls the longest length (their ITL)")
     args = p.parse_args()
+    publish_log = logging.getLogger("dsv41.kv")  # serve_app.kv_sharing: each publish's parts (export, store, records)
+    publish_log.setLevel(logging.DEBUG)
+    publish_log.addHandler(logging.StreamHandler(sys.stdout))
     device = "cuda" if torch.cuda.is_available() else "cpu"
     lengths = [parse_tokens(t) for t in args.lengths.split(",")]
     t0 = time.perf_counter()

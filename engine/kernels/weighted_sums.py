@@ -23,7 +23,9 @@ BLOCK = 1024  # words per tile (4 KiB)
 _PROGRAMS_PER_SM = 8
 
 
-@triton.jit
+# the sizes vary with every export and pull (rows, splits, tiles per split): specialised on their values (== 1,
+# multiples of 16), a fresh process compiled a new variant for a new length, ~300 ms inside a publish on the H100
+@triton.jit(do_not_specialize=["W", "stride_row", "num_tiles", "tiles_per_split", "num_splits"])
 def _weighted_sum_kernel(words_ptr, weights_ptr, part_ptr, W, stride_row, num_tiles, tiles_per_split, num_splits,
                          BLOCK: tl.constexpr):
     """Program (row, split): the wrapped int64 sum of weights * words over its tiles of the row."""
