@@ -25,7 +25,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.engine_ttft import parse_length  # noqa: E402
-from benchmarks.random_model import bench_model  # noqa: E402
+from benchmarks.random_model import add_model_arguments, bench_model, describe_model  # noqa: E402
 from engine.core.engine import EngineConfig, LLMEngine  # noqa: E402
 from engine.core.sampling_params import SamplingParams  # noqa: E402
 
@@ -137,9 +137,7 @@ def profiled(on: bool, what: str, steps: int | None):
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--model", choices=["real-width", "tiny"], default="real-width",
-                   help="real-width: real_width_config(--layers) on the GPU; tiny: the tiny config (CPU works)")
-    p.add_argument("--layers", type=int, default=8, help="real_width_config's role order (6, 8 or 10 layers)")
+    add_model_arguments(p)
     p.add_argument("--decodes", type=int, default=16, help="requests decoding beside the long prompt")
     p.add_argument("--prompt", default="32K", help="the long prompt's tokens")
     p.add_argument("--chunk", type=int, default=8192, help="max_num_batched_tokens: the step's budget")
@@ -154,8 +152,9 @@ def main() -> None:
     args = p.parse_args()
     args.prompt = parse_length(args.prompt)
     t0 = time.perf_counter()
-    model = bench_model(args.model, args.layers, args.prompt + 64)
-    print(f"random {args.model} model built in {time.perf_counter() - t0:.0f} s", flush=True)
+    model = bench_model(args.model, args.layers, args.prompt + 64, args.shards)
+    what = describe_model(model, args.model)
+    print(f"random model ({what}) built in {time.perf_counter() - t0:.0f} s", flush=True)
     rows = []
     for text, split in ((c, s) for c in args.caps.split(",") for s in {"on": [True], "off": [False],
                                                                        "both": [False, True]}[args.split]):
@@ -168,7 +167,6 @@ def main() -> None:
         print(f"cap {text}: decode alone ITL p50 {rows[-1][1]:.2f} ms, p99 {rows[-1][2]:.2f} ms; beside the prefill "
               f"p50 {rows[-1][3]:.2f} ms, p99 {rows[-1][4]:.2f} ms, max {rows[-1][5]:.2f} ms ({len(ms)} gaps); "
               f"long prompt TTFT {ttft * 1e3:.0f} ms", flush=True)
-    what = f"{args.layers} real-width layers" if args.model == "real-width" else "tiny model"
     device = torch.cuda.get_device_name() if torch.cuda.is_available() else "CPU"
     print(f"\n{device}, {what}, {args.decodes} decoding requests, "
           f"a {args.prompt:,}-token prompt arriving, step budget {args.chunk}")

@@ -1,15 +1,15 @@
 """Output throughput at concurrency through LLMEngine (issue 23): C requests of --prompt-len random tokens, each
 generating --output-len tokens (greedy, ignore_eos), all submitted at once, run to the end.
 
-    python benchmarks/engine_throughput.py [--model real-width|tiny] [--layers 8] [--concurrency 16,64,256]
-        [--prompt-len 8K] [--output-len 1K] [--chunk 8192]
+    python benchmarks/engine_throughput.py [--model real-width|released|tiny] [--layers 8] [--shards 1]
+        [--concurrency 16,64,256] [--prompt-len 8K] [--output-len 1K] [--chunk 8192]
 
-Per concurrency C (C requests at once into one engine, step budget --chunk, prefix caching off): wall time, output tok/s over the
-whole run, decode tok/s once every prompt is in (the steady state: C tokens a step), mean and worst TTFT, mean step
-time while decoding. The model has L real-width layers on one GPU; the released model has 40 over 8 GPUs, so a GPU
-of it does the work of 5 layers a token, and the per-GPU figure printed is the measured rate x L / 40 (an ideal
-split: each GPU's shard costs 1/8 of a layer's time; collectives not counted). Issue 23's target: >= 6,000 output
-tok/s per H200 at C = 256 (SGLang: 4,872 on 4xH200, 8K in / 1K out).
+Per concurrency C (C requests at once into one engine, step budget --chunk, prefix caching off): wall time, output
+tok/s over the whole run, decode tok/s once every prompt is in (the steady state: C tokens a step), mean and worst
+TTFT, mean step time while decoding. The per-GPU figure is the measured rate x random_model.per_gpu_share: for L
+real-width layers on one GPU, x L / 40 (the released model's 40 layers over 8 GPUs, an ideal split: each GPU 1/8 of
+every layer); for rank 0 of N (--shards N, solo), x L / 40 / N (the ranks step together; collectives not counted).
+Issue 23's target: >= 6,000 output tok/s per H200 at C = 256 (SGLang: 4,872 on 4xH200, 8K in / 1K out).
 """
 
 from __future__ import annotations
@@ -26,11 +26,10 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.engine_ttft import parse_length  # noqa: E402
-from benchmarks.random_model import bench_model  # noqa: E402
+from benchmarks.random_model import add_model_arguments, bench_model, describe_model, per_gpu_share  # noqa: E402
 from engine.core.engine import EngineConfig, LLMEngine  # noqa: E402
 from engine.core.sampling_params import SamplingParams  # noqa: E402
 
-RELEASED_LAYERS = 40
 VOCAB_DRAWN = 120_000
 
 
@@ -87,9 +86,7 @@ def measure(engine: LLMEngine, concurrency: int, prompt_len: int, output_len: in
 
 def main(argv: list[str] | None = None) -> list[Run]:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--model", choices=["real-width", "tiny"], default="real-width",
-                   help="real-width: real_width_config(--layers) on the GPU; tiny: the tiny config (CPU works)")
-    p.add_argument("--layers", type=int, default=8, help="real_width_config's role order (6, 8 or 10 layers)")
+    add_model_arguments(p)
     p.add_argument("--concurrency", default="16,64,256")
     p.add_argument("--prompt-len", default="8K")
     p.add_argument("--output-len", default="1K")
@@ -99,9 +96,9 @@ def main(argv: list[str] | None = None) -> list[Run]:
     prompt_len, output_len = parse_length(args.prompt_len), parse_length(args.output_len)
     levels = [int(c) for c in args.concurrency.split(",")]
     t0 = time.perf_counter()
-    model = bench_model(args.model, args.layers, prompt_len + output_len + 64)
-    layers = model.cfg.n_layers
-    print(f"random {args.model} model ({layers} layers) built in {time.perf_counter() - t0:.0f} s", flush=True)
+    model = bench_model(args.model, args.layers, prompt_len + output_len + 64, args.shards)
+    what, share = describe_model(model, args.model), per_gpu_share(model)
+    print(f"random model ({what}) built in {time.perf_counter() - t0:.0f} s", flush=True)
     g = torch.Generator().manual_seed(0)
     # one engine for every level (a level of C submits C requests, so max_num_seqs = the largest C bounds none):
     # an engine per level kept the last one's cache and graph pools until the process ended (C = 64 ran out of
@@ -118,16 +115,16 @@ def main(argv: list[str] | None = None) -> list[Run]:
               f"tok/s; TTFT mean {r.ttft_s.mean() * 1e3:,.0f} ms", flush=True)
     engine.close()
     device = torch.cuda.get_device_name() if torch.cuda.is_available() else "CPU"
-    print(f"\n{device}, {args.model} model of {layers} layers, {prompt_len:,} in / {output_len:,} out, "
+    print(f"\n{device}, {what}, {prompt_len:,} in / {output_len:,} out, "
           f"step budget {args.chunk}")
     print("| concurrency | wall s | output tok/s | decode tok/s (all prompts in) | decode step ms | TTFT mean / max ms "
-          f"| per GPU, 40 layers on 8 GPUs (x {layers}/{RELEASED_LAYERS}) |")
+          f"| per GPU, the released model on 8 GPUs (x {share:.4g}) |")
     print("|---|---|---|---|---|---|---|")
     for r in runs:
         step_ms = r.decode_s / r.decode_steps * 1e3 if r.decode_steps else float("nan")
         print(f"| {r.concurrency} | {r.wall_s:.1f} | {r.output_tok_s:,.0f} | {r.decode_tok_s:,.0f} | {step_ms:.2f} | "
               f"{r.ttft_s.mean() * 1e3:,.0f} / {r.ttft_s.max() * 1e3:,.0f} | "
-              f"{r.output_tok_s * layers / RELEASED_LAYERS:,.0f} |")
+              f"{r.output_tok_s * share:,.0f} |")
     return runs
 
 

@@ -14,6 +14,7 @@ checkpoint on this machine's disk could hold (ten real-width layers are ~75 GB).
 
 from __future__ import annotations
 
+import argparse
 import tempfile
 from dataclasses import replace
 from pathlib import Path
@@ -126,12 +127,46 @@ def random_model(cfg: ModelConfig, device: str | torch.device, seed: int = 0, sh
     return model.eval()
 
 
-def bench_model(name: str, n_layers: int, max_model_len: int) -> Transformer:
-    """The model an engine benchmark runs: "real-width" (real_width_config(n_layers), on the GPU) or "tiny" (the
-    tiny config, on the GPU if there is one, else the CPU: a quick check of the benchmark itself)."""
-    if name == "real-width":
-        assert torch.cuda.is_available(), "a real-width model needs a GPU (use the tiny model on the CPU)"
-        return random_model(real_width_config(n_layers, max_model_len), "cuda")
+MODELS = ("real-width", "released", "tiny")
+RELEASED_LAYERS = 40  # DeepSeek-V4.1-Flash's layers
+
+
+def add_model_arguments(p: argparse.ArgumentParser) -> None:
+    """--model, --layers and --shards of the engine benchmarks (bench_model's arguments)."""
+    p.add_argument("--model", choices=MODELS, default="real-width",
+                   help="real-width: real_width_config(--layers) on the GPU; released: the released 40 layers (with "
+                        "--shards 8, rank 0's slices: ~39 GB); tiny: the tiny config (CPU works)")
+    p.add_argument("--layers", type=int, default=8, help="real_width_config's role order (6, 8 or 10 layers)")
+    p.add_argument("--shards", type=int, default=1,
+                   help="build only rank 0 of the model split this many ways, solo (engine/parallel.py: a measurement "
+                        "mode whose collectives cost nothing): one GPU's work in an N-GPU deployment")
+
+
+def bench_model(name: str, n_layers: int, max_model_len: int, shards: int = 1) -> Transformer:
+    """The model an engine benchmark runs: "real-width" (real_width_config(n_layers), on the GPU), "released"
+    (released_config, on the GPU) or "tiny" (the tiny config, on the GPU if there is one, else the CPU: a quick
+    check of the benchmark itself); with shards > 1 only rank 0 of it split that many ways, solo."""
+    shard = ShardSpec(0, shards, solo=True) if shards > 1 else SINGLE
+    if name in ("real-width", "released"):
+        assert torch.cuda.is_available(), f"a {name} model needs a GPU (use the tiny model on the CPU)"
+        cfg = real_width_config(n_layers, max_model_len) if name == "real-width" else released_config(max_model_len)
+        return random_model(cfg, "cuda", shard=shard)
     assert name == "tiny", f"unknown model {name!r}"
     return random_model(replace(tiny_config(), max_position_embeddings=max_model_len),
-                        "cuda" if torch.cuda.is_available() else "cpu")
+                        "cuda" if torch.cuda.is_available() else "cpu", shard=shard)
+
+
+def describe_model(model: Transformer, name: str) -> str:
+    """How a benchmark names its model: "8 real-width layers", "rank 0 of 8 (solo) of 40 released layers", ..."""
+    kind = {"real-width": "real-width", "released": "released"}.get(name, "tiny")
+    what = f"{model.cfg.n_layers} {kind} layers"
+    n = model.shard.world_size
+    return f"rank 0 of {n} (solo) of {what}" if n > 1 else what
+
+
+def per_gpu_share(model: Transformer) -> float:
+    """One GPU's share of the released model's rate on 8 GPUs, per unit of this model's measured rate:
+    n_layers / 40 / N. A whole model (N = 1) of L layers: the 40 layers over 8 ideal shards, each GPU 1/8 of
+    every layer, run at L / 40 of it per GPU. Rank 0 of N: the N ranks step together, so the group's rate is the
+    rank's (x L / 40) and a GPU's 1 / N of it."""
+    return model.cfg.n_layers / RELEASED_LAYERS / model.shard.world_size
