@@ -158,8 +158,7 @@ def bench_model(name: str, n_layers: int, max_model_len: int, shards: int = 1) -
 
 def describe_model(model: Transformer, name: str) -> str:
     """How a benchmark names its model: "8 real-width layers", "rank 0 of 8 (solo) of 40 released layers", ..."""
-    kind = {"real-width": "real-width", "released": "released"}.get(name, "tiny")
-    what = f"{model.cfg.n_layers} {kind} layers"
+    what = f"{model.cfg.n_layers} {name} layers"
     n = model.shard.world_size
     return f"rank 0 of {n} (solo) of {what}" if n > 1 else what
 
