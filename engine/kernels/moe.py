@@ -21,7 +21,7 @@ Launches of moe_forward:
      tile list (expert, first sorted row, rows) with BLOCK_M rows per tile; the grid is sized by the bound
      max_tiles = min(E, T·k) + T·k // BLOCK_M, so nothing is read back to the host (graph-capturable);
   (on CUDA up to moe_fp4.FP4_MAX_TOKENS tokens: step 2 is moe_fp4.route_cuda (one CTA per token) and steps 3-5 are
-  engine/kernels/moe_fp4.py: plan_and_quant (this plan, bit for bit, with tiles of 8-32 pairs by
+  engine/kernels/moe_fp4.py: plan_and_quant (this plan, bit for bit, with tiles of 8 or 16 pairs by
   moe_fp4.fp4_tile_pairs, and x's act_quant, one launch), then the CUDA FP4 GEMVs up and down)
   4. `_expert_gemm_kernel` UP: for each tile, BLOCK_N rows of W1 and of W3 (swap-AB: weight rows on the MMA's
      M side, the tile's tokens on N; x act-quantised in registers at 16-token tiles, by one fp8_act_qdq
