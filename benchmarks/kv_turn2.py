@@ -19,7 +19,7 @@ salt. Per history length L and run, with fresh random token ids:
 Then, per length, the pull's parts timed alone on the same blocks (best of 5): lookup (one script call), read (a
 copy out of A's mapped store, or one NIXL READ, into pinned memory), host to pools (one copy and scatter), the device
 checks, the pipeline a pull runs per path (engine/core/kv_import.py: chunked reads overlapped with the copies and
-checks; at the default chunk and at BIG_CHUNK_BLOCKS), and the owner's export (A's pools -> host with the
+checks; at the default chunk and at OTHER_CHUNK_BLOCKS), and the owner's export (A's pools -> host with the
 blocks' checksums, what a publish reads); each publish's own parts are logged as it ends. Prints markdown tables: the fastest run per length. With --decodes N, last: N requests decode on B while it
 pulls a fresh conversation of the longest length, and their inter-token gaps before and during the pull are printed.
 """
@@ -58,7 +58,7 @@ from serve_app.records import KVHint  # noqa: E402
 ONE_TOKEN = SamplingParams(max_tokens=1, ignore_eos=True)  # greedy
 WEIGHTS = "kv-turn2-benchmark"  # one weights identity: A's and B's salts match
 VOCAB_DRAWN = 120_000
-BIG_CHUNK_BLOCKS = 1024  # the import pipeline also timed at this chunk size
+OTHER_CHUNK_BLOCKS = 256  # the import pipeline also timed at this chunk size (the default until 2026-12-07)
 
 
 class Replica:
@@ -135,7 +135,7 @@ async def parts(a: Replica, b: Replica, prompt: list[int], num_blocks: int) -> d
 
     readers = {"shm": PeerBlockReader(owner.agent_metadata, refs, 60.0, owner.shared_store, agent=b.kv.agent),
                "nixl": PeerBlockReader(owner.agent_metadata, refs, 60.0, None, agent=b.kv.agent)}
-    importers = {c: BlockImporter(kv, c) for c in (DEFAULT_CHUNK_BLOCKS, BIG_CHUNK_BLOCKS)}
+    importers = {c: BlockImporter(kv, c) for c in (DEFAULT_CHUNK_BLOCKS, OTHER_CHUNK_BLOCKS)}
     result = {  # (the pipelines rewrite B's blocks with the bytes they hold)
         "lookup": best_of(5, lambda: b.kv.index.longest_owned_prefix(hashes)),
         "read_shm": best_of(5, lambda: copy_blocks(mapped.array, owner.shared_store.base, [r.address for r in refs], dst)),
@@ -282,7 +282,7 @@ async def decode_during_pull(a: Replica, b: Replica, tokens, L: int, n: int) -> 
 def report(args, rows, device: str) -> None:
     name = torch.cuda.get_device_name() if device == "cuda" else "CPU"
     what = f"{args.layers} real-width layers" if args.model == "real-width" else "tiny model"
-    D, G = DEFAULT_CHUNK_BLOCKS, BIG_CHUNK_BLOCKS
+    D, G = DEFAULT_CHUNK_BLOCKS, OTHER_CHUNK_BLOCKS
     print(f"\n{name}, {what}, chunk {args.chunk}, {args.new_tokens} new tokens in turn 2, fastest of {args.runs}; "
           "B pulls from A's shared memory, C over NIXL")
     print("| history tokens | MB pulled | cold turn 2 TTFT ms | pulled turn 2 TTFT ms (shm / NIXL) | pull ms (shm / NIXL) "
