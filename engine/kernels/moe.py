@@ -658,17 +658,17 @@ def moe_forward(x: Tensor, moe: MoE, experts: ExpertWeights, ids: Tensor | None 
     gate = moe.gate
     assert gate.score_func == "sqrtsoftplus" and gate.temp == 1.0, f"router {gate.score_func} / {gate.temp}"
     t, d = x.shape
-    decode = fp4_applies(x, experts)
+    on_cuda_path = fp4_applies(x, experts)  # decode and prefill chunks up to FP4_MAX_TOKENS
     routed = ids is None
     shared_dtype = torch.float32 if partial else torch.bfloat16
-    if decode:  # the shared expert (three small launches) runs on a side stream, beside the gate, the router and
+    if on_cuda_path:  # the shared expert (three small launches) runs on a side stream, beside the gate, the router and
         # the expert GEMVs. Its GEMVs take narrow grids (72 / 40 CTAs), so the gate's grid finds free SMs: forked
         # here every layer is ~4 us faster at T = 1 than forked after the gate (H200, RESULTS.md, eighth pass).
         shared = fork("shared_expert", x.device,
                       lambda: shared_expert(x, experts, moe.shared_experts.limit, shared_dtype))
     part = gate_scores(x, gate.weight) if routed else None
-    if routed:  # on the decode path the CUDA route (one CTA per token), else the Triton one
-        route = route_cuda if decode else route_scores
+    if routed:  # on the CUDA path the CUDA route (one CTA per token), else the Triton one
+        route = route_cuda if on_cuda_path else route_scores
         weights, ids = route(part, gate.bias, gate.topk, gate.route_scale, gate.norm_topk)
         if is_image is not None:  # each token's route is its own: route again with bias_vl, keep per token
             w_vl, ids_vl = route(part, gate.bias_vl, gate.topk, gate.route_scale, gate.norm_topk)
@@ -676,12 +676,12 @@ def moe_forward(x: Tensor, moe: MoE, experts: ExpertWeights, ids: Tensor | None 
             ids = torch.where(is_image[:, None], ids_vl, ids)
     ids = local_ids(ids, moe.local_experts, gate.weight.size(0))  # expert-parallel: other ranks' pairs dropped
     limit = moe.experts[moe.local_experts[0]].limit
-    if decode:  # on CUDA: the FP4 GEMVs of cuda/moe_fp4.cu
+    if on_cuda_path:  # the FP4 GEMVs of cuda/moe_fp4.cu
         o = routed_fp4(x, ids, weights, experts, limit, once_per_token=routed)
     else:
         plan = moe_plan(ids, experts.w13.size(0), pick_block_m(ids.numel(), experts.w13.size(0)))
         o = moe_down(moe_up(x, experts, plan, weights, limit), experts, plan)
-    if decode:
+    if on_cuda_path:
         shared = shared.join()
     else:
         shared = shared_expert(x, experts, moe.shared_experts.limit, shared_dtype)
