@@ -54,6 +54,22 @@ def replay_time_us(graph: torch.cuda.CUDAGraph, replays: int = 10,
     return statistics.median(times)
 
 
+def eager_time_us(fn: Callable[[], object], reps: int = 5) -> float:
+    """Median time of one eager call (microseconds, CUDA events), after one untimed call: for paths that are not
+    captured in graphs (prefill-sized work that allocates, e.g. engine.kernels.moe_grouped)."""
+    fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(reps):
+        t0, t1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        t0.record()
+        fn()
+        t1.record()
+        t1.synchronize()
+        times.append(t0.elapsed_time(t1) * 1e3)
+    return statistics.median(times)
+
+
 def copy_bandwidth() -> float:
     """Device-to-device copy rate, bytes read + written per second: 2 GiB copied by torch's copy kernel,
     timed with events outside a graph (a captured copy becomes a copy-engine node, ~2.8 TB/s here)."""

@@ -26,11 +26,12 @@ from dataclasses import astuple
 import torch
 import torch.nn.functional as F
 
-from benchmarks.gpu_timing import graph_time_us, sweep
+from benchmarks.gpu_timing import eager_time_us, graph_time_us, sweep
 from engine.kernels.moe import (ExpertWeights, MoeGemmConfig, gate_scores, moe_down, moe_forward, moe_plan, moe_route,
                                 moe_up, pick_block_m, route_scores, routed_fp4)
 from engine.kernels.moe_fp4 import (FP4_MAX_TOKENS, Fp4Params, fp4_applies, fp4_tile_pairs, moe_down_fp4, moe_up_fp4,
                                     plan_and_quant, quant_rows, route_cuda)
+from engine.kernels.moe_grouped import STAGING_BYTES, dequant_fp4_bf16, experts_per_group, routed_grouped
 from engine.presets import full_config
 from engine.tools.random_moe import random_moe
 from engine.quant import dequant_fp4_weight
@@ -92,6 +93,8 @@ TOKEN_SWEEP_T = (64, 128, 256, 512, 1024, 2048, 4096, 8192)
 GEMM_SWEEP_T = (2048, 8192)
 TILE_SWEEP_T = (256, 512, 1024, 2048, 4096, 8192)
 TILE_SWEEP = (8, 16, 32)
+GROUPED_T = (4096, 8192, 16384, 32768)
+STAGING_SWEEP_GB = (2, 4, 8, 28)  # 28: all 384 experts' bf16 copies (27.2 GB) at once
 GEMM_SWEEP = tuple((bm, bn, bk, w, st) for bm in (64, 128) for bn, bk in ((128, 64), (128, 128), (256, 64))
                    for w, st in ((4, 3), (8, 3), (8, 4)))
 
@@ -150,6 +153,43 @@ def bench_tokens(copy_bw: float) -> None:
         if res:
             print(f"  best {best[0]}: {best[1]:.0f} us, {flops / best[1] / 1e6:.0f} TFLOP/s", flush=True)
         del routes, xs
+
+
+def bench_grouped(copy_bw: float) -> None:
+    """engine.kernels.moe_grouped (bf16 copies + torch's grouped GEMM) against the CUDA FP4 GEMVs, eager (CUDA
+    events; the grouped path allocates its staging and is never captured), and its staging budget."""
+    cfg = full_config()
+    d, k, e = cfg.dim, cfg.n_activated_experts, cfg.n_routed_experts
+    moe, ex = random_moe(cfg)
+    limit = moe.experts[0].limit
+    flop_per_pair = 2 * 3 * cfg.moe_inter_dim * d
+    bf16 = torch.empty(e, 2 * ex.inter, d, dtype=torch.bfloat16, device="cuda")
+    dq_us = eager_time_us(lambda: dequant_fp4_bf16(ex.w13, ex.s13, bf16))
+    dq_bytes = ex.w13.numel() * (1 + 4) + ex.s13.numel()
+    del bf16
+    print(f"\n## moe_tokens: the grouped path (engine/kernels/moe_grouped.py, staging {STAGING_BYTES / 2**30:.0f} GiB = "
+          f"{experts_per_group(ex, STAGING_BYTES)} experts a group), us per eager call\n")
+    print(f"Dequantising all W1|W3 to bf16: {dq_us:.0f} us ({dq_bytes / dq_us / 1e6:.2f} TB/s read + written, "
+          f"{dq_bytes / dq_us / copy_bw * 1e6:.0%} of the copy rate).\n")
+    print("| T | pairs per expert | CUDA GEMVs us | grouped us | GEMVs / grouped | grouped TFLOP/s |")
+    print("|---|---|---|---|---|---|")
+    for t in GROUPED_T:
+        ids, w = _routes(t, k, e, 1, seed=t)[0]
+        x = torch.randn(t, d, device="cuda").bfloat16()
+        grouped_us = eager_time_us(lambda: routed_grouped(x, ids, w, ex, limit))
+        gemv_us = (eager_time_us(lambda: _routed_fp4_fused(x, ids, w, ex, limit)) if t <= FP4_MAX_TOKENS
+                   else float("nan"))
+        print(f"| {t} | {t * k / e:.1f} | {gemv_us:.0f} | {grouped_us:.0f} | {gemv_us / grouped_us:.2f} | "
+              f"{t * k * flop_per_pair / grouped_us / 1e6:.0f} |", flush=True)
+        del ids, w, x
+        torch.cuda.empty_cache()
+    t = FP4_MAX_TOKENS
+    ids, w = _routes(t, k, e, 1, seed=t)[0]
+    x = torch.randn(t, d, device="cuda").bfloat16()
+    row = [eager_time_us(lambda gb=gb: routed_grouped(x, ids, w, ex, limit, staging_bytes=gb << 30))
+           for gb in STAGING_SWEEP_GB]
+    print(f"\nStaging budget at T = {t}: " + ", ".join(f"{gb} GiB ({experts_per_group(ex, gb << 30)} experts a group) "
+                                                   f"{us:.0f} us" for gb, us in zip(STAGING_SWEEP_GB, row)))
 
 
 class _Baseline:

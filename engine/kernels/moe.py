@@ -22,7 +22,9 @@ Launches of moe_forward:
      max_tiles = min(E, T·k) + T·k // BLOCK_M, so nothing is read back to the host (graph-capturable);
   (on CUDA up to moe_fp4.FP4_MAX_TOKENS tokens: step 2 is moe_fp4.route_cuda (one CTA per token) and steps 3-5 are
   engine/kernels/moe_fp4.py: plan_and_quant (this plan, bit for bit, with tiles of 8 or 16 pairs by
-  moe_fp4.fp4_tile_pairs, and x's act_quant, one launch), then the CUDA FP4 GEMVs up and down)
+  moe_fp4.fp4_tile_pairs, and x's act_quant, one launch), then the CUDA FP4 GEMVs up and down; on CUDA from
+  moe_grouped.GROUPED_MIN_PAIRS pairs an expert, steps 3-5 are engine/kernels/moe_grouped.py instead: the experts
+  dequantised to bf16 and torch's grouped GEMM)
   4. `_expert_gemm_kernel` UP: for each tile, BLOCK_N rows of W1 and of W3 (swap-AB: weight rows on the MMA's
      M side, the tile's tokens on N; x act-quantised in registers at 16-token tiles, by one fp8_act_qdq
      launch before it for larger tiles), SwiGLU + clamps + routing weight, bf16, then
@@ -61,10 +63,11 @@ import triton.language as tl
 from torch import Tensor
 
 from engine.kernels.fp8_linear import MAX_TICKETS, fp8_act_qdq, fp8_linear, split_k_tickets, stacked_fp8
+from engine.kernels.moe_grouped import grouped_applies, routed_grouped
 from engine.kernels.moe_fp4 import (fp4_applies, fp4_tile_pairs, moe_down_fp4, moe_up_fp4, plan_and_quant,
                                     route_cuda)
 from engine.kernels.side_stream import fork
-from engine.kernels.triton_common import act_quant_blocks, bf16_bits, cdiv, launch_sms, round_bf16
+from engine.kernels.triton_common import act_quant_blocks, bf16_bits, cdiv, launch_sms, round_bf16, swiglu
 from engine.model.moe import MoE
 from engine.quant import BLOCK, act_dequant, act_quant, act_quant_qdq, dequant_fp4_weight, exact_matmul
 
@@ -131,15 +134,6 @@ def _fp4_dot(acc, w_ptrs, s_ptrs, xe, xo, xn, BLOCK_N: tl.constexpr, BLOCK_K: tl
         acc = _mma(acc, lo, xe, DOT_F32)
         acc = _mma(acc, hi, xo, DOT_F32)
     return acc
-
-
-@triton.jit
-def _swiglu(g, u, limit):
-    """fp32 bf16-valued gate/up -> silu(min(g, L)) * clamp(u, -L, L) in fp32 (no clamp when L <= 0)."""
-    if limit > 0:
-        u = tl.minimum(tl.maximum(u, -limit), limit)
-        g = tl.minimum(g, limit)
-    return g / (1.0 + tl.exp(-g)) * u
 
 
 # --- router ------------------------------------------------------------------------------------------------------
@@ -323,7 +317,7 @@ def moe_plan(ids: Tensor, num_experts: int, block_m: int) -> MoePlan:
 def _up_epilogue(acc1, acc3, rw, out_ptr, rows, offs_n, mask, N, limit,
                  BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr, QDQ_OUT: tl.constexpr):
     g, u = round_bf16(acc1), round_bf16(acc3)  # the golden's w1(x), w3(x) are bf16 linears
-    h = round_bf16(_swiglu(g, u, limit) * rw[None, :])  # [BN, BM]
+    h = round_bf16(swiglu(g, u, limit) * rw[None, :])  # [BN, BM]
     if QDQ_OUT:  # act_quant of h per 32 along N: the W2 GEMM's input
         q, s = act_quant_blocks(tl.reshape(tl.trans(h), (BLOCK_M, BLOCK_N // 32, 32)))
         h = tl.trans(tl.reshape(q * s[:, :, None], (BLOCK_M, BLOCK_N)))
@@ -564,7 +558,7 @@ def _swiglu_kernel(gu_ptr, h_ptr, N, limit, BLOCK: tl.constexpr):
     ok = offs < N
     g = tl.load(gu_ptr + t * 2 * N + offs, mask=ok, other=0.0).to(tl.float32)
     u = tl.load(gu_ptr + t * 2 * N + N + offs, mask=ok, other=0.0).to(tl.float32)
-    tl.store(h_ptr + t * N + offs, bf16_bits(_swiglu(g, u, limit)), mask=ok)
+    tl.store(h_ptr + t * N + offs, bf16_bits(swiglu(g, u, limit)), mask=ok)
 
 
 def shared_expert(x: Tensor, experts: ExpertWeights, limit: float, out_dtype: torch.dtype = torch.bfloat16) -> Tensor:
@@ -676,7 +670,9 @@ def moe_forward(x: Tensor, moe: MoE, experts: ExpertWeights, ids: Tensor | None 
             ids = torch.where(is_image[:, None], ids_vl, ids)
     ids = local_ids(ids, moe.local_experts, gate.weight.size(0))  # expert-parallel: other ranks' pairs dropped
     limit = moe.experts[moe.local_experts[0]].limit
-    if on_cuda_path:  # the FP4 GEMVs of cuda/moe_fp4.cu
+    if grouped_applies(x, ids.numel(), gate.weight.size(0)):  # many pairs an expert: bf16 copies + grouped GEMM
+        o = routed_grouped(x, ids, weights, experts, limit)
+    elif on_cuda_path:  # the FP4 GEMVs of cuda/moe_fp4.cu
         o = routed_fp4(x, ids, weights, experts, limit, once_per_token=routed)
     else:
         plan = moe_plan(ids, experts.w13.size(0), pick_block_m(ids.numel(), experts.w13.size(0)))

@@ -1,5 +1,5 @@
 """What the Triton kernels of engine/kernels/ share (the Triton twin of cuda/common.cuh): bf16 rounding and
-widening, the FP8 / FP4 decodes, E4M3 rounding and coding, act_quant of 32-blocks, the RMSNorm and RoPE math on
+widening, the FP8 / FP4 decodes, E4M3 rounding and coding, act_quant of 32-blocks, the experts' SwiGLU, the RMSNorm and RoPE math on
 rows held as interleaved pairs, and the host-side launch arithmetic.
 
 Every helper is exact integer / fp32 arithmetic (no bf16 arithmetic, no fp8 casts), because the CPU interpreter
@@ -107,6 +107,18 @@ def act_quant_blocks(x):
     inv_s = ((254 - e) << 23).to(tl.float32, bitcast=True)  # 1/s exactly, so x * inv_s == x / s
     v = tl.minimum(tl.maximum(x * inv_s[:, :, None], -448.0), 448.0)
     return round_e4m3(v), s
+
+
+# --- MoE ----------------------------------------------------------------------------------------------------------
+
+@triton.jit
+def swiglu(g, u, limit):
+    """fp32 bf16-valued gate/up -> silu(min(g, L)) * clamp(u, -L, L) in fp32 (no clamp when L <= 0): the
+    routed and shared experts' activation (engine.model.moe.Expert)."""
+    if limit > 0:
+        u = tl.minimum(tl.maximum(u, -limit), limit)
+        g = tl.minimum(g, limit)
+    return g / (1.0 + tl.exp(-g)) * u
 
 
 # --- RMSNorm and RoPE --------------------------------------------------------------------------------------------

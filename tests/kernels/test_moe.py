@@ -26,107 +26,41 @@ from dataclasses import replace
 
 import pytest
 import torch
-import torch.nn.functional as F
 
 from engine.kernels.fp8_linear import split_k_tickets
-from engine.kernels.moe import (ExpertWeights, MoeGemmConfig, gate_scores, moe_down, moe_down_ref, moe_forward,
-                                moe_forward_ref, moe_plan, moe_route, moe_route_ref, moe_up, moe_up_ref,
-                                pick_block_m, pick_gemm_config, route_scores, stack_experts)
+from engine.kernels.moe import (MoeGemmConfig, gate_scores, moe_down, moe_forward, moe_forward_ref, moe_plan, moe_route,
+                                moe_route_ref, moe_up, moe_up_ref, pick_block_m, pick_gemm_config, route_scores,
+                                stack_experts)
 from engine.kernels.moe_fp4 import (FP4_MAX_TOKENS, MAX_TILE_PAIRS, Fp4Params, dequant_rows, moe_down_fp4,
                                     moe_up_fp4, pick_params, plan_and_quant, quant_rows, route_cuda)
-from engine.model.layers import Linear
 from engine.model.moe import MoE
-from engine.presets import full_config, tiny_config
-from engine.tools.random_moe import random_moe
-from engine.quant import (act_dequant, act_quant, act_quant_qdq, dequant_fp4_weight, dequant_fp8_weight,
-                          quant_fp4_weight, quant_fp8_weight)
+from engine.presets import tiny_config
+from engine.quant import act_quant_qdq
+from tests.kernels.moe_checks import (CPU_EPS, GPU_EPS, LIMIT, TIE_GAP, assert_down_close, assert_forward_close,
+                                      assert_up_close, draw_tokens, fail_worst, fill_moe, forward_bound, gpu_tokens,
+                                      route, router_gaps, tiny_moe)
 from tests.kernels.numeric import bf16_ulp
 
 gpu = pytest.mark.gpu
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-TIE_GAP = 1e-4
-CPU_EPS, GPU_EPS = 2.0**-16, 2.0**-14
-LIMIT = 10.0
 
 
 # --- problems ------------------------------------------------------------------------------------------------------
-
-def _fill_moe(moe: MoE, seed: int, exact: bool = False) -> MoE:
-    """Random buffers. exact: routed weights are random FP4 codes with one scale 2^-6 (with integer
-    activations every product sum is exact in fp32)."""
-    g = torch.Generator().manual_seed(seed)
-    dev = moe.gate.weight.device
-    for m in moe.modules():
-        if isinstance(m, Linear):
-            if m.fmt == "fp4" and exact:
-                m.weight.copy_(torch.randint(0, 256, m.weight.shape, generator=g, dtype=torch.uint8))
-                m.scale.view(torch.uint8).fill_(121)  # 2^-6
-                continue
-            w = torch.randn(m.out_features, m.in_features, generator=g) * 0.05
-            w *= torch.logspace(-0.5, 0.5, m.in_features)[torch.randperm(m.in_features, generator=g)]
-            q, s = (quant_fp4_weight if m.fmt == "fp4" else quant_fp8_weight)(w)
-            m.weight.copy_(q)
-            m.scale.copy_(s)
-    moe.gate.weight.copy_((torch.randn(moe.gate.weight.shape, generator=g) * 0.1).bfloat16())
-    moe.gate.bias.copy_(torch.randn(moe.gate.bias.shape, generator=g) * 0.1)
-    return moe.to(dev)
-
-
-def _tiny_moe(seed: int = 0, exact: bool = False, layer: int = 0) -> tuple[MoE, ExpertWeights]:
-    moe = _fill_moe(MoE(tiny_config(), layer), seed, exact)
-    return moe, stack_experts(moe)
-
-
-def _router_gaps(x: torch.Tensor, moe: MoE) -> torch.Tensor:
-    """Per token: the smallest gap between adjacent biased golden scores among the top k + 1 (float64)."""
-    scores = F.softplus(x.double() @ moe.gate.weight.double().T).sqrt() + moe.gate.bias.double()
-    top = scores.topk(min(moe.gate.topk + 1, scores.size(1)), dim=-1).values
-    return (top[:, :-1] - top[:, 1:]).min(dim=-1).values
-
-
-def _tokens(t: int, moe: MoE, seed: int, exact: bool = False) -> torch.Tensor:
-    """x bf16 [T, D] without router near-ties (tiny shapes: redraw a row until its gaps exceed TIE_GAP).
-    exact: integers in [-8, 8] with 8 in every 32-block (act_quant keeps them exactly)."""
-    g = torch.Generator().manual_seed(seed)
-    d = moe.gate.weight.size(1)
-    rows = []
-    while len(rows) < t:
-        if exact:
-            r = torch.randint(-8, 9, (d,), generator=g).float()
-            r[::32] = 8.0
-        else:
-            r = torch.randn(d, generator=g) * torch.logspace(-1, 0.5, d)[torch.randperm(d, generator=g)]
-        r = r.bfloat16().to(moe.gate.weight.device)
-        if _router_gaps(r[None], moe).item() > TIE_GAP:
-            rows.append(r)
-    return torch.stack(rows) if rows else torch.zeros(0, d, dtype=torch.bfloat16, device=moe.gate.weight.device)
-
-
-def _route(x: torch.Tensor, moe: MoE) -> tuple[torch.Tensor, torch.Tensor]:
-    g = moe.gate
-    return moe_route(x, g.weight, g.bias, g.topk, g.route_scale, g.norm_topk)
-
 
 def _unsort(h: torch.Tensor, plan) -> torch.Tensor:
     """Rows by sorted position -> rows by pair id (all pairs valid)."""
     return h[torch.argsort(plan.sorted_pairs.long())]
 
 
-def _fail_worst(bad: torch.Tensor, err: torch.Tensor, allowed: torch.Tensor, y, ref, what: str) -> None:
-    if bad.any():
-        worst = int(torch.where(bad, err / allowed, -1.0).argmax())
-        idx = tuple(int(i) for i in torch.unravel_index(torch.tensor(worst), bad.shape))
-        pytest.fail(f"{what}: {int(bad.sum())}/{bad.numel()} out of tolerance; worst at {idx}: y={y[idx].item():.6g} "
-                    f"ref={ref[idx].item():.6g} err={err[idx].item():.3g} allowed={allowed[idx].item():.3g}")
 
 
 # --- router --------------------------------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("t", [1, 3, 17])
 def test_route_matches_golden(t):
-    moe, _ = _tiny_moe(seed=t)
-    x = _tokens(t, moe, seed=100 + t)
-    w, ids = _route(x, moe)
+    moe, _ = tiny_moe(seed=t)
+    x = draw_tokens(t, moe, seed=100 + t)
+    w, ids = route(x, moe)
     g = moe.gate
     w_ref, ids_ref = moe_route_ref(x, g.weight, g.bias, g.topk, g.route_scale, g.norm_topk)
     gw, gids = g(x)  # the golden module itself
@@ -138,8 +72,8 @@ def test_route_matches_golden(t):
 
 
 def test_route_without_normalisation_and_empty():
-    moe, _ = _tiny_moe(seed=4)
-    x = _tokens(5, moe, seed=5)
+    moe, _ = tiny_moe(seed=4)
+    x = draw_tokens(5, moe, seed=5)
     g = moe.gate
     w, ids = moe_route(x, g.weight, g.bias, 3, 2.5, False)
     w_ref, ids_ref = moe_route_ref(x, g.weight, g.bias, 3, 2.5, False)
@@ -185,51 +119,15 @@ CPU_CASES = [(1, 16, None), (3, 16, MoeGemmConfig(64, 128, 2, 4, 2, fuse_quant=F
 CASE_IDS = ["T1-auto", "T3-bn64-split2-prequant", "T5-bn32-bk32-split3", "T17-bm32-auto"]
 
 
-def _gu_ref(x: torch.Tensor, ex: ExpertWeights, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Golden bf16 pre-activations [w1(x) | w3(x)] per pair, float64 [T*k, 2I], and S = Σ_i |A(x)_i| |W_i| of
-    each (the scale of the fp32 summation-order error)."""
-    t, k = ids.shape
-    a = act_dequant(*act_quant(x), 32).double()
-    out = torch.zeros(t * k, 2 * ex.inter, dtype=torch.float64, device=x.device)
-    mag = torch.zeros_like(out)
-    for e in torch.unique(ids[ids >= 0]).tolist():  # dropped pairs (id -1) stay zero, as moe_up_ref's
-        rows, slot = torch.where(ids == e)
-        w = dequant_fp4_weight(ex.w13[e], ex.s13[e]).double()
-        out[rows * k + slot] = (a[rows] @ w.T).float().bfloat16().double()
-        mag[rows * k + slot] = a[rows].abs() @ w.abs().T
-    return out, mag
 
 
-def assert_up_close(h: torch.Tensor, x, ex, w, ids, what: str, min_bitwise: float = 0.0) -> None:
-    """g and u may each move by 1 ULP plus eps * S (the fp32 sum order: several ULPs where the sum cancels,
-    seen on the H200 in ~1e-6 of the elements), and h must lie within 1 ULP of the SwiGLU range they span."""
-    ref = moe_up_ref(x, ex, w, ids, LIMIT, qdq_out=False).double()
-    gu, mag = _gu_ref(x, ex, ids)
-    inter = ex.inter
-    eps = GPU_EPS if h.is_cuda else CPU_EPS
-    g0, u0 = gu[:, :inter], gu[:, inter:]
-    dg_max, du_max = bf16_ulp(g0) + eps * mag[:, :inter], bf16_ulp(u0) + eps * mag[:, inter:]
-    wd = w.double().view(-1, 1)
-    cands = []
-    for dg in (-1, 0, 1):
-        for du in (-1, 0, 1):
-            g = (g0 + dg * dg_max).clamp(max=LIMIT)
-            u = (u0 + du * du_max).clamp(-LIMIT, LIMIT)
-            cands.append((wd * F.silu(g) * u).bfloat16().double())
-    lo, hi = torch.stack(cands).amin(0), torch.stack(cands).amax(0)
-    lo, hi = lo - bf16_ulp(lo), hi + bf16_ulp(hi)
-    y = h.double()
-    bad = ~((y >= lo) & (y <= hi))
-    _fail_worst(bad, (y - ref).abs(), (hi - lo) / 2, y, ref, what)
-    same = (h == ref.bfloat16()).double().mean().item()
-    assert same >= min_bitwise, f"{what}: only {same:.1%} of h bitwise equal to the golden"
 
 
 @pytest.mark.parametrize("t,block_m,cfg", CPU_CASES, ids=CASE_IDS)
 def test_up_and_down_match_golden(t, block_m, cfg):
-    moe, ex = _tiny_moe(seed=t)
-    x = _tokens(t, moe, seed=t)
-    w, ids = _route(x, moe)
+    moe, ex = tiny_moe(seed=t)
+    x = draw_tokens(t, moe, seed=t)
+    w, ids = route(x, moe)
     plan = moe_plan(ids, ex.w13.size(0), block_m)
     h = moe_up(x, ex, plan, w, LIMIT, qdq_out=False, config=cfg)
     assert_up_close(_unsort(h, plan), x, ex, w, ids, f"up T={t} {cfg}", min_bitwise=0.9)
@@ -243,44 +141,27 @@ def test_up_and_down_match_golden(t, block_m, cfg):
 
 @pytest.mark.usefixtures("one_torch_thread")
 def test_up_exact_problem():
-    moe, ex = _tiny_moe(seed=2, exact=True)
-    x = _tokens(9, moe, seed=3, exact=True)
+    moe, ex = tiny_moe(seed=2, exact=True)
+    x = draw_tokens(9, moe, seed=3, exact=True)
     assert torch.equal(act_quant_qdq(x), x), "the exact problem's activations must survive act_quant"
-    w, ids = _route(x, moe)
+    w, ids = route(x, moe)
     plan = moe_plan(ids, ex.w13.size(0), 16)
     h = moe_up(x, ex, plan, w, LIMIT, qdq_out=False, config=MoeGemmConfig(32, 64, 2, 4, 2))
     ref = moe_up_ref(x, ex, w, ids, LIMIT, qdq_out=False)
     hu = _unsort(h, plan)
     err = (hu.double() - ref.double()).abs()
-    _fail_worst(err > bf16_ulp(ref), err, bf16_ulp(ref), hu.double(), ref.double(), "exact up")
+    fail_worst(err > bf16_ulp(ref), err, bf16_ulp(ref), hu.double(), ref.double(), "exact up")
     assert (hu == ref).double().mean().item() >= 0.95
 
 
-def _abs_experts(ex: ExpertWeights) -> ExpertWeights:
-    """The same experts with |W| (E2M1 sign bits cleared)."""
-    def fp8_abs(w: torch.Tensor) -> torch.Tensor:  # bit ops: fp8 abs is not implemented on every device
-        return (w.view(torch.uint8) & 0x7F).view(torch.float8_e4m3fn)
-
-    return ExpertWeights(ex.w13 & 0x77, ex.s13, ex.w2 & 0x77, ex.s2, fp8_abs(ex.shared_w13), ex.shared_s13,
-                         fp8_abs(ex.shared_w2), ex.shared_s2)
 
 
-def assert_down_close(o, h_by_pair, ex, ids, eps, what, exact=False):
-    ref = moe_down_ref(h_by_pair, ex, ids)
-    flat = ids.view(-1)
-    o, ref = o[flat >= 0], ref[flat >= 0]  # rows of dropped pairs are not written
-    if exact:
-        assert torch.equal(o, ref), f"{what}: not bitwise; max err {(o - ref).abs().max().item():.3g}"
-        return
-    s = moe_down_ref(h_by_pair.abs(), _abs_experts(ex), ids)[flat >= 0].double()
-    err = (o.double() - ref.double()).abs()
-    _fail_worst(~(err <= eps * s), err, eps * s, o, ref, what)
 
 
 def test_down_exact_problem_with_dropped_slots():
     """Integer h, one weight scale: fp32 sums are exact, so the kernel is bitwise the golden; -1 slots
     and experts without tokens included; one expert shared by all tokens (more pairs than a tile)."""
-    moe, ex = _tiny_moe(seed=5, exact=True)
+    moe, ex = tiny_moe(seed=5, exact=True)
     g = torch.Generator().manual_seed(6)
     t, k = 19, 2
     ids = torch.stack([torch.full((t,), 3), torch.randint(5, 8, (t,), generator=g)], 1).to(torch.int32)
@@ -299,8 +180,8 @@ def test_down_exact_problem_with_dropped_slots():
 # --- stacking and the whole layer ----------------------------------------------------------------------------------
 
 def test_stack_experts_replaces_buffers_with_views():
-    moe = _fill_moe(MoE(tiny_config(), 0), seed=8)
-    x = _tokens(6, moe, seed=9)
+    moe = fill_moe(MoE(tiny_config(), 0), seed=8)
+    x = draw_tokens(6, moe, seed=9)
     before = moe_forward_ref(x, moe)
     e3, sh = moe.experts[3], moe.shared_experts
     originals = [e3.w2.weight.clone(), e3.w1.scale.clone(), sh.w3.weight.clone()]
@@ -318,53 +199,25 @@ def test_stack_experts_replaces_buffers_with_views():
     assert e3.w1.weight.dtype == torch.uint8 and e3.w1.scale.dtype == torch.float8_e8m0fnu
 
 
-def _forward_bound(x: torch.Tensor, moe: MoE, ex: ExpertWeights, ref: torch.Tensor) -> torch.Tensor:
-    """The allowed |y - ref| per element (see the module docstring), float64 [T, D]."""
-    weights, ids = moe.gate(x)
-    t, k = ids.shape
-    mag = torch.zeros(t, x.size(1), dtype=torch.float64, device=x.device)
-    s = torch.zeros_like(mag)
-    abs_ex = _abs_experts(ex)
-    h = moe_up_ref(x, ex, weights.float(), ids.to(torch.int32), LIMIT, qdq_out=False)
-    s_routed = moe_down_ref(h.abs(), abs_ex, ids).double().view(t, k, -1).sum(1)
-    for e in torch.unique(ids).tolist():
-        rows, slot = torch.where(ids == e)
-        mag[rows] += moe.experts[e](x[rows], weights[rows, slot, None]).double().abs()
-    sh = moe.shared_experts
-    mag += sh(x).double().abs()
-    g, u = sh.w1(x).double(), sh.w3(x).double()
-    h_sh = (F.silu(g.clamp(max=LIMIT)) * u.clamp(-LIMIT, LIMIT)).bfloat16()
-    a = act_dequant(*act_quant(h_sh), 32).double().abs()
-    s_shared = a @ dequant_fp8_weight(abs_ex.shared_w2, ex.shared_s2).double().T
-    s = s_routed + s_shared
-    return bf16_ulp(ref) + 2.0**-7 * mag + 2.0**-8 * s
 
 
-def assert_forward_close(y, ref, bound, what, rows=None):
-    assert y.dtype == torch.bfloat16 and y.shape == ref.shape
-    if rows is not None:
-        y, ref, bound = y[rows], ref[rows], bound[rows]
-    err = (y.double() - ref.double()).abs()
-    _fail_worst(~(err <= bound), err, bound, y.double(), ref.double(), what)
-    same = (y == ref).double().mean().item()
-    assert same >= 0.9, f"{what}: only {same:.1%} bitwise equal to the golden"
 
 
 @pytest.mark.parametrize("t", [1, 3, 17])
 def test_moe_forward_matches_golden(t):
-    moe, ex = _tiny_moe(seed=10 + t)
-    x = _tokens(t, moe, seed=30 + t)
+    moe, ex = tiny_moe(seed=10 + t)
+    x = draw_tokens(t, moe, seed=30 + t)
     y = moe_forward(x, moe, ex)
     ref = moe_forward_ref(x, moe)
-    assert_forward_close(y, ref, _forward_bound(x, moe, ex, ref), f"moe_forward T={t}")
+    assert_forward_close(y, ref, forward_bound(x, moe, ex, ref), f"moe_forward T={t}")
     assert torch.equal(y, moe_forward(x, moe, ex)), "not deterministic"
 
 
 def test_moe_forward_repeated_experts_and_dropped_slots():
     """Given routing: every token shares expert 6, expert 0-2 get no tokens, a token with both slots -1 gets
     only the shared expert, another drops one slot."""
-    moe, ex = _tiny_moe(seed=12)
-    x = _tokens(7, moe, seed=13)
+    moe, ex = tiny_moe(seed=12)
+    x = draw_tokens(7, moe, seed=13)
     ids = torch.tensor([[6, 3], [6, 4], [5, 6], [6, 7], [-1, -1], [6, -1], [3, 6]], dtype=torch.int32)
     weights = torch.rand(7, 2, generator=torch.Generator().manual_seed(1)) + 0.2
     y = moe_forward(x, moe, ex, ids=ids, weights=weights)
@@ -376,14 +229,14 @@ def test_moe_forward_repeated_experts_and_dropped_slots():
                 ref[tok] += moe.experts[e](x[tok:tok + 1], weights[tok:tok + 1, j:j + 1].double()).double()[0]
     ref = (ref + moe.shared_experts(x).double()).bfloat16()
     err = (y.double() - ref.double()).abs()
-    _fail_worst(~(err <= 2 * bf16_ulp(ref)), err, 2 * bf16_ulp(ref), y.double(), ref.double(), "given routing")
+    fail_worst(~(err <= 2 * bf16_ulp(ref)), err, 2 * bf16_ulp(ref), y.double(), ref.double(), "given routing")
     assert (y == ref).double().mean().item() >= 0.9
     assert moe_forward(x[:0], moe, ex).shape == (0, x.size(1))
 
 
 def test_contract_is_asserted():
-    moe, ex = _tiny_moe(seed=14)
-    x = _tokens(2, moe, seed=15)
+    moe, ex = tiny_moe(seed=14)
+    x = draw_tokens(2, moe, seed=15)
     g = moe.gate
     with pytest.raises(AssertionError, match="bf16"):
         moe_route(x.float(), g.weight, g.bias, 2, 1.5, True)
@@ -398,16 +251,8 @@ def test_contract_is_asserted():
 
 # --- GPU: real shapes ------------------------------------------------------------------------------------------------
 
-@pytest.fixture(scope="module")
-def full_moe():
-    """The released layer shape (384 experts x 3 FP4 [2304 x 5120] matrices, 7.2 GB) with random codes and
-    scales, built on the GPU."""
-    return random_moe(full_config())
 
 
-def _gpu_tokens(t: int, seed: int) -> torch.Tensor:
-    g = torch.Generator(device="cuda").manual_seed(seed)
-    return torch.randn(t, full_config().dim, generator=g, device="cuda").bfloat16()
 
 
 @gpu
@@ -415,11 +260,11 @@ def _gpu_tokens(t: int, seed: int) -> torch.Tensor:
 @pytest.mark.parametrize("t", [1, 6, 64, 512])
 def test_route_real_shapes_gpu(full_moe, t):
     moe, _ = full_moe
-    x = _gpu_tokens(t, t)
-    w, ids = _route(x, moe)
+    x = gpu_tokens(t, t)
+    w, ids = route(x, moe)
     g = moe.gate
     w_ref, ids_ref = moe_route_ref(x, g.weight, g.bias, g.topk, g.route_scale, g.norm_topk)
-    clear = _router_gaps(x, moe) > TIE_GAP  # tokens without near-ties
+    clear = router_gaps(x, moe) > TIE_GAP  # tokens without near-ties
     # 384 experts: a gap < TIE_GAP at the 6th/7th boundary is common (1 token in 6 on the H200 run)
     assert clear.sum().item() >= max(1, t // 2), "too many near-ties to test"
     assert torch.equal(ids.long()[clear], ids_ref[clear]), "ids differ from the golden"
@@ -436,14 +281,14 @@ def test_route_cuda_matches_triton_and_golden_gpu(full_moe, t, norm):
     """moe_fp4.route_cuda (the decode router) against the Triton route on the same gate partials and against the
     golden: the same ids wherever the golden has no near-tie, weights within 2^-16 of the golden's."""
     moe, _ = full_moe
-    x = _gpu_tokens(t, 200 + t)
+    x = gpu_tokens(t, 200 + t)
     g = moe.gate
     part = gate_scores(x, g.weight)
     w, ids = route_cuda(part, g.bias, g.topk, g.route_scale, norm)
     w_tri, ids_tri = route_scores(part, g.bias, g.topk, g.route_scale, norm)
     w_ref, ids_ref = moe_route_ref(x, g.weight, g.bias, g.topk, g.route_scale, norm)
     assert ids.dtype == torch.int32 and w.dtype == torch.float32 and ids.shape == w.shape == (t, g.topk)
-    clear = _router_gaps(x, moe) > TIE_GAP
+    clear = router_gaps(x, moe) > TIE_GAP
     assert clear.sum().item() >= max(1, t // 2), "too many near-ties to test"
     assert torch.equal(ids[clear], ids_tri[clear]) and torch.equal(ids.long()[clear], ids_ref[clear])
     same = (ids.long() == ids_ref).all(1)
@@ -457,9 +302,9 @@ def test_route_cuda_matches_triton_and_golden_gpu(full_moe, t, norm):
 def test_route_cuda_tiny_and_ties_gpu():
     """Tiny router (8 experts, top-2) and exact ties: equal biased scores pick the lowest expert id, as the Triton
     route does."""
-    moe, _ = _tiny_moe(seed=21)
+    moe, _ = tiny_moe(seed=21)
     g = moe.gate
-    x = _tokens(5, moe, seed=22).cuda()
+    x = draw_tokens(5, moe, seed=22).cuda()
     part = gate_scores(x, g.weight.cuda())
     bias = g.bias.cuda()
     w, ids = route_cuda(part, bias, g.topk, g.route_scale, g.norm_topk)
@@ -483,8 +328,8 @@ def test_route_cuda_tiny_and_ties_gpu():
 @pytest.mark.parametrize("dot_scaled", [False, True])
 def test_experts_real_shapes_gpu(full_moe, t, dot_scaled):
     moe, ex = full_moe
-    x = _gpu_tokens(t, 100 + t)
-    w, ids = _route(x, moe)
+    x = gpu_tokens(t, 100 + t)
+    w, ids = route(x, moe)
     e = ex.w13.size(0)
     plan = moe_plan(ids, e, pick_block_m(ids.numel(), e))
     up_cfg = pick_gemm_config(plan.tile_rows.numel(), ex.inter, x.size(1), plan.block_m)
@@ -508,11 +353,11 @@ def test_experts_real_shapes_gpu(full_moe, t, dot_scaled):
 @pytest.mark.parametrize("t", [1, 6, 64, 256, 4096])  # from 256: prefill chunks
 def test_moe_forward_real_shapes_gpu(full_moe, t):
     moe, ex = full_moe
-    x = _gpu_tokens(t, 200 + t)
+    x = gpu_tokens(t, 200 + t)
     y = moe_forward(x, moe, ex)
     ref = moe_forward_ref(x, moe)
-    clear = _router_gaps(x, moe) > TIE_GAP
-    assert_forward_close(y, ref, _forward_bound(x, moe, ex, ref), f"moe_forward T={t}", rows=clear)
+    clear = router_gaps(x, moe) > TIE_GAP
+    assert_forward_close(y, ref, forward_bound(x, moe, ex, ref), f"moe_forward T={t}", rows=clear)
     assert torch.equal(y, moe_forward(x, moe, ex)), "not deterministic"
 
 
@@ -544,8 +389,8 @@ def _check_fp4_experts(x, moe, ex, w, ids, params, what, max_tile_rows=None, min
 @pytest.mark.parametrize("params", FP4_PARAMS, ids=str)
 def test_fp4_experts_real_shapes_gpu(full_moe, t, params):
     moe, ex = full_moe
-    x = _gpu_tokens(t, 300 + t)
-    w, ids = _route(x, moe)
+    x = gpu_tokens(t, 300 + t)
+    w, ids = route(x, moe)
     what = f"fp4 T={t} {params}"
     o, by_pair, plan, (xq, xs) = _check_fp4_experts(x, moe, ex, w, ids, params, what, max_tile_rows=min(8, t))
     assert_down_close(o, by_pair, ex, ids, GPU_EPS, f"down {what}")
@@ -560,8 +405,8 @@ def test_fp4_experts_at_prefill_chunk_sizes_gpu(full_moe, t):
     """A prefill chunk's tokens on the CUDA GEMVs (moe_forward takes them up to FP4_MAX_TOKENS): experts with more
     pairs than a tile of 8, several tiles each."""
     moe, ex = full_moe
-    x = _gpu_tokens(t, 400 + t)
-    w, ids = _route(x, moe)
+    x = gpu_tokens(t, 400 + t)
+    w, ids = route(x, moe)
     o, by_pair, _, _ = _check_fp4_experts(x, moe, ex, w, ids, None, f"fp4 T={t}", max_tile_rows=8)
     assert_down_close(o, by_pair, ex, ids, GPU_EPS, f"down fp4 T={t}")
 
@@ -575,8 +420,8 @@ def test_fp4_wide_tiles_equal_tiles_of_8_gpu(full_moe, t):
     tile size), o by pair. The shape is the one pick_params gives tiles of 32 (more K splits, which fit every
     width): pick_params' own shapes differ by width, and a different split of K sums in a different order."""
     moe, ex = full_moe
-    x = _gpu_tokens(t, 500 + t)
-    w, ids = _route(x, moe)
+    x = gpu_tokens(t, 500 + t)
+    w, ids = route(x, moe)
     xq, xs = quant_rows(x)
     e, d = ex.w13.size(0), x.size(1)
     up_p = pick_params(True, ex.inter, d, 1, MAX_TILE_PAIRS)
@@ -602,9 +447,9 @@ def test_fp4_exact_problem_with_repeats_and_dropped_slots_gpu(params, block_m):
     """Integer activations and one weight scale (every fp32 sum exact): g, u are the golden's; h within 1 ULP
     (fp32 vs float64 SwiGLU); down bitwise. Ids name one expert twice for a token, drop slots, and give
     expert 3 every token (three tiles of 8, two of 16, one of 32)."""
-    moe = _fill_moe(MoE(tiny_config(), 0), 5, exact=True).cuda()
+    moe = fill_moe(MoE(tiny_config(), 0), 5, exact=True).cuda()
     ex = stack_experts(moe)
-    x = _tokens(19, moe, seed=7, exact=True)
+    x = draw_tokens(19, moe, seed=7, exact=True)
     g = torch.Generator().manual_seed(6)
     ids = torch.stack([torch.full((19,), 3), torch.randint(5, 8, (19,), generator=g)], 1).to(torch.int32)
     ids[2, 1] = 3  # token 2 names expert 3 twice
