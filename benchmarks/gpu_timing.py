@@ -54,10 +54,11 @@ def replay_time_us(graph: torch.cuda.CUDAGraph, replays: int = 10,
     return statistics.median(times)
 
 
-def eager_time_us(fn: Callable[[], object], reps: int = 5) -> float:
-    """Median time of one eager call (microseconds, CUDA events), after one untimed call: for paths that are not
-    captured in graphs (prefill-sized work that allocates, e.g. engine.kernels.moe_grouped)."""
-    fn()
+def eager_time_us(fn: Callable[[], object], reps: int = 5, warmup: int = 1) -> float:
+    """Median time of one eager call (microseconds, CUDA events), after `warmup` untimed calls: for work that is not
+    captured in graphs (prefill-sized calls that allocate, e.g. engine.kernels.moe_grouped; the vision tower)."""
+    for _ in range(warmup):
+        fn()
     torch.cuda.synchronize()
     times = []
     for _ in range(reps):

@@ -38,6 +38,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from benchmarks.gpu_timing import eager_time_us  # noqa: E402
 from engine.config import ModelConfig  # noqa: E402
 from engine.presets import full_config  # noqa: E402
 from engine.vision.layout import ImageGrid, plan_image_grid  # noqa: E402
@@ -56,22 +57,7 @@ def gemm_rate() -> float:
     """Measured dense bf16 GEMM rate (FLOP/s): median of 10 8192^3 torch.matmul calls."""
     a = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
     b = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
-    return 2 * 8192 ** 3 / (median_ms(lambda: a @ b, 10) * 1e-3)
-
-
-def median_ms(fn, iters: int, warmup: int = 3) -> float:
-    for _ in range(warmup):
-        fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(iters):
-        t0, t1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        t0.record()
-        fn()
-        t1.record()
-        t1.synchronize()
-        times.append(t0.elapsed_time(t1))
-    return statistics.median(times)
+    return 2 * 8192 ** 3 / (eager_time_us(lambda: a @ b, 10, warmup=3) * 1e-6)
 
 
 def random_tower(cfg: ModelConfig, device: str = "cuda") -> SimpleNamespace:
@@ -116,7 +102,8 @@ def bench_tower(args: argparse.Namespace, cfg: ModelConfig) -> None:
         patches = (torch.rand(args.batch, grid.num_patches, 3 * cfg.vision_patch_size ** 2, device="cuda") * 2 - 1)
         patches = patches.bfloat16()
         with torch.inference_mode():
-            ms = median_ms(lambda: tower.encode(patches, grid.n_vit_h, grid.n_vit_w), args.iters) / args.batch
+            us = eager_time_us(lambda: tower.encode(patches, grid.n_vit_h, grid.n_vit_w), args.iters, warmup=3)
+            ms = us / 1e3 / args.batch
         flops = tower_flops(cfg, grid)
         print(f"| {size} x {size} ({grid.best_width} x {grid.best_height}) | {grid.n_vit_h} x {grid.n_vit_w} "
               f"({grid.num_patches}) | {grid.num_tokens} | {args.batch} | {ms:.2f} | {flops / 1e12:.3f} | "

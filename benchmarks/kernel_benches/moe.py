@@ -167,7 +167,8 @@ def bench_grouped(copy_bw: float) -> None:
     dq_us = eager_time_us(lambda: dequant_fp4_bf16(ex.w13, ex.s13, bf16))
     dq_bytes = ex.w13.numel() * (1 + 4) + ex.s13.numel()
     del bf16
-    print(f"\n## moe_tokens: the grouped path (engine/kernels/moe_grouped.py, staging {STAGING_BYTES / 2**30:.0f} GiB = "
+    print("\n## moe_tokens: the grouped path (engine/kernels/moe_grouped.py, staging "
+          f"{STAGING_BYTES / 2**30:.0f} GiB = "
           f"{experts_per_group(ex, STAGING_BYTES)} experts a group), us per eager call\n")
     print(f"Dequantising all W1|W3 to bf16: {dq_us:.0f} us ({dq_bytes / dq_us / 1e6:.2f} TB/s read + written, "
           f"{dq_bytes / dq_us / copy_bw * 1e6:.0%} of the copy rate).\n")

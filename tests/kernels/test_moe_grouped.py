@@ -79,7 +79,8 @@ def test_sort_is_stable_by_expert_with_dropped_pairs_last():
     ids = torch.tensor([[3, 0], [-1, 3], [0, 5], [3, -1], [5, 0]], dtype=torch.int32)
     sorted_pairs, ends = sort_pairs(ids, 6)
     flat = ids.view(-1).tolist()
-    want = [p for e in range(6) for p in range(len(flat)) if flat[p] == e] + [p for p in range(len(flat)) if flat[p] < 0]
+    want = [p for e in range(6) for p in range(len(flat)) if flat[p] == e]
+    want += [p for p in range(len(flat)) if flat[p] < 0]
     assert sorted_pairs.tolist() == want
     assert ends.tolist() == [3, 3, 3, 6, 6, 8]
 
