@@ -28,7 +28,7 @@ Steps of routed_grouped (no host synchronisation: every count stays on the devic
 Memory traffic per call: each expert's 3·I·D weights read as FP4 (0.53 B), written and read again as bf16 (4 B):
 160 MB an expert at the real shapes; the activations: 2·P·D (gather) + P·(4I + 2I + 2D) + 4·P·D (o), P pairs.
 Transient device memory: the staging (staging_bytes, rounded down to whole experts) plus P·(8D + 6I) bytes of rows
-(~54 KB a pair at the real shapes: 2.7 GB for a chunk of 8,192 tokens at top 6, 10.6 GB for 32,768).
+(~55 KB a pair at the real shapes: 2.7 GB for a chunk of 8,192 tokens at top 6, 10.8 GB for 32,768).
 """
 
 from __future__ import annotations
