@@ -1,6 +1,6 @@
 """What the Triton kernels of engine/kernels/ share (the Triton twin of cuda/common.cuh): bf16 rounding and
-widening, the FP8 / FP4 decodes, E4M3 rounding and coding, act_quant of 32-blocks, the experts' SwiGLU, the RMSNorm and RoPE math on
-rows held as interleaved pairs, and the host-side launch arithmetic.
+widening, the FP8 / FP4 decodes, E4M3 rounding and coding, act_quant of 32-blocks, the experts' SwiGLU, the RMSNorm
+and RoPE math on rows held as interleaved pairs, and the host-side launch arithmetic.
 
 Every helper is exact integer / fp32 arithmetic (no bf16 arithmetic, no fp8 casts), because the CPU interpreter
 (TRITON_INTERPRET=1) has none that is reliable: its fp32 -> bf16 cast truncates, its fp32 -> fp8 cast misrounds
