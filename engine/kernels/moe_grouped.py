@@ -43,7 +43,7 @@ from engine.kernels.fp8_linear import fp8_act_qdq
 from engine.kernels.triton_common import (act_quant_blocks, bf16_bits, bf16_to_fp32, cdiv, e2m1_to_fp32, e8m0_to_fp32,
                                           round_bf16, swiglu)
 
-STAGING_BYTES = 4 << 30  # bf16 copies of the experts in flight: 57 experts of the real shapes (70.8 MB each)
+STAGING_BYTES = 4 << 30  # bf16 copies of the experts in flight: 60 experts of the real shapes (70.8 MB each)
 GROUPED_MIN_PAIRS = 128  # moe_forward takes this path from this many routed pairs an expert (on average): on an H100
 #   1.12x the CUDA GEMVs at 128 (8,192 tokens at top 6 of 384), 0.62x at 64 (benchmarks/RESULTS.md, issue 23)
 _ROW_BLOCK = 1024  # columns per program of the row kernels (a multiple of 32: whole act_quant blocks)

@@ -49,6 +49,11 @@ def assert_grouped_close(x, ex, w, ids, eps: float, what: str, **kwargs) -> torc
     return o
 
 
+def bf16_bytes_per_expert(ex) -> int:
+    """One expert's bf16 copies: every packed FP4 byte of W1|W3 and W2 holds two elements of 2 bytes each."""
+    return 4 * (ex.w13[0].numel() + ex.w2[0].numel())
+
+
 # --- CPU ---------------------------------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("shape", [(1, 3, 64), (3, 37, 96), (2, 5, 32)])
@@ -87,8 +92,8 @@ def test_sort_is_stable_by_expert_with_dropped_pairs_last():
 
 def test_experts_per_group_counts_bf16_bytes():
     _, ex = tiny_moe(seed=1)
-    e, two_i, half_d = ex.w13.shape
-    per_expert = 2 * (two_i * 2 * half_d + 2 * half_d * (two_i // 2))
+    e = ex.w13.size(0)
+    per_expert = bf16_bytes_per_expert(ex)
     assert experts_per_group(ex, 3 * per_expert) == 3
     assert experts_per_group(ex, 3 * per_expert - 1) == 2
     assert experts_per_group(ex, 1) == 1 and experts_per_group(ex, 10**15) == e
@@ -99,8 +104,7 @@ def test_routed_grouped_matches_golden(group_bytes):
     """17 routed tokens over the tiny layer's 8 experts, in one group of experts, groups of one and of three (the
     last group short): o by pair within the stated tolerance."""
     moe, ex = tiny_moe(seed=21)
-    e, two_i, half_d = ex.w13.shape
-    per_expert = 2 * (two_i * 2 * half_d + 2 * half_d * (two_i // 2))
+    per_expert = bf16_bytes_per_expert(ex)
     staging = {None: 10**12, "one": per_expert, "three": 3 * per_expert}[group_bytes]
     x = draw_tokens(17, moe, seed=22)
     w, ids = route(x, moe)
@@ -114,8 +118,7 @@ def test_routed_grouped_repeats_dropped_slots_and_unused_experts():
     x = draw_tokens(7, moe, seed=13)
     ids = torch.tensor([[6, 3], [6, 4], [5, 6], [6, 7], [-1, -1], [6, -1], [3, 6]], dtype=torch.int32)
     w = torch.rand(7, 2, generator=torch.Generator().manual_seed(1)) + 0.2
-    e, two_i, half_d = ex.w13.shape
-    per_expert = 2 * (two_i * 2 * half_d + 2 * half_d * (two_i // 2))
+    per_expert = bf16_bytes_per_expert(ex)
     for staging in (10**12, 2 * per_expert):
         assert_grouped_close(x, ex, w, ids, CPU_EPS, f"given routing, staging {staging}", staging_bytes=staging)
     assert routed_grouped(x[:0], ids[:0], w[:0], ex, LIMIT).shape == (0, x.size(1))
@@ -139,7 +142,7 @@ def test_routed_grouped_real_shapes_gpu(full_moe, t, groups):
     """o against the golden at real shapes, with the experts in one group and in several (the last short)."""
     moe, ex = full_moe
     e = ex.w13.size(0)
-    per_expert = 2 * 3 * ex.inter * ex.w13.size(2) * 2
+    per_expert = bf16_bytes_per_expert(ex)
     x = gpu_tokens(t, 500 + t)
     w, ids = route(x, moe)
     o = assert_grouped_close(x, ex, w, ids, GPU_EPS, f"grouped T={t} in {groups} groups",
