@@ -3,8 +3,8 @@
     python benchmarks/kernels.py [--only NAME[,NAME...]|none] [--sweep]
 
 NAME: fp8_linear, gumbel, sparse_attn, indexer (here) or a module of benchmarks/kernel_benches/ (moe, topk,
-mhc, store, engram, sparse_prefill, fp8_gemv, bf16_gemv, sparse_decode, indexer_cuda, fp8_prefill; moe_tokens and
-moe_grouped: the routed experts at prefill-chunk sizes, in kernel_benches/moe.py).
+mhc, store, engram, sparse_prefill, fp8_gemv, bf16_gemv, sparse_decode, indexer_cuda, fp8_prefill, indexer_rows;
+moe_tokens and moe_grouped: the routed experts at prefill-chunk sizes, in kernel_benches/moe.py).
 
 Timing (all kernels and baselines alike): one CUDA graph holds many back-to-back calls, each reading
 its own copy of the inputs (enough copies to exceed 4x the L2, so weights stream from HBM as in a
@@ -432,7 +432,7 @@ BENCHES = {"fp8_linear": bench_fp8_linear, "gumbel": bench_gumbel, "sparse_attn"
            "moe_grouped": lambda bw: importlib.import_module("benchmarks.kernel_benches.moe").bench_grouped(bw),
            **{name: _module_bench(name) for name in ("moe", "topk", "mhc", "store", "engram", "sparse_prefill", "fp8_gemv",
                                                     "bf16_gemv", "sparse_decode",
-                                                    "indexer_cuda", "fp8_prefill")}}
+                                                    "indexer_cuda", "fp8_prefill", "indexer_rows")}}
 
 
 def main() -> None:

@@ -99,11 +99,16 @@ def prefill_layers(engine: LLMEngine, prompt: list[int], rid: str) -> dict[int, 
     clock = LayerClock(engine)
     try:
         engine.add_request(rid, prompt, SamplingParams(max_tokens=1, ignore_eos=True))
+        last = None
         while engine.has_unfinished:
-            engine.step()
-        return clock.totals_s()
+            last = next((o for o in engine.step() if o.request_id == rid), last)
+        totals = clock.totals_s()
     finally:
         clock.remove()
+    if not totals:  # nothing ran through the layers: say why rather than print an empty table
+        raise RuntimeError(f"no layer ran for request {rid} ({len(prompt)} tokens): its last output {last}, "
+                           f"runner {type(engine.executor.runner).__name__} kernels={engine.executor.runner.kernels}")
+    return totals
 
 
 def released_projection(measured: dict[tuple, float]) -> tuple[float, list[str]]:

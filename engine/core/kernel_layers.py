@@ -41,7 +41,8 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from engine.core.image_spans import SpanCache, stream_image_mask
-from engine.core.kernel_ops import OPS, engram_table, head_logits, linear, mm_fp32, rms_norm_torch, row_parallel
+from engine.core.kernel_ops import (OPS, engram_table, head_logits, linear, mm_fp32, rms_norm_torch, row_parallel,
+                                   score_rows)
 from engine.core.kernel_vision import VisionTower
 from engine.core.kv_cache import PagedKVCache
 from engine.core.plan import ChunkPlan, StepPlan
@@ -416,12 +417,20 @@ class KernelRunner:
             q = linear(ix.wq_b, qr).unflatten(-1, (ix.n_heads, ix.head_dim))
             q = OPS.rope_mxfp4_qdq(q, qpos, table)  # [m, H, ihd]: RoPE then MXFP4 QDQ, one launch
             w = linear(ix.weights_proj, xq) * (ix.head_dim ** -0.5 * ix.n_heads ** -0.5)  # bf16 [m, H]
-            score = OPS.index_scores(q, w.contiguous(), self.kv.index_k[role.kv_source], r.entries, r.visible)
+            w = w.contiguous()
+            rows = score_rows(q.size(0), r.num_entries)
+            parts, candidates = [], []
+            for i in range(0, q.size(0), rows):  # at most SCORE_BYTES of scores at a time (long prompts)
+                b = slice(i, i + rows)
+                score = OPS.index_scores(q[b], w[b], self.kv.index_k[role.kv_source], r.entries, r.visible[b])
+                if role.is_candidate_source:
+                    candidates.append(OPS.candidate_blocks(score, r.visible[b], ix.cand_blocks, ix.cand_block))
+                elif role.uses_candidates:
+                    score = score.masked_fill(~shared.candidates[b], float("-inf"))
+                parts.append(OPS.index_topk(score, min(ix.topk, r.num_entries)))
             if role.is_candidate_source:
-                shared.candidates = OPS.candidate_blocks(score, r.visible, ix.cand_blocks, ix.cand_block)
-            elif role.uses_candidates:
-                score = score.masked_fill(~shared.candidates, float("-inf"))
-            topk = OPS.index_topk(score, min(ix.topk, r.num_entries))
+                shared.candidates = candidates[0] if len(candidates) == 1 else torch.cat(candidates)
+            topk = parts[0] if len(parts) == 1 else torch.cat(parts)
         shared.topk[role.layer_id] = topk
         return topk
 

@@ -28,7 +28,7 @@ from engine.kernels.engram_gate import engram_gate
 from engine.kernels.engram_gather import HostEngramTable, engram_gather
 from engine.kernels.fp8_linear import fp8_linear
 from engine.kernels.indexer import index_scores
-from engine.kernels.indexer import index_scores_batched
+from engine.kernels.indexer import index_scores_batched, index_scores_rows
 from engine.kernels.indexer_cuda import MAX_M as SCAN_MAX_M
 from engine.kernels.indexer_cuda import index_scores_cuda, scan_applies
 from engine.kernels.mhc import hc_mixes, hc_post, hc_pre_norm
@@ -44,6 +44,14 @@ from engine.parallel import all_gather, all_reduce_sum
 from engine.quant import act_quant_qdq, dequant_fp4_weight
 
 INDEXER_MAX_M = 16  # index_scores keeps all M*H query rows in registers: queries go in groups of 16
+ROWS_MIN_M = 64  # from this many queries of one request (a prefill chunk), index_scores_rows scores them all at once
+SCORE_BYTES = 1 << 29  # a prefill chunk's indexer scores (bf16 [queries, entries]) are made this many bytes at a time
+
+
+def score_rows(num_queries: int, num_entries: int) -> int:
+    """Queries per indexer pass so that a pass's scores stay within SCORE_BYTES (at least one query): a chunk of
+    32,768 queries against 512K entries (a 1M-token prompt's end at ratio 2) would otherwise need 32 GB."""
+    return max(1, min(num_queries, SCORE_BYTES // (2 * max(num_entries, 1))))
 
 
 # ---- torch ops (the reference's fp32 / bf16 math on the device) ----------------------------------------------
@@ -132,14 +140,17 @@ def rms_norm_rows(x: Tensor, w: Tensor, eps: float) -> Tensor:
 
 
 def index_scores_any(q: Tensor, w: Tensor, key_pool: Tensor, slots: Tensor, visible: Tensor) -> Tensor:
-    """index_scores over any number of queries: the CUDA scan (engine.kernels.indexer_cuda) 8 queries at a time
-    where it applies (sm_90 with nvcc, the real head shape), else the Triton kernel 16 at a time. slots [B, T]:
-    row b's own entries (the batched decode step: one query per request), the Triton rows kernel; one row
-    takes the one-request path (the CUDA scan where it applies)."""
+    """index_scores over any number of queries: from ROWS_MIN_M queries (a prefill chunk) index_scores_rows in
+    one launch; fewer, the CUDA scan (engine.kernels.indexer_cuda) 8 queries at a time where it applies (sm_90
+    with nvcc, the real head shape), else the Triton kernel 16 at a time. slots [B, T]: row b's own entries
+    (the batched decode step: one query per request), the Triton batched kernel; one row takes the one-request
+    path."""
     if slots.dim() == 2:
         if slots.size(0) != 1:
             return index_scores_batched(q, w, key_pool, slots, visible)
         slots = slots[0]
+    if q.size(0) >= ROWS_MIN_M:
+        return index_scores_rows(q, w, key_pool, slots, visible)
     n = SCAN_MAX_M
     if scan_applies(q[:n], w[:n], key_pool, slots, visible[:n]):
         fn = index_scores_cuda

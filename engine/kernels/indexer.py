@@ -25,6 +25,13 @@ Measured on the H200 (benchmarks/RESULTS.md, 2026-11-30): bitwise equal to the g
 at T = 1M (3-9% of copy bandwidth): bound by the per-element fp32 decode of each [BLOCK_T, D] tile and
 the exact-rounding epilogue on the [M*H, BLOCK_T] scores (CUDA-core work), not by HBM.
 
+A prefill chunk's queries (index_scores_rows): grid (entry tiles, groups of 32 queries); a program decodes its
+tile once and scores it against its group 4 queries (128 MMA rows at H = 32) at a time, with the MMA as keys x
+queries so that each query's head sum stays within a thread and its quad, and the roundings done by the GPU's
+round-to-nearest-even casts (the same values as the integer form). Measured on an H100 (benchmarks/RESULTS.md,
+2026-12-07): 207-237 TFLOP/s of QK products, 3.3x the looped decode scan at 2,048 queries x 64K entries, 16x at
+8,192 x 16K, 1.1x at 512 x 512K; still bound by the epilogue, not the MMA or HBM.
+
 Interpreter (TRITON_INTERPRET=1): records are decoded with integer/fp32 bit operations, the dot takes
 fp32 operands (the same exact products) and bf16 rounding is integer round-to-nearest-even.
 """
@@ -40,11 +47,15 @@ from engine.kernels.cache_records import INDEX_K_BLOCK, fp4_record_bytes, unpack
 from engine.kernels.triton_common import e2m1_to_fp32, round_bf16
 
 
+# index_scores_rows' launch defaults, the fastest of benchmarks/kernels.py --only indexer_rows (H100, 2026-12-07):
+# MMAs of 128 rows (4 queries x 32 heads at the real shape), 64-entry tiles, each tile's records decoded once for
+# 32 queries, 4 warps, the MMA as keys x queries, rounding by casts
+ROWS_MMA_ROWS, ROWS_BLOCK_T, ROWS_QUERIES, ROWS_WARPS = 128, 64, 32, 4
+
+
 @triton.jit
-def _tile_scores(q, w, pool_ptr, slot, t_ok, D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_H: tl.constexpr,
-                 BLOCK_T: tl.constexpr, DOT_F32: tl.constexpr):
-    """Scores [BLOCK_M, BLOCK_T] of the queries q [BLOCK_M * BLOCK_H, D] (head weights w [BLOCK_M * BLOCK_H] fp32)
-    against the records at slot [BLOCK_T] (t_ok: which to read), before the visibility mask."""
+def _key_tile(pool_ptr, slot, t_ok, D: tl.constexpr, BLOCK_T: tl.constexpr):
+    """The records at slot [BLOCK_T] (t_ok: which to read; the others are 0) decoded to fp32 [BLOCK_T, D]."""
     REC: tl.constexpr = D // 2 + D // 32
     rec = slot.to(tl.int64) * REC
     b = tl.load(pool_ptr + rec[:, None] + tl.arange(0, D // 2)[None, :], mask=t_ok[:, None], other=0)
@@ -53,13 +64,58 @@ def _tile_scores(q, w, pool_ptr, slot, t_ok, D: tl.constexpr, BLOCK_M: tl.conste
     s = tl.load(pool_ptr + rec[:, None] + D // 2 + tl.arange(0, D // 32)[None, :], mask=t_ok[:, None],
                 other=0).to(tl.int32)
     k = tl.reshape(e2m1_to_fp32(code), (BLOCK_T, D // 32, 32)) * (s << 23).to(tl.float32, bitcast=True)[:, :, None]
-    k = tl.reshape(k, (BLOCK_T, D))
+    return tl.reshape(k, (BLOCK_T, D))
+
+
+@triton.jit
+def _scores_of(q, w, k, BLOCK_M: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_T: tl.constexpr,
+               DOT_F32: tl.constexpr, CAST_ROUND: tl.constexpr = False):
+    """Scores [BLOCK_M, BLOCK_T] of the queries q [BLOCK_M * BLOCK_H, D] (head weights w [BLOCK_M * BLOCK_H] fp32)
+    against the keys k fp32 [BLOCK_T, D] (DOT_F32: an fp32 dot of fp32 q, the interpreter's; else bf16 operands,
+    which hold MXFP4 values exactly, and an fp32-accumulating MMA). The roundings to bf16 are integer
+    round-to-nearest-even, or with CAST_ROUND (GPU only: the interpreter's bf16 casts are not exact) the
+    hardware's round-to-nearest-even casts: the same values."""
     if DOT_F32:
         sh = tl.dot(q, tl.trans(k), input_precision="ieee")  # [MH, BT]
     else:
         sh = tl.dot(q, tl.trans(k.to(tl.bfloat16)))
-    p = round_bf16(round_bf16(tl.maximum(round_bf16(sh), 0.0)) * w[:, None])  # bf16(relu(bf16 s) * w)
-    return round_bf16(tl.sum(tl.reshape(p, (BLOCK_M, BLOCK_H, BLOCK_T)), axis=1))  # [BM, BT]
+    p = _weighted_relu(sh, w[:, None], CAST_ROUND)
+    return _to_bf16(tl.sum(tl.reshape(p, (BLOCK_M, BLOCK_H, BLOCK_T)), axis=1), CAST_ROUND)  # [BM, BT]
+
+
+@triton.jit
+def _scores_of_t(q, w, k, BLOCK_M: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_T: tl.constexpr,
+                 DOT_F32: tl.constexpr, CAST_ROUND: tl.constexpr):
+    """_scores_of transposed: [BLOCK_T, BLOCK_M], from the MMA k [BLOCK_T, D] x q^T [D, BLOCK_M * BLOCK_H], so that
+    a query's heads are columns of one accumulator row (the head sum stays within a thread and its quad)."""
+    if DOT_F32:
+        sh = tl.dot(k, tl.trans(q), input_precision="ieee")  # [BT, MH]
+    else:
+        sh = tl.dot(k.to(tl.bfloat16), tl.trans(q))
+    p = _weighted_relu(sh, w[None, :], CAST_ROUND)
+    return _to_bf16(tl.sum(tl.reshape(p, (BLOCK_T, BLOCK_M, BLOCK_H)), axis=2), CAST_ROUND)  # [BT, BM]
+
+
+@triton.jit
+def _to_bf16(x, CAST_ROUND: tl.constexpr):
+    """fp32 -> fp32 holding bf16(x), round to nearest even: the GPU's cast, or integer ops (round_bf16)."""
+    if CAST_ROUND:
+        return x.to(tl.bfloat16).to(tl.float32)
+    return round_bf16(x)
+
+
+@triton.jit
+def _weighted_relu(s, w, CAST_ROUND: tl.constexpr):
+    """bf16(relu(bf16(s)) * w) in fp32, w fp32 holding bf16 values (the product is exact in fp32, then rounded)."""
+    return _to_bf16(tl.maximum(_to_bf16(s, CAST_ROUND), 0.0) * w, CAST_ROUND)
+
+
+@triton.jit
+def _tile_scores(q, w, pool_ptr, slot, t_ok, D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_H: tl.constexpr,
+                 BLOCK_T: tl.constexpr, DOT_F32: tl.constexpr):
+    """Scores [BLOCK_M, BLOCK_T] of the queries q [BLOCK_M * BLOCK_H, D] (head weights w [BLOCK_M * BLOCK_H] fp32)
+    against the records at slot [BLOCK_T] (t_ok: which to read), before the visibility mask."""
+    return _scores_of(q, w, _key_tile(pool_ptr, slot, t_ok, D, BLOCK_T), BLOCK_M, BLOCK_H, BLOCK_T, DOT_F32)
 
 
 @triton.jit
@@ -115,6 +171,52 @@ def _index_scores_batched_kernel(q_ptr, w_ptr, pool_ptr, ent_ptr, vis_ptr, out_p
         tl.store(out, tl.full((BLOCK_T,), float("-inf"), tl.float32).to(out_ptr.dtype.element_ty), mask=t < T)
 
 
+@triton.jit
+def _index_scores_rows_kernel(q_ptr, w_ptr, pool_ptr, slot_ptr, vis_ptr, out_ptr, M, H, T,
+                              D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_T: tl.constexpr,
+                              M_TILES: tl.constexpr, DOT_F32: tl.constexpr, CAST_ROUND: tl.constexpr,
+                              TRANSPOSED: tl.constexpr):
+    """Program (entry tile, query group of M_TILES x BLOCK_M queries): the tile's records are decoded once and
+    scored against each query tile in turn (one MMA [BLOCK_M * BLOCK_H, D] x [D, BLOCK_T] each); records no
+    query of the group sees are not read, and a query tile that sees none of the tile only writes -inf."""
+    MH: tl.constexpr = BLOCK_M * BLOCK_H
+    t0 = tl.program_id(0) * BLOCK_T
+    t = t0 + tl.arange(0, BLOCK_T)
+    m_first = tl.program_id(1) * (M_TILES * BLOCK_M)
+    group = m_first + tl.arange(0, M_TILES * BLOCK_M)
+    group_vis = tl.max(tl.load(vis_ptr + group, mask=group < M, other=0))
+    k = tl.zeros((BLOCK_T, D), tl.float32)
+    if t0 < group_vis:
+        t_ok = (t < group_vis) & (t < T)
+        k = _key_tile(pool_ptr, tl.load(slot_ptr + t, mask=t_ok, other=0), t_ok, D, BLOCK_T)
+    rows = tl.arange(0, MH)
+    m_of, h_of = rows // BLOCK_H, rows % BLOCK_H
+    dd = tl.arange(0, D)
+    for i in range(M_TILES):
+        mm = m_first + i * BLOCK_M + tl.arange(0, BLOCK_M)
+        vis = tl.load(vis_ptr + mm, mask=mm < M, other=0)
+        out = out_ptr + mm.to(tl.int64)[:, None] * T + t[None, :]  # [BM, BT]
+        out_ok = (mm[:, None] < M) & (t[None, :] < T)
+        if t0 < tl.max(vis):
+            m = (m_first + i * BLOCK_M + m_of).to(tl.int64)
+            row_ok = (m < M) & (h_of < H)
+            q = tl.load(q_ptr + (m * H + h_of)[:, None] * D + dd[None, :], mask=row_ok[:, None], other=0.0)
+            if DOT_F32:
+                q = q.to(tl.float32)
+            w = tl.load(w_ptr + m * H + h_of, mask=row_ok, other=0.0).to(tl.float32)
+            if TRANSPOSED:
+                score_t = _scores_of_t(q, w, k, BLOCK_M, BLOCK_H, BLOCK_T, DOT_F32, CAST_ROUND)  # [BT, BM]
+                score_t = tl.where(t[:, None] < vis[None, :], score_t, float("-inf"))
+                tl.store(tl.trans(out), score_t.to(out_ptr.dtype.element_ty), mask=tl.trans(out_ok))
+            else:
+                score = _scores_of(q, w, k, BLOCK_M, BLOCK_H, BLOCK_T, DOT_F32, CAST_ROUND)
+                score = tl.where(t[None, :] < vis[:, None], score, float("-inf"))
+                tl.store(out, score.to(out_ptr.dtype.element_ty), mask=out_ok)
+        else:
+            tl.store(out, tl.full((BLOCK_M, BLOCK_T), float("-inf"), tl.float32).to(out_ptr.dtype.element_ty),
+                     mask=out_ok)
+
+
 def index_scores(q: Tensor, w: Tensor, key_pool: Tensor, slots: Tensor, visible: Tensor,
                  block_t: int = 64, num_warps: int = 8, programs_per_sm: int = 2) -> Tensor:
     """Indexer scores over packed MXFP4 key records.
@@ -149,6 +251,42 @@ def index_scores(q: Tensor, w: Tensor, key_pool: Tensor, slots: Tensor, visible:
                                visible.to(torch.int32).contiguous(), out, M, H, T, num_tiles,
                                D=D, BLOCK_M=block_m, BLOCK_H=block_h, BLOCK_T=block_t, DOT_F32=interp,
                                num_warps=num_warps)
+    return out
+
+
+def index_scores_rows(q: Tensor, w: Tensor, key_pool: Tensor, slots: Tensor, visible: Tensor,
+                      block_t: int = ROWS_BLOCK_T, queries_per_program: int = ROWS_QUERIES, num_warps: int = ROWS_WARPS,
+                      cast_rounding: bool = True, transposed: bool = True) -> Tensor:
+    """index_scores for many queries of one request (a prefill chunk's rows): the same arguments, result and
+    rounding path, any M. Grid (entry tiles, query groups): each program decodes its tile of records once for
+    queries_per_program queries, as MMAs of (128 / H) queries x H heads rows, so the key bytes are read
+    M / queries_per_program times (from L2 mostly) and the work is the [M * H, D] x [D, T] product on tensor
+    cores plus the exact-rounding epilogue on each of its M * H * T elements (CUDA cores; cast_rounding: its
+    roundings by the GPU's casts, see _scores_of; transposed: the MMA as keys x queries, _scores_of_t). Entry
+    tiles past every query's visible count are not read.
+    Memory: the output, 2 * M * T bytes."""
+    M, H, D = q.shape
+    assert q.dtype == torch.bfloat16 and w.dtype == torch.bfloat16 and w.shape == (M, H), (q.dtype, w.shape)
+    assert D % INDEX_K_BLOCK == 0 and D & (D - 1) == 0, f"index_head_dim {D} must be a power of two >= 32"
+    pool = key_pool.reshape(-1, key_pool.size(-1))
+    assert pool.dtype == torch.uint8 and pool.size(-1) == fp4_record_bytes(D, INDEX_K_BLOCK) and pool.is_contiguous()
+    assert slots.dim() == 1 and slots.dtype in (torch.int32, torch.int64)
+    assert visible.shape == (M,)
+    T = slots.numel()
+    out = torch.empty(M, T, dtype=torch.bfloat16, device=q.device)
+    if T == 0 or M == 0:
+        return out
+    interp = q.device.type == "cpu"
+    block_h = triton.next_power_of_2(H)
+    block_m = max(1, (2 if interp else ROWS_MMA_ROWS) // block_h)  # the MMA's rows: block_m queries x block_h heads
+    assert queries_per_program & (queries_per_program - 1) == 0, f"queries_per_program {queries_per_program}"
+    m_tiles = max(1, min(queries_per_program // block_m, triton.next_power_of_2(triton.cdiv(M, block_m))))
+    grid = (triton.cdiv(T, block_t), triton.cdiv(M, block_m * m_tiles))
+    _index_scores_rows_kernel[grid](q.contiguous(), w.contiguous(), pool, slots.contiguous(),
+                                    visible.to(torch.int32).contiguous(), out, M, H, T,
+                                    D=D, BLOCK_M=block_m, BLOCK_H=block_h, BLOCK_T=block_t, M_TILES=m_tiles,
+                                    DOT_F32=interp, CAST_ROUND=cast_rounding and not interp, TRANSPOSED=transposed,
+                                    num_warps=num_warps)
     return out
 
 

@@ -219,6 +219,28 @@ def test_layers_teacher_forced(tiny_model):
     check_layers_teacher_forced(model, plans, layout, "cpu")
 
 
+def test_layers_teacher_forced_indexer_in_passes(tiny_model, monkeypatch):
+    """The same batch with every indexer query scored by index_scores_rows (the prefill kernel) and each request's
+    scores made a few queries at a time (passes of SCORE_BYTES: the candidate source's masks and every top-k
+    joined across passes): every layer still within the golden's tolerance."""
+    from engine.core import kernel_ops
+
+    monkeypatch.setattr(kernel_ops, "ROWS_MIN_M", 1)
+    monkeypatch.setattr(kernel_ops, "SCORE_BYTES", 200)  # 5 queries a pass at 17 entries, 2 at 35
+    passes, real = [], kernel_ops.score_rows
+
+    def score_rows(m: int, t: int) -> int:
+        passes.append((m, real(m, t)))
+        return passes[-1][1]
+
+    monkeypatch.setattr("engine.core.kernel_layers.score_rows", score_rows)
+    model = tiny_model.model
+    prompts = {"a": random_prompt(35, seed=3), "c": random_prompt(3, seed=5)}
+    plans, layout = record_plans(model, prompts, {"a": 0, "c": 1}, num_new=2, max_chunk_tokens=23)
+    check_layers_teacher_forced(model, plans, layout, "cpu")
+    assert any(m > rows > 1 for m, rows in passes), passes  # several passes of several queries happened
+
+
 # ---- GPU (the device machine) ----------------------------------------------------------------------------------
 
 @pytest.fixture(scope="module")

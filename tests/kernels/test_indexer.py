@@ -11,7 +11,7 @@ CPU interpreter and H200 (H=32, D=128, T=4096 and 1M, M=1 and 6); `-s` prints th
 import pytest
 import torch
 
-from engine.kernels.indexer import index_scores, index_scores_batched
+from engine.kernels.indexer import index_scores, index_scores_batched, index_scores_rows
 from engine.presets import full_config
 from tests.kernels.numeric import assert_index_scores_close, index_problem
 
@@ -36,6 +36,35 @@ def test_paged_pool_and_int64_slots():
 def test_empty_request():
     q, w, pool, slots, visible = index_problem(1, 2, 32, 5, entries=8)
     assert index_scores(q, w, pool, slots[:0], visible * 0).shape == (1, 0)
+
+
+def _causal_rows(m, h, d, t, device="cpu", seed=0):
+    """A prefill chunk's queries: m consecutive positions whose visible counts rise to t (ratio 2: two queries per
+    entry), the first ones seeing nothing."""
+    q, w, pool, slots, _ = index_problem(m, h, d, t, entries=t + 23, seed=seed)
+    visible = ((torch.arange(m) + 2 * t - m + 1) // 2).clamp(0, t)
+    return [x.to(device) for x in (q, w, pool, slots, visible)]
+
+
+@pytest.mark.parametrize("transposed", [True, False])
+@pytest.mark.parametrize("m,h,d,t,per_program", [(37, 4, 64, 100, 4), (5, 2, 32, 37, 32), (64, 4, 32, 130, 8),
+                                                 (9, 32, 128, 70, 2)])
+def test_index_scores_rows_matches_golden(m, h, d, t, per_program, transposed):
+    """Many queries at once (query groups, entry tiles no query sees, rows that see nothing): the golden's
+    scores within test_indexer's tolerance, and bitwise index_scores' (the same tile math) on every row."""
+    q, w, pool, slots, visible = _causal_rows(m, h, d, t, seed=m)
+    visible[m // 2] = 0  # a row amid the chunk that sees nothing
+    out = index_scores_rows(q, w, pool, slots, visible, block_t=16, queries_per_program=per_program,
+                            transposed=transposed)
+    assert_index_scores_close(out, q, w, pool, slots, visible)
+    for r in range(0, m, 16):
+        assert torch.equal(out[r:r + 16], index_scores(q[r:r + 16], w[r:r + 16], pool, slots, visible[r:r + 16]))
+
+
+def test_index_scores_rows_empty():
+    q, w, pool, slots, visible = _causal_rows(3, 2, 32, 5)
+    assert index_scores_rows(q, w, pool, slots[:0], visible * 0).shape == (3, 0)
+    assert index_scores_rows(q[:0], w[:0], pool, slots, visible[:0]).shape == (0, 5)
 
 
 def _check_batched(b, h, d, t, device="cpu", seed=0):
@@ -77,3 +106,16 @@ def test_index_scores_batched_real_shape(b, t):
 def test_index_scores_real_shape(m, t):
     cfg = full_config()
     _check(*index_problem(m, cfg.index_n_heads, cfg.index_head_dim, t, entries=t + 1000, device="cuda", seed=m))
+
+
+@gpu
+@needs_cuda
+@pytest.mark.parametrize("cast_rounding,transposed", [(True, True), (True, False), (False, True), (False, False)])
+@pytest.mark.parametrize("m,t", [(1000, 4096), (130, 70000)])
+def test_index_scores_rows_real_shape(m, t, cast_rounding, transposed):
+    cfg = full_config()
+    q, w, pool, slots, visible = _causal_rows(m, cfg.index_n_heads, cfg.index_head_dim, t, device="cuda", seed=m)
+    out = index_scores_rows(q, w, pool, slots, visible, cast_rounding=cast_rounding, transposed=transposed)
+    assert_index_scores_close(out, q, w, pool, slots, visible)
+    for r in (0, m // 2, m - 8):
+        assert torch.equal(out[r:r + 8], index_scores(q[r:r + 8], w[r:r + 8], pool, slots, visible[r:r + 8]))
