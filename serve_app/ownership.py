@@ -18,15 +18,17 @@ Keys (namespace `ns`, default "dsv41:kv"):
   shared memory, the handle a reader on its node maps it by (local: kv_local.SharedStoreHandle's fields, or null).
 - `{ns}:owned:{replica id}`: the set of run keys the replica published (to withdraw them all).
 
-A reader sends its prompt's block keys to one script (LOOKUP), which returns each run found once with the last
-prompt block it holds; the reader then chains each replica's runs from block 0. Invariant the owner keeps: each
+A reader sends its prompt's block keys to one script (LOOKUP), which returns each run that can hold the prompt's
+blocks from block 0 on, once, with the last prompt block it holds (O(runs) set reads, not one per block); the reader
+then chains each replica's runs from block 0. Invariant the owner keeps: each
 of its run records names blocks its store holds; withdrawing a block cuts every run holding it to the blocks
 before it (a new, shorter run record; the blocks after it can no longer extend a prefix from block 0 through this
 replica). Set members left pointing at a record that no longer covers a block are harmless: the record's n or
 its missing field says so. Every key carries a Redis TTL of `lease_s`, refreshed by publish / renew, so a replica
 that dies without withdrawing its records is forgotten within one lease; readers also skip records whose `exp`
 passed. A replica withdraws a block before its store overwrites the slot, and everything at shutdown. The script
-reads keys it derives (the run keys): one Redis server, not a cluster. Any Redis failure is an OwnershipUnavailable: the caller recomputes.
+reads keys it derives (the block and run keys): one Redis server, not a cluster. Any Redis failure is an
+OwnershipUnavailable: the caller recomputes.
 """
 
 from __future__ import annotations
@@ -47,24 +49,54 @@ from serve_app.kv_local import SharedStoreHandle
 from serve_app.kv_store import BlockRef
 
 DEFAULT_NAMESPACE = "dsv41:kv"
-# KEYS: the prompt's block keys in order; ARGV[1]: the run keys' prefix -> [run hash, i, HGETALL of its key, ...]
-# for every run named in KEYS whose key exists, once, with i the 1-based index of the last KEYS entry naming it
+# ARGV: the run keys' prefix, the block keys' prefix, the prompt's block hashes (hex, concatenated, `width` digits
+# each), width -> [run hash, i, HGETALL of its key, ...] for the runs that hold the prompt's blocks from block 0 on,
+# each once, with i the 1-based index of the last prompt block it holds (block i's key: blk(i); the script builds
+# the keys, so the call carries one string, not a key per block). A run holds a contiguous stretch of the prompt's
+# blocks (chain hashes: once the prompt leaves the run's chain it never meets it again), ending at the run's own
+# last block (the run key, block n) or where the prompt diverges: found with SISMEMBER, by bisection. So the script
+# does not read every block's set: from block i it reads that block's set, then jumps past the end of the shortest
+# run holding block i (every run that starts later, and could extend some replica's prefix from block 0, starts
+# right after a run found here ends), and stops at the first block no record holds (no prefix from block 0 passes
+# it): O(runs x log(blocks)) calls.
 LOOKUP = """
-local last, order = {}, {}
-for i, key in ipairs(KEYS) do
-  for _, run in ipairs(redis.call('SMEMBERS', key)) do
-    if last[run] == nil then order[#order + 1] = run end
-    last[run] = i
+local width = tonumber(ARGV[4])
+local num_blocks = #ARGV[3] / width
+local function blk(i)
+  return ARGV[2] .. string.sub(ARGV[3], (i - 1) * width + 1, i * width) .. ':' .. (i - 1)
+end
+local function last_held(run, i, n)
+  local hi = math.min(n, num_blocks)
+  if redis.call('SISMEMBER', blk(hi), run) == 1 then return hi end
+  local lo = i
+  while hi - lo > 1 do
+    local mid = math.floor((lo + hi) / 2)
+    if redis.call('SISMEMBER', blk(mid), run) == 1 then lo = mid else hi = mid end
   end
+  return lo
+end
+local info, order, i = {}, {}, 1
+while i <= num_blocks do
+  local next_i = nil
+  for _, run in ipairs(redis.call('SMEMBERS', blk(i))) do
+    if info[run] == nil then
+      local fields = redis.call('HGETALL', ARGV[1] .. run)
+      info[run] = false
+      if #fields > 0 then
+        info[run] = {fields, last_held(run, i, cjson.decode(fields[2]).n)}
+        order[#order + 1] = run
+      end
+    end
+    if info[run] and (next_i == nil or info[run][2] + 1 < next_i) then next_i = info[run][2] + 1 end
+  end
+  if next_i == nil then break end
+  i = math.max(next_i, i + 1)
 end
 local out = {}
 for _, run in ipairs(order) do
-  local fields = redis.call('HGETALL', ARGV[1] .. run)
-  if #fields > 0 then
-    out[#out + 1] = run
-    out[#out + 1] = last[run]
-    out[#out + 1] = fields
-  end
+  out[#out + 1] = run
+  out[#out + 1] = info[run][2]
+  out[#out + 1] = info[run][1]
 end
 return out
 """
@@ -214,7 +246,8 @@ class OwnershipIndex:
             return OwnedPrefix(0, None, [])
         now = time.time()
         with self._redis():
-            found = self._lookup(keys=[self._blk_key(h, j) for j, h in enumerate(hashes)], args=[f"{self.ns}:run:"])
+            found = self._lookup(keys=[], args=[f"{self.ns}:run:", f"{self.ns}:blk:", b"".join(hashes).hex(),
+                                                2 * len(hashes[0])])
         spans: dict[str, list[tuple[int, int, dict]]] = {}  # replica -> (first, end, record): prompt blocks held
         stale: list[tuple[str, bytes]] = []  # expired fields in keys that another owner keeps alive
         for run, last, fields in zip(found[0::3], found[1::3], found[2::3]):

@@ -152,10 +152,31 @@ def test_a_lookup_is_one_script_call_whatever_the_prompt_length(redis_server):
         a.publish(refs(many[start:start + 100], 10_000 * (start + 1)), first_block=start)
     calls = []
     lookup = reader._lookup
-    reader._lookup = lambda **kw: (calls.append(len(kw["keys"])), lookup(**kw))[1]  # one EVALSHA per call
+    reader._lookup = lambda **kw: (calls.append(len(kw["args"][2]) // 64), lookup(**kw))[1]  # one EVALSHA a call
     n, owner, blocks = reader.longest_owned_prefix(many)
-    assert calls == [500] and (n, owner.replica_id) == (500, "a")
+    assert calls == [500] and (n, owner.replica_id) == (500, "a")  # the 500 hashes travel in one argument
     assert blocks[250].ref() == refs(many[200:300], 10_000 * 201)[50]
+
+
+def test_lookup_jumps_between_run_ends_without_missing_a_chain(redis_server):
+    """The script reads block sets only where some run ends (then bisects where a prompt leaves a run): a replica
+    whose second run starts and ends inside another replica's longer first run is still chained (b: 0-29 + 30-59 +
+    60-149 beats a: 0-99), a prompt that leaves every chain at block 37 gets 37, and one that leaves b's last run
+    inside it gets b's blocks up to there."""
+    many = [hashlib.sha256(b"long %d" % i).digest() for i in range(160)]
+    a, b, reader = index(redis_server, "a"), index(redis_server, "b"), index(redis_server, "reader")
+    a.publish(refs(many[:100], 10_000))
+    for first, end in ((0, 30), (30, 60), (60, 150)):
+        b.publish(refs(many[first:end], 20_000 + 1000 * first), first_block=first)
+    n, owner, blocks = reader.longest_owned_prefix(many)
+    assert (n, owner.replica_id) == (150, "b") and blocks[120].ref() == refs(many[60:150], 80_000)[60]
+    other = [hashlib.sha256(b"other %d" % i).digest() for i in range(160)]
+    assert reader.longest_owned_prefix(many[:37] + other[37:]).num_blocks == 37
+    n, owner, _ = reader.longest_owned_prefix(many[:123] + other[123:])
+    assert (n, owner.replica_id) == (123, "b")
+    b.withdraw_all()
+    n, owner, _ = reader.longest_owned_prefix(many)
+    assert (n, owner.replica_id) == (100, "a")
 
 
 def test_redis_down_is_ownership_unavailable(redis_server):
