@@ -217,6 +217,18 @@ def _index_scores_rows_kernel(q_ptr, w_ptr, pool_ptr, slot_ptr, vis_ptr, out_ptr
                      mask=out_ok)
 
 
+def _request_args(q: Tensor, w: Tensor, key_pool: Tensor, slots: Tensor, visible: Tensor) -> tuple[Tensor, int]:
+    """index_scores' and index_scores_rows' contract (one request's queries and entries) -> (flat pool, T)."""
+    M, H, D = q.shape
+    assert q.dtype == torch.bfloat16 and w.dtype == torch.bfloat16 and w.shape == (M, H), (q.dtype, w.shape)
+    assert D % INDEX_K_BLOCK == 0 and D & (D - 1) == 0, f"index_head_dim {D} must be a power of two >= 32"
+    pool = key_pool.reshape(-1, key_pool.size(-1))
+    assert pool.dtype == torch.uint8 and pool.size(-1) == fp4_record_bytes(D, INDEX_K_BLOCK) and pool.is_contiguous()
+    assert slots.dim() == 1 and slots.dtype in (torch.int32, torch.int64)
+    assert visible.shape == (M,)
+    return pool, slots.numel()
+
+
 def index_scores(q: Tensor, w: Tensor, key_pool: Tensor, slots: Tensor, visible: Tensor,
                  block_t: int = 64, num_warps: int = 8, programs_per_sm: int = 2) -> Tensor:
     """Indexer scores over packed MXFP4 key records.
@@ -226,14 +238,8 @@ def index_scores(q: Tensor, w: Tensor, key_pool: Tensor, slots: Tensor, visible:
     visible int [M] (entries visible per query) -> bf16 [M, T], -inf where t >= visible[m].
     """
     M, H, D = q.shape
-    assert q.dtype == torch.bfloat16 and w.dtype == torch.bfloat16 and w.shape == (M, H), (q.dtype, w.shape)
-    assert D % INDEX_K_BLOCK == 0 and D & (D - 1) == 0, f"index_head_dim {D} must be a power of two >= 32"
     assert 1 <= M <= 16, f"M = {M}: the kernel keeps all M*H query rows in registers (decode shapes)"
-    pool = key_pool.reshape(-1, key_pool.size(-1))
-    assert pool.dtype == torch.uint8 and pool.size(-1) == fp4_record_bytes(D, INDEX_K_BLOCK) and pool.is_contiguous()
-    assert slots.dim() == 1 and slots.dtype in (torch.int32, torch.int64)
-    assert visible.shape == (M,)
-    T = slots.numel()
+    pool, T = _request_args(q, w, key_pool, slots, visible)
     out = torch.empty(M, T, dtype=torch.bfloat16, device=q.device)
     if T == 0:
         return out
@@ -266,13 +272,7 @@ def index_scores_rows(q: Tensor, w: Tensor, key_pool: Tensor, slots: Tensor, vis
     tiles past every query's visible count are not read.
     Memory: the output, 2 * M * T bytes."""
     M, H, D = q.shape
-    assert q.dtype == torch.bfloat16 and w.dtype == torch.bfloat16 and w.shape == (M, H), (q.dtype, w.shape)
-    assert D % INDEX_K_BLOCK == 0 and D & (D - 1) == 0, f"index_head_dim {D} must be a power of two >= 32"
-    pool = key_pool.reshape(-1, key_pool.size(-1))
-    assert pool.dtype == torch.uint8 and pool.size(-1) == fp4_record_bytes(D, INDEX_K_BLOCK) and pool.is_contiguous()
-    assert slots.dim() == 1 and slots.dtype in (torch.int32, torch.int64)
-    assert visible.shape == (M,)
-    T = slots.numel()
+    pool, T = _request_args(q, w, key_pool, slots, visible)
     out = torch.empty(M, T, dtype=torch.bfloat16, device=q.device)
     if T == 0 or M == 0:
         return out
