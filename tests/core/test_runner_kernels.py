@@ -281,3 +281,18 @@ def test_cuda_layers_teacher_forced(cuda_model):
     arrivals = {f"p{i}": i // 2 for i in range(6)}
     plans, layout = record_plans(cuda_model, prompts, arrivals, max_chunk_tokens=24, max_num_batched_tokens=64)
     check_layers_teacher_forced(cuda_model, plans, layout, "cuda")
+
+
+@gpu
+@needs_cuda
+def test_cuda_layers_teacher_forced_indexer_rows(cuda_model, monkeypatch):
+    """test_layers_teacher_forced_indexer_in_passes on CUDA: every indexer query through index_scores_rows (its
+    MMAs and cast roundings), in passes of a few queries, every layer within the golden's tolerance."""
+    from engine.core import kernel_ops
+
+    monkeypatch.setattr(kernel_ops, "ROWS_MIN_M", 1)
+    monkeypatch.setattr(kernel_ops, "SCORE_BYTES", 400)  # 4 queries a pass at 50 entries
+    prompts = {f"p{i}": random_prompt(n, seed=30 + i) for i, n in enumerate([17, 63, 100])}
+    plans, layout = record_plans(cuda_model, prompts, {f"p{i}": i for i in range(3)}, max_chunk_tokens=48,
+                                 max_num_batched_tokens=96)
+    check_layers_teacher_forced(cuda_model, plans, layout, "cuda")
