@@ -88,3 +88,51 @@ def bench(copy_bw: float) -> None:
                     lambda s: candidate_block_mask(s, vis, kb, blk, chunk=c[0], num_warps=c[1], row_max_t=c[2])))
                 _row("candidate_block_mask", t, m, data, us, nbytes, copy_bw, base, variant, best)
                 del ss
+
+
+# A prefill chunk's top-k: M queries of one request against T entries (1M and 128K contexts at ratio 2, as
+# kernel_ops.score_rows splits a 16K chunk's scores into 512 MiB passes)
+PREFILL_SHAPES = ((512, 1 << 19), (2048, 1 << 16), (8192, 1 << 14))
+# (chunk, num_warps, row_max_t): row_max_t 0 = multi-program radix select, 2^30 = one program per row
+PREFILL_CONFIGS = ([(c, w, 0) for c in (1024, 2048, 4096, 8192) for w in (4, 8, 16)]
+                   + [(c, w, 1 << 30) for c in (2048, 4096, 8192) for w in (8, 16)])
+
+
+def _pass_times_us(fn) -> dict[str, float]:
+    """Each kernel's GPU time in one call of fn (torch.profiler), by kernel name."""
+    from torch.profiler import ProfilerActivity, profile  # noqa: PLC0415
+
+    fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as trace:
+        fn()
+        torch.cuda.synchronize()
+    per: dict[str, float] = {}
+    for e in trace.events():
+        if e.device_type == torch.autograd.DeviceType.CUDA:
+            name = e.name.split("_kernel")[0].lstrip("_")[:40]
+            per[name] = per.get(name, 0.0) + e.time_range.end - e.time_range.start
+    return per
+
+
+def bench_prefill(copy_bw: float) -> None:
+    """index_topk at a prefill pass's shapes: the default launch, its passes, and a launch sweep."""
+    from benchmarks.gpu_timing import eager_time_us  # noqa: PLC0415
+
+    k = full_config().index_topk
+    print(f"\n## topk_prefill: index_topk (top-{k}) of a prefill pass's scores; us, eager; bytes = scores once")
+    print(f"copy bandwidth measured in this run: {copy_bw / 1e12:.2f} TB/s (read + write)\n")
+    print("| M | T | default us | TB/s (scores once) | its kernels (us) | best (chunk, warps, row_max_t): us | sweep |")
+    print("|---|---|---|---|---|---|---|")
+    for m, t in PREFILL_SHAPES:
+        s = torch.randn(m, t, device=DEVICE).bfloat16()
+        s[:, t - m // 2:] = float("-inf")  # the last entries are not yet visible to the chunk's early queries
+        us = eager_time_us(lambda: index_topk(s, k), reps=5)
+        parts = _pass_times_us(lambda: index_topk(s, k))
+        runs, (best, best_us) = sweep(PREFILL_CONFIGS, f"index_topk M={m} T={t}", lambda c: eager_time_us(
+            lambda: index_topk(s, k, chunk=c[0], num_warps=c[1], row_max_t=c[2]), reps=3))
+        print(f"| {m:,} | {t:,} | {us:,.0f} | {2 * m * t / us / 1e6:.2f} | "
+              + ", ".join(f"{n} {v:,.0f}" for n, v in parts.items())
+              + f" | {best}: {best_us:,.0f} | " + ", ".join(f"{c}: {v:,.0f}" for c, v in runs.items()) + " |",
+              flush=True)
+        del s
