@@ -83,7 +83,8 @@ class RequestRows:
     chunk: int
     rows: slice  # its rows among the layer's query rows
     num_entries: int  # global entries visible at its last position (end // ratio)
-    entries: Tensor  # int32 [num_entries]: their flat slots in the source's pools
+    entries: Tensor  # int32 [num_entries]: their flat slots in the source's pools; or [m, num_entries]: each
+    #                  query row's own (the batched decode step: rows of different requests)
     visible: Tensor  # int32 [m]: entries visible per query, (pos + 1) // ratio
     max_k: int
 
@@ -422,7 +423,8 @@ class KernelRunner:
             parts, candidates = [], []
             for i in range(0, q.size(0), rows):  # at most SCORE_BYTES of scores at a time (long prompts)
                 b = slice(i, i + rows)
-                score = OPS.index_scores(q[b], w[b], self.kv.index_k[role.kv_source], r.entries, r.visible[b])
+                entries = r.entries if r.entries.dim() == 1 else r.entries[b]  # [m, E]: each row's own (decode)
+                score = OPS.index_scores(q[b], w[b], self.kv.index_k[role.kv_source], entries, r.visible[b])
                 if role.is_candidate_source:
                     candidates.append(OPS.candidate_blocks(score, r.visible[b], ix.cand_blocks, ix.cand_block))
                 elif role.uses_candidates:

@@ -85,6 +85,19 @@ def test_decode_step_draws_what_the_eager_kernel_path_draws(tiny_model, monkeypa
     assert [(s.decode_chunks, s.rest_chunks) for s in splits if s is not None] == [([0], [1])], splits
 
 
+def test_decode_step_scores_its_rows_in_passes(tiny_model, monkeypatch):
+    """The batched decode step's indexer rows (each request's own entries, [B, T]) scored one row a pass
+    (kernel_ops.SCORE_BYTES tiny): each pass takes its rows' entries, and the draws equal those of one pass."""
+    from engine.core import kernel_ops
+
+    model = tiny_model.model
+    arrivals = {"a": (random_prompt(40, seed=4), SamplingParams(max_tokens=4), 0),
+                "b": (random_prompt(23, seed=5), SamplingParams(max_tokens=4), 0)}
+    whole = run(kernel_engine(model, decode_step=True), arrivals)
+    monkeypatch.setattr(kernel_ops, "SCORE_BYTES", 2)  # one query row a pass
+    assert_same_draws(run(kernel_engine(model, decode_step=True), arrivals), whole)
+
+
 def _chunk(start: int, end: int, **kw) -> ChunkPlan:
     fields = dict(token_ids=[5] * (end - start), prev_ids=[], sample=True, keep_logits=False, global_blocks=[0],
                   swa_blocks={0: 0}, pending_slot=0, global_from=0, swa_floor=0, decoder_from=0, decoder_floor=0)
