@@ -24,10 +24,11 @@ from tests.kernels.numeric import index_problem
 
 PEAK_BF16 = 790e12  # dense bf16 matmul measured on the H200 (shared/spec/environment.md)
 SHAPES = ((2048, 65536), (512, 524288), (8192, 16384))  # (queries M, entries T): 128K and 1M contexts at ratio 2
-# block_t, queries_per_program, num_warps, cast_rounding, transposed; the first is index_scores_rows' default
-CONFIGS = ((64, 32, 4, True, True), (64, 32, 4, True, False), (64, 32, 4, False, True), (64, 64, 8, True, True),
-           (128, 32, 8, True, True), (128, 64, 8, True, True), (128, 32, 4, True, True), (64, 32, 8, True, True),
-           (32, 32, 4, True, True), (256, 32, 8, True, True))
+# block_t, queries_per_program, num_warps, cast_rounding, transposed, packed; the first is index_scores_rows' default
+CONFIGS = ((64, 32, 4, True, True, True), (64, 32, 4, True, True, False), (64, 64, 4, True, True, True),
+           (64, 32, 4, True, False, True), (64, 32, 8, True, True, True), (128, 32, 4, True, True, True),
+           (128, 32, 8, True, True, True), (64, 32, 4, True, False, False), (32, 32, 4, True, True, True),
+           (64, 32, 8, True, True, False), (128, 32, 4, True, True, False))
 
 
 def bench(copy_bw: float) -> None:
@@ -42,7 +43,8 @@ def bench(copy_bw: float) -> None:
         visible = (t - m // 2 + (torch.arange(m, device="cuda") + 1) // 2).clamp(max=t).to(torch.int32)
         runs, (best, us) = sweep(CONFIGS, f"M={m} T={t}", lambda c: eager_time_us(
             lambda: index_scores_rows(q, w, pool, slots, visible, block_t=c[0], queries_per_program=c[1],
-                                      num_warps=c[2], cast_rounding=c[3], transposed=c[4]), reps=3))
+                                      num_warps=c[2], cast_rounding=c[3], transposed=c[4],
+                                      packed=c[5]), reps=3))
         default = runs.get(CONFIGS[0], float("nan"))
         old_min = kernel_ops.ROWS_MIN_M
         kernel_ops.ROWS_MIN_M = 1 << 30

@@ -28,9 +28,11 @@ the exact-rounding epilogue on the [M*H, BLOCK_T] scores (CUDA-core work), not b
 A prefill chunk's queries (index_scores_rows): grid (entry tiles, groups of 32 queries); a program decodes its
 tile once and scores it against its group 4 queries (128 MMA rows at H = 32) at a time, with the MMA as keys x
 queries so that each query's head sum stays within a thread and its quad, and the roundings done by the GPU's
-round-to-nearest-even casts (the same values as the integer form). Measured on an H100 (benchmarks/RESULTS.md,
-2026-12-07): 207-237 TFLOP/s of QK products, 3.3x the looped decode scan at 2,048 queries x 64K entries, 16x at
-8,192 x 16K, 1.1x at 512 x 512K; still bound by the epilogue, not the MMA or HBM.
+round-to-nearest-even casts (the same values as the integer form), two elements at a time by bf16x2 instructions
+(_weighted_relu_packed). Measured on an H200 (benchmarks/RESULTS.md, 2026-12-07, twelfth session): the packed
+epilogue 1.11-1.16x the single-element casts (4,745 us at 2,048 queries x 64K entries, 9,662 at 512 x 512K, 4,200 at
+8,192 x 16K: 4.4x, 1.2x and 16x the looped decode scan); still bound by the epilogue (~30% of the bf16 MMA peak),
+not by the MMA or HBM.
 
 Interpreter (TRITON_INTERPRET=1): records are decoded with integer/fp32 bit operations, the dot takes
 fp32 operands (the same exact products) and bf16 rounding is integer round-to-nearest-even.
@@ -47,9 +49,10 @@ from engine.kernels.cache_records import INDEX_K_BLOCK, fp4_record_bytes, unpack
 from engine.kernels.triton_common import e2m1_to_fp32, round_bf16
 
 
-# index_scores_rows' launch defaults, the fastest of benchmarks/kernels.py --only indexer_rows (H100, 2026-12-07):
-# MMAs of 128 rows (4 queries x 32 heads at the real shape), 64-entry tiles, each tile's records decoded once for
-# 32 queries, 4 warps, the MMA as keys x queries, rounding by casts
+# index_scores_rows' launch defaults, from benchmarks/kernels.py --only indexer_rows (H100 and H200, 2026-12-07): MMAs
+# of 128 rows (4 queries x 32 heads at the real shape), 64-entry tiles, each tile's records decoded once for 32
+# queries, 4 warps, the MMA as keys x queries, rounding by casts two elements at a time (packed). 64 queries a program
+# measured 3-8% faster still (H200), but has not run the GPU correctness tests yet: not the default.
 ROWS_MMA_ROWS, ROWS_BLOCK_T, ROWS_QUERIES, ROWS_WARPS = 128, 64, 32, 4
 
 
@@ -69,30 +72,30 @@ def _key_tile(pool_ptr, slot, t_ok, D: tl.constexpr, BLOCK_T: tl.constexpr):
 
 @triton.jit
 def _scores_of(q, w, k, BLOCK_M: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_T: tl.constexpr,
-               DOT_F32: tl.constexpr, CAST_ROUND: tl.constexpr = False):
+               DOT_F32: tl.constexpr, CAST_ROUND: tl.constexpr = False, PACKED: tl.constexpr = False):
     """Scores [BLOCK_M, BLOCK_T] of the queries q [BLOCK_M * BLOCK_H, D] (head weights w [BLOCK_M * BLOCK_H] fp32)
     against the keys k fp32 [BLOCK_T, D] (DOT_F32: an fp32 dot of fp32 q, the interpreter's; else bf16 operands,
     which hold MXFP4 values exactly, and an fp32-accumulating MMA). The roundings to bf16 are integer
     round-to-nearest-even, or with CAST_ROUND (GPU only: the interpreter's bf16 casts are not exact) the
-    hardware's round-to-nearest-even casts: the same values."""
+    hardware's round-to-nearest-even casts: the same values (PACKED: two at a time, _weighted_relu_packed)."""
     if DOT_F32:
         sh = tl.dot(q, tl.trans(k), input_precision="ieee")  # [MH, BT]
     else:
         sh = tl.dot(q, tl.trans(k.to(tl.bfloat16)))
-    p = _weighted_relu(sh, w[:, None], CAST_ROUND)
+    p = _weighted_relu(sh, w[:, None], CAST_ROUND, PACKED)
     return _to_bf16(tl.sum(tl.reshape(p, (BLOCK_M, BLOCK_H, BLOCK_T)), axis=1), CAST_ROUND)  # [BM, BT]
 
 
 @triton.jit
 def _scores_of_t(q, w, k, BLOCK_M: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_T: tl.constexpr,
-                 DOT_F32: tl.constexpr, CAST_ROUND: tl.constexpr):
+                 DOT_F32: tl.constexpr, CAST_ROUND: tl.constexpr, PACKED: tl.constexpr = False):
     """_scores_of transposed: [BLOCK_T, BLOCK_M], from the MMA k [BLOCK_T, D] x q^T [D, BLOCK_M * BLOCK_H], so that
     a query's heads are columns of one accumulator row (the head sum stays within a thread and its quad)."""
     if DOT_F32:
         sh = tl.dot(k, tl.trans(q), input_precision="ieee")  # [BT, MH]
     else:
         sh = tl.dot(k.to(tl.bfloat16), tl.trans(q))
-    p = _weighted_relu(sh, w[None, :], CAST_ROUND)
+    p = _weighted_relu(sh, w[None, :], CAST_ROUND, PACKED)
     return _to_bf16(tl.sum(tl.reshape(p, (BLOCK_T, BLOCK_M, BLOCK_H)), axis=2), CAST_ROUND)  # [BT, BM]
 
 
@@ -105,9 +108,35 @@ def _to_bf16(x, CAST_ROUND: tl.constexpr):
 
 
 @triton.jit
-def _weighted_relu(s, w, CAST_ROUND: tl.constexpr):
-    """bf16(relu(bf16(s)) * w) in fp32, w fp32 holding bf16 values (the product is exact in fp32, then rounded)."""
+def _weighted_relu(s, w, CAST_ROUND: tl.constexpr, PACKED: tl.constexpr = False):
+    """bf16(relu(bf16(s)) * w) in fp32, w fp32 holding bf16 values (the product is exact in fp32, then rounded).
+    PACKED (sm_90 only): the same values two elements at a time, by _weighted_relu_packed."""
+    if PACKED:
+        return _weighted_relu_packed(s, w)
     return _to_bf16(tl.maximum(_to_bf16(s, CAST_ROUND), 0.0) * w, CAST_ROUND)
+
+
+@triton.jit
+def _weighted_relu_packed(s, w):
+    """_weighted_relu by packed bf16x2 instructions, for two elements at a time: the fp32 pair rounded to bf16x2
+    (cvt.rn: round to nearest even), relu (max.bf16x2 with +0), times w (mul.rn.bf16x2: the exact product rounded
+    once to bf16, as the product of two bf16 values exact in fp32 then rounded), and back to two fp32 values (a bf16
+    is an fp32's high half). In the sm_90 build of the rows kernel this removes every single-element F2F.BF16.F32
+    (128 per thread per 64 x 128 MMA tile) for 48 more F2FP.PACK_AB and 32 each of HMNMX2 and HMUL2."""
+    return tl.inline_asm_elementwise(
+        asm="""{
+        .reg .b32 sp, wp, z, r;
+        mov.b32 z, 0;
+        cvt.rn.bf16x2.f32 sp, $3, $2;
+        cvt.rn.bf16x2.f32 wp, $5, $4;
+        max.bf16x2 sp, sp, z;
+        mul.rn.bf16x2 r, sp, wp;
+        shl.b32 $0, r, 16;
+        and.b32 $1, r, 0xffff0000;
+        }""",
+        constraints="=r,=r,r,r,r,r",
+        args=[s.to(tl.int32, bitcast=True), tl.broadcast_to(w, s.shape).to(tl.int32, bitcast=True)],
+        dtype=tl.int32, is_pure=True, pack=2).to(tl.float32, bitcast=True)
 
 
 @triton.jit
@@ -175,7 +204,7 @@ def _index_scores_batched_kernel(q_ptr, w_ptr, pool_ptr, ent_ptr, vis_ptr, out_p
 def _index_scores_rows_kernel(q_ptr, w_ptr, pool_ptr, slot_ptr, vis_ptr, out_ptr, M, H, T,
                               D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_T: tl.constexpr,
                               M_TILES: tl.constexpr, DOT_F32: tl.constexpr, CAST_ROUND: tl.constexpr,
-                              TRANSPOSED: tl.constexpr):
+                              TRANSPOSED: tl.constexpr, PACKED: tl.constexpr):
     """Program (entry tile, query group of M_TILES x BLOCK_M queries): the tile's records are decoded once and
     scored against each query tile in turn (one MMA [BLOCK_M * BLOCK_H, D] x [D, BLOCK_T] each); records no
     query of the group sees are not read, and a query tile that sees none of the tile only writes -inf."""
@@ -205,11 +234,11 @@ def _index_scores_rows_kernel(q_ptr, w_ptr, pool_ptr, slot_ptr, vis_ptr, out_ptr
                 q = q.to(tl.float32)
             w = tl.load(w_ptr + m * H + h_of, mask=row_ok, other=0.0).to(tl.float32)
             if TRANSPOSED:
-                score_t = _scores_of_t(q, w, k, BLOCK_M, BLOCK_H, BLOCK_T, DOT_F32, CAST_ROUND)  # [BT, BM]
+                score_t = _scores_of_t(q, w, k, BLOCK_M, BLOCK_H, BLOCK_T, DOT_F32, CAST_ROUND, PACKED)  # [BT, BM]
                 score_t = tl.where(t[:, None] < vis[None, :], score_t, float("-inf"))
                 tl.store(tl.trans(out), score_t.to(out_ptr.dtype.element_ty), mask=tl.trans(out_ok))
             else:
-                score = _scores_of(q, w, k, BLOCK_M, BLOCK_H, BLOCK_T, DOT_F32, CAST_ROUND)
+                score = _scores_of(q, w, k, BLOCK_M, BLOCK_H, BLOCK_T, DOT_F32, CAST_ROUND, PACKED)
                 score = tl.where(t[None, :] < vis[:, None], score, float("-inf"))
                 tl.store(out, score.to(out_ptr.dtype.element_ty), mask=out_ok)
         else:
@@ -262,13 +291,14 @@ def index_scores(q: Tensor, w: Tensor, key_pool: Tensor, slots: Tensor, visible:
 
 def index_scores_rows(q: Tensor, w: Tensor, key_pool: Tensor, slots: Tensor, visible: Tensor,
                       block_t: int = ROWS_BLOCK_T, queries_per_program: int = ROWS_QUERIES, num_warps: int = ROWS_WARPS,
-                      cast_rounding: bool = True, transposed: bool = True) -> Tensor:
+                      cast_rounding: bool = True, transposed: bool = True, packed: bool = True) -> Tensor:
     """index_scores for many queries of one request (a prefill chunk's rows): the same arguments, result and
     rounding path, any M. Grid (entry tiles, query groups): each program decodes its tile of records once for
     queries_per_program queries, as MMAs of (128 / H) queries x H heads rows, so the key bytes are read
     M / queries_per_program times (from L2 mostly) and the work is the [M * H, D] x [D, T] product on tensor
     cores plus the exact-rounding epilogue on each of its M * H * T elements (CUDA cores; cast_rounding: its
-    roundings by the GPU's casts, see _scores_of; transposed: the MMA as keys x queries, _scores_of_t). Entry
+    roundings by the GPU's casts, see _scores_of; packed: those casts, the relu and the product two elements at a time
+    by bf16x2 instructions, sm_90 (ignored on the CPU); transposed: the MMA as keys x queries, _scores_of_t). Entry
     tiles past every query's visible count are not read.
     Memory: the output, 2 * M * T bytes."""
     M, H, D = q.shape
@@ -286,7 +316,7 @@ def index_scores_rows(q: Tensor, w: Tensor, key_pool: Tensor, slots: Tensor, vis
                                     visible.to(torch.int32).contiguous(), out, M, H, T,
                                     D=D, BLOCK_M=block_m, BLOCK_H=block_h, BLOCK_T=block_t, M_TILES=m_tiles,
                                     DOT_F32=interp, CAST_ROUND=cast_rounding and not interp, TRANSPOSED=transposed,
-                                    num_warps=num_warps)
+                                    PACKED=packed and cast_rounding and not interp, num_warps=num_warps)
     return out
 
 

@@ -110,12 +110,15 @@ def test_index_scores_real_shape(m, t):
 
 @gpu
 @needs_cuda
-@pytest.mark.parametrize("cast_rounding,transposed", [(True, True), (True, False), (False, True), (False, False)])
+@pytest.mark.parametrize("cast_rounding,transposed,packed", [(True, True, False), (True, False, False),
+                                                              (False, True, False), (False, False, False),
+                                                              (True, True, True), (True, False, True)])
 @pytest.mark.parametrize("m,t", [(1000, 4096), (130, 70000)])
-def test_index_scores_rows_real_shape(m, t, cast_rounding, transposed):
+def test_index_scores_rows_real_shape(m, t, cast_rounding, transposed, packed):
     cfg = full_config()
     q, w, pool, slots, visible = _causal_rows(m, cfg.index_n_heads, cfg.index_head_dim, t, device="cuda", seed=m)
-    out = index_scores_rows(q, w, pool, slots, visible, cast_rounding=cast_rounding, transposed=transposed)
+    out = index_scores_rows(q, w, pool, slots, visible, cast_rounding=cast_rounding, transposed=transposed,
+                            packed=packed)
     assert_index_scores_close(out, q, w, pool, slots, visible)
     for r in (0, m // 2, m - 8):
         assert torch.equal(out[r:r + 8], index_scores(q[r:r + 8], w[r:r + 8], pool, slots, visible[r:r + 8]))
