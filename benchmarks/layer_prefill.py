@@ -169,7 +169,8 @@ def chunk_kernels(trace: torch.profiler.profile, cuda: bool) -> ChunkProfile:
 def kernel_report(profile: ChunkProfile, roles, top: int) -> str:
     """Per layer: its window, its kernels' sum (the rest of the window: the device idle, waiting for the host), and
     its costliest kernels."""
-    lines = ["| layer | kind | window ms | kernels ms | idle ms | its costliest kernels (ms) |", "|---|---|---|---|---|---|"]
+    lines = ["| layer | kind | window ms | kernels ms | idle ms | its costliest kernels (ms) |",
+             "|---|---|---|---|---|---|"]
     for i, names in sorted(profile.leaves.items()):
         ranked = sorted(names.items(), key=lambda kv: -kv[1])[:top]
         what = "; ".join(f"{n} {us / 1e3:.2f}" for n, us in ranked)
