@@ -40,6 +40,8 @@ fp32 operands (the same exact products) and bf16 rounding is integer round-to-ne
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import triton
 import triton.language as tl
@@ -298,8 +300,8 @@ def index_scores_rows(q: Tensor, w: Tensor, key_pool: Tensor, slots: Tensor, vis
     M / queries_per_program times (from L2 mostly) and the work is the [M * H, D] x [D, T] product on tensor
     cores plus the exact-rounding epilogue on each of its M * H * T elements (CUDA cores; cast_rounding: its
     roundings by the GPU's casts, see _scores_of; packed: those casts, the relu and the product two elements at a time
-    by bf16x2 instructions, sm_90 (ignored on the CPU); transposed: the MMA as keys x queries, _scores_of_t). Entry
-    tiles past every query's visible count are not read.
+    by bf16x2 instructions, from sm_90 (ignored on the CPU and older GPUs); transposed: the MMA as keys x queries,
+    _scores_of_t). Entry tiles past every query's visible count are not read.
     Memory: the output, 2 * M * T bytes."""
     M, H, D = q.shape
     pool, T = _request_args(q, w, key_pool, slots, visible)
@@ -316,8 +318,15 @@ def index_scores_rows(q: Tensor, w: Tensor, key_pool: Tensor, slots: Tensor, vis
                                     visible.to(torch.int32).contiguous(), out, M, H, T,
                                     D=D, BLOCK_M=block_m, BLOCK_H=block_h, BLOCK_T=block_t, M_TILES=m_tiles,
                                     DOT_F32=interp, CAST_ROUND=cast_rounding and not interp, TRANSPOSED=transposed,
-                                    PACKED=packed and cast_rounding and not interp, num_warps=num_warps)
+                                    PACKED=packed and cast_rounding and not interp and _has_bf16x2_mul(q.device),
+                                    num_warps=num_warps)
     return out
+
+
+@functools.cache
+def _has_bf16x2_mul(device: torch.device) -> bool:
+    """mul.rn.bf16x2 (the packed epilogue) needs sm_90 or later."""
+    return torch.cuda.get_device_capability(device) >= (9, 0)
 
 
 def index_scores_ref(q: Tensor, w: Tensor, key_pool: Tensor, slots: Tensor, visible: Tensor) -> Tensor:
