@@ -29,8 +29,8 @@ import argparse
 import sys
 import time
 from collections import defaultdict
-from contextlib import nullcontext
 from collections.abc import Callable, Iterable
+from contextlib import nullcontext
 from pathlib import Path
 from typing import NamedTuple
 

@@ -20,12 +20,14 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from engine.core.engine_config import EngineConfig  # noqa: E402
 from engine.core.kernel_layers import KernelRunner, Phase  # noqa: E402
 from engine.core.plan import ChunkPlan  # noqa: E402
 from engine.core.step_rows import segments  # noqa: E402
 from engine.presets import full_config  # noqa: E402
 
-SWA_BLOCK, GLOBAL_BLOCK = 64, 128  # tokens a block holds (the real layout's sizes are what matters only for counts)
+_DEFAULTS = EngineConfig()
+SWA_BLOCK, GLOBAL_BLOCK = _DEFAULTS.swa_block_size, _DEFAULTS.global_block_size  # the engine's default layout
 
 
 def meta_ms(chunk: int, context: int, device: torch.device, reps: int) -> dict[int, float]:
