@@ -173,18 +173,22 @@ class Step:
         return Phase(self.dec_segs, self.dec_segs, None, True, self.dec_is_image)
 
 
-def _window_slots(blocks: dict[int, int], pos: Tensor, block_size: int) -> Tensor:
-    """Flat window slots of positions pos (any shape, < 0 = none -> -1); every other block must be held."""
-    valid = pos >= 0
-    top = int(pos.max()) // block_size + 1 if pos.numel() else 1
-    table = torch.full((top,), -1, dtype=torch.long)
-    for b, blk in blocks.items():
-        if b < top:
-            table[b] = blk
-    p = pos.clamp_min(0)
-    blk = table[p // block_size]
-    assert bool((blk[valid] >= 0).all()), "a window block the queries read is not held"
-    return torch.where(valid, blk * block_size + p % block_size, -1)
+def window_slots(blocks: dict[int, int], start: int, end: int, window: int, floor: int, block_size: int,
+                  device: torch.device) -> Tensor:
+    """int32 [end - start, window] on `device`: for each query position p in start..end-1, the flat window slots of
+    positions p - window + 1 .. p (golden window_indices), -1 where a position is < floor or < 0. Made on the device
+    from the held blocks' table (host work O(blocks), not O(queries x window): at a 16K chunk the host-made matrix
+    cost ~50 ms a step with the device idle); every block a query reads must be held."""
+    low = max(floor, 0)
+    table, first = paged.window_table(blocks, max(start - window + 1, low), end, block_size)
+    table = to_device(table, device)
+    p = torch.arange(start, end, device=device)
+    wpos = p[:, None] + torch.arange(1 - window, 1, device=device)[None, :]  # [m, W]
+    valid = wpos >= low
+    if table.numel() == 0:  # no query reads a position
+        return torch.full(wpos.shape, -1, dtype=torch.int32, device=device)
+    blk = table[(wpos.clamp_min(first * block_size) // block_size - first).clamp_max(table.numel() - 1)]
+    return torch.where(valid, blk * block_size + wpos % block_size, -1).to(torch.int32)
 
 
 # ---- the runner ------------------------------------------------------------------------------------------------
@@ -547,8 +551,7 @@ class KernelRunner:
             qpos.append(p)
             req = chunks[so.index]
             floor = max(req.decoder_floor if phase.decoder else req.swa_floor, 0)
-            wpos = p.unsqueeze(-1) - W + 1 + torch.arange(W)  # [m, W] (golden window_indices)
-            swa_idx.append(_window_slots(req.swa_blocks, torch.where(wpos >= floor, wpos, -1), S))
+            swa_idx.append(window_slots(req.swa_blocks, so.start, so.end, W, floor, S, dev))
             if ratio > 0 and so.rows:
                 n = so.end // ratio
                 entries = paged.entry_slots(req.global_blocks, 0, n, per_block)
@@ -582,6 +585,7 @@ class KernelRunner:
                                  plan_ratio2(r2_chunks, dev) if ratio == 2 else None, verify)
         q_rows = cat(q_rows)
         every_row = 0 < q_rows.numel() == pos.numel() and bool((q_rows == torch.arange(pos.numel())).all())
-        swa = torch.cat(swa_idx or [empty.view(0, W)])
+        swa = swa_idx[0] if len(swa_idx) == 1 else torch.cat(swa_idx or [torch.empty(0, W, dtype=torch.int32,
+                                                                                       device=dev)])
         return AttnMeta(to_device(pos, dev), to_device(write, dev), None if every_row else to_device(q_rows, dev),
-                        to_device(cat(qpos), dev), to_device(swa, dev, torch.int32), requests, writes, groups)
+                        to_device(cat(qpos), dev), swa, requests, writes, groups)

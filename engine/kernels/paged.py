@@ -16,13 +16,23 @@ from engine.kernels.cache_records import (pack_index_k, pack_main_kv, pack_swa, 
                                           unpack_swa)
 
 
-def swa_slots(blocks: Mapping[int, int], start: int, end: int, block_size: int) -> Tensor:
-    """Flat slots of window positions start..end-1 (int64 [end-start], CPU); every block must be held."""
-    pos = range(start, end)
+def window_table(blocks: Mapping[int, int], start: int, end: int, block_size: int) -> tuple[Tensor, int]:
+    """The held window blocks of positions start..end-1 in order: (int64 [blocks], CPU; the first block's index);
+    every block must be held. A position p's slot is table[p // block_size - first] * block_size + p % block_size."""
+    if end <= start:
+        return torch.zeros(0, dtype=torch.long), 0
+    first = start // block_size
     try:
-        return torch.tensor([blocks[p // block_size] * block_size + p % block_size for p in pos], dtype=torch.long)
+        return torch.tensor([blocks[b] for b in range(first, (end - 1) // block_size + 1)], dtype=torch.long), first
     except KeyError as e:
         raise AssertionError(f"window block {e.args[0]} (positions {start}..{end - 1}) is not held") from None
+
+
+def swa_slots(blocks: Mapping[int, int], start: int, end: int, block_size: int) -> Tensor:
+    """Flat slots of window positions start..end-1 (int64 [end-start], CPU); every block must be held."""
+    table, first = window_table(blocks, start, end, block_size)
+    p = torch.arange(start, max(start, end))
+    return table[p // block_size - first] * block_size + p % block_size
 
 
 def entry_slots(blocks: Sequence[int], first: int, end: int, per_block: int) -> Tensor:
