@@ -24,7 +24,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.random_model import real_width_config  # noqa: E402
 from engine.core.engine import EngineConfig, cache_layout  # noqa: E402
-from engine.core.kv_blocks import ExportedPrefix, block_bytes  # noqa: E402
+from engine.core.block_checksum import block_checksums  # noqa: E402
+from engine.core.kv_blocks import ExportedPrefix, block_bytes, write_rows  # noqa: E402
 from engine.core.kv_cache import PagedKVCache  # noqa: E402
 from engine.core.kv_import import DEFAULT_CHUNK_BLOCKS, BlockImporter  # noqa: E402
 from serve_app.kv_store import HostKVStore  # noqa: E402
@@ -58,8 +59,8 @@ def main() -> None:
     targets = list(range(args.blocks))
     print(f"{args.blocks} blocks of {nbytes:,} B = {args.blocks * nbytes / 1e6:.1f} MB into {args.device} pools "
           f"(UCX_TLS={os.environ.get('UCX_TLS', 'unset')}), every block's checksum checked on the {args.device}")
-    print("| path | chunk blocks | chunk MiB | import ms | GB/s |")
-    print("|---|---|---|---|---|")
+    print("| path | chunk blocks | chunk MiB | import ms | GB/s | chunks direct / staged |")
+    print("|---|---|---|---|---|---|")
     for path in args.paths.split(","):
         reader = readers[path]
         for chunk in [DEFAULT_CHUNK_BLOCKS] + [int(c) for c in args.chunks.split(",") if int(c) != DEFAULT_CHUNK_BLOCKS]:
@@ -76,9 +77,38 @@ def main() -> None:
             best = min(times)
             label = f"{chunk} (default)" if chunk == DEFAULT_CHUNK_BLOCKS else str(chunk)
             print(f"| {reader.path} | {label} | {importer.chunk_blocks * nbytes / 2**20:.1f} | {best * 1e3:.1f} | "
-                  f"{args.blocks * nbytes / best / 1e9:.2f} |", flush=True)
+                  f"{args.blocks * nbytes / best / 1e9:.2f} | {importer.last_direct_chunks} / "
+                  f"{importer.last_staged_chunks} |", flush=True)
             importer.close()
+    shm = readers["shm"]
+    if args.device == "cuda" and "shm" in args.paths and shm.mapped is not None and shm.mapped.page_locked is not None:
+        print_parts(kv, targets, shm.pinned_rows(0, args.blocks))
     os._exit(0)  # NIXL's agents hold UCX threads that can stall interpreter shutdown
+
+
+def print_parts(kv: PagedKVCache, targets: list[int], rows: torch.Tensor | None) -> None:
+    """The direct path's parts, each alone over all blocks at once (best of 5): the owner's registered rows to the
+    device in one copy, the scatter into the pools, the checksums."""
+    if rows is None:
+        print("the owner's blocks are not one adjacent run: no direct-path parts")
+        return
+    landed = rows.to("cuda")
+
+    def best(fn) -> float:
+        times = []
+        for _ in range(5):
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            fn()
+            torch.cuda.synchronize()
+            times.append(time.perf_counter() - t0)
+        return min(times)
+
+    parts = {"registered rows -> device": best(lambda: rows.to("cuda", non_blocking=True)),
+             "scatter into the pools": best(lambda: write_rows(kv, targets, landed)),
+             "checksums": best(lambda: block_checksums(landed))}
+    for name, s in parts.items():
+        print(f"{name}: {s * 1e3:.2f} ms ({rows.numel() / s / 1e9:.1f} GB/s)")
 
 
 if __name__ == "__main__":

@@ -148,6 +148,7 @@ async def parts(a: Replica, b: Replica, prompt: list[int], num_blocks: int) -> d
     for path, reader in readers.items():
         for c, imp in importers.items():
             result[f"pipeline_{path}{c}"] = best_of(5, lambda: imp.import_blocks(ids_b, reader))
+            result[f"direct_{path}{c}"] = f"{imp.last_direct_chunks} / {imp.last_staged_chunks}"
         assert np.array_equal(a.engine.executor.read_blocks(ids_a), b.engine.executor.read_blocks(ids_b)), \
             f"B's blocks pulled by {path} differ from A's"
     return result
@@ -306,6 +307,8 @@ def report(args, rows, device: str) -> None:
               f"{r[f'pipeline_shm{G}'] * 1e3:.2f} | {r[f'pipeline_nixl{D}'] * 1e3:.2f} / {r[f'pipeline_nixl{G}'] * 1e3:.2f} "
               f"| {r['export'] * 1e3:.2f} | {gb / r['read_shm']:.1f} / {gb / r['read_nixl']:.1f} | "
               f"{gb / shm:.1f} / {gb / nixl:.1f} | {gb / r['export']:.1f} |")
+    print("shared-memory pipeline chunks from the owner's page-locked rows directly / through the staging buffer: "
+          + "; ".join(f"{L:,}: {r[f'direct_shm{D}']} (chunk {D}), {r[f'direct_shm{G}']} (chunk {G})" for L, r in rows))
     wins = [L for L, r in rows if r["pull_ttft"] < r["cold"]]
     print(f"pulled turn 2 faster than cold at: {', '.join(f'{L:,}' for L in wins) or 'no length measured'}")
 

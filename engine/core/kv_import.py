@@ -134,6 +134,7 @@ class BlockImporter:
         self.copy_stream = torch.cuda.Stream(self.device) if self.is_cuda else None
         self.host = self._new_buffer()  # [2, chunk_blocks, block_bytes] uint8
         self.num_retired = 0  # buffers given up after a failed read
+        self.last_direct_chunks = self.last_staged_chunks = 0  # the last import's chunks by path (benchmarks report it)
         self._reader = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kv-import-read")
         self._lock = threading.Lock()
 
@@ -179,6 +180,7 @@ class BlockImporter:
             self._reader.submit(reader.open, host.numpy()).result()
             direct = [reader.pinned_rows(f, e - f) if self.is_cuda else None for f, e in chunks]
             staged = [i for i, rows in enumerate(direct) if rows is None]
+            self.last_direct_chunks, self.last_staged_chunks = len(chunks) - len(staged), len(staged)
             staged_index = {i: k for k, i in enumerate(staged)}
             pending = self._reader.submit(read, 0) if staged else None
             for i, (first, end) in enumerate(chunks):
