@@ -122,3 +122,34 @@ def test_index_scores_rows_real_shape(m, t, cast_rounding, transposed, packed):
     assert_index_scores_close(out, q, w, pool, slots, visible)
     for r in (0, m // 2, m - 8):
         assert torch.equal(out[r:r + 8], index_scores(q[r:r + 8], w[r:r + 8], pool, slots, visible[r:r + 8]))
+
+
+@gpu
+@needs_cuda
+@pytest.mark.parametrize("cast_rounding,transposed,packed", [(True, True, False), (True, False, False),
+                                                              (False, True, False), (True, True, True),
+                                                              (True, False, True)])
+@pytest.mark.parametrize("m,t", [(5, 50), (40, 120), (130, 300)])
+def test_index_scores_rows_tiny_shapes_gpu(m, t, cast_rounding, transposed, packed):
+    """The tiny test model's indexer (4 heads of 64): the rows kernel in every form equals the decode kernel row for
+    row (the GPU teacher-forced tests run the tiny model through both)."""
+    q, w, pool, slots, visible = _causal_rows(m, 4, 64, t, device="cuda", seed=m + t)
+    out = index_scores_rows(q, w, pool, slots, visible, cast_rounding=cast_rounding, transposed=transposed,
+                            packed=packed)
+    assert_index_scores_close(out, q, w, pool, slots, visible)
+    want = torch.cat([index_scores(q[r:r + 1], w[r:r + 1], pool, slots, visible[r:r + 1]) for r in range(m)])
+    bad = (out != want).any(1).nonzero().flatten().tolist()
+    assert not bad, f"rows {bad[:8]} differ from the decode kernel"
+
+
+@gpu
+@needs_cuda
+@pytest.mark.parametrize("queries_per_program", [16, 64])
+@pytest.mark.parametrize("m,t", [(1000, 4096), (130, 70000)])
+def test_index_scores_rows_real_shape_queries_per_program(m, t, queries_per_program):
+    cfg = full_config()
+    q, w, pool, slots, visible = _causal_rows(m, cfg.index_n_heads, cfg.index_head_dim, t, device="cuda", seed=m)
+    out = index_scores_rows(q, w, pool, slots, visible, queries_per_program=queries_per_program)
+    assert_index_scores_close(out, q, w, pool, slots, visible)
+    for r in (0, m // 2, m - 8):
+        assert torch.equal(out[r:r + 8], index_scores(q[r:r + 8], w[r:r + 8], pool, slots, visible[r:r + 8]))
