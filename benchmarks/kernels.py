@@ -432,7 +432,7 @@ BENCHES = {"fp8_linear": bench_fp8_linear, "gumbel": bench_gumbel, "sparse_attn"
            "moe_grouped": lambda bw: importlib.import_module("benchmarks.kernel_benches.moe").bench_grouped(bw),
            "topk_prefill": lambda bw: importlib.import_module("benchmarks.kernel_benches.topk").bench_prefill(bw),
            **{name: _module_bench(name) for name in ("moe", "topk", "mhc", "store", "engram", "sparse_prefill", "fp8_gemv",
-                                                    "bf16_gemv", "sparse_decode",
+                                                    "bf16_gemv", "sparse_decode", "fp4_grouped",
                                                     "indexer_cuda", "fp8_prefill", "indexer_rows")}}
 
 

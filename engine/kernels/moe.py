@@ -23,8 +23,8 @@ Launches of moe_forward:
   (on CUDA up to moe_fp4.FP4_MAX_TOKENS tokens: step 2 is moe_fp4.route_cuda (one CTA per token) and steps 3-5 are
   engine/kernels/moe_fp4.py: plan_and_quant (this plan, bit for bit, with tiles of 8 or 16 pairs by
   moe_fp4.fp4_tile_pairs, and x's act_quant, one launch), then the CUDA FP4 GEMVs up and down; on CUDA from
-  moe_grouped.GROUPED_MIN_PAIRS pairs an expert, steps 3-5 are engine/kernels/moe_grouped.py instead: the experts
-  dequantised to bf16 and torch's grouped GEMM)
+  moe_grouped.GROUPED_MIN_PAIRS pairs an expert, steps 3-5 are engine/kernels/moe_grouped.py instead: the pairs
+  sorted by expert and two grouped GEMMs on the FP4 weights, fp4_grouped_gemm.py)
   4. `_expert_gemm_kernel` UP: for each tile, BLOCK_N rows of W1 and of W3 (swap-AB: weight rows on the MMA's
      M side, the tile's tokens on N; x act-quantised in registers at 16-token tiles, by one fp8_act_qdq
      launch before it for larger tiles), SwiGLU + clamps + routing weight, bf16, then

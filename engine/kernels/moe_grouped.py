@@ -1,34 +1,41 @@
-"""Routed experts at many pairs per expert (long prefill chunks): the FP4 experts dequantised to bf16 once per call,
-then torch's grouped GEMM (`torch.nn.functional.grouped_mm`: bf16 tensor-core MMA, fp32 sums) over the pairs
-sorted by expert.
+"""Routed experts at many pairs per expert (long prefill chunks): the pairs sorted by expert, then two grouped GEMMs
+over them, by default on the FP4 weights as they are (engine/kernels/fp4_grouped_gemm.py: each tile dequantised in
+registers), else (fused=False) on bf16 copies of the experts made once per call and torch's grouped GEMM
+(`torch.nn.functional.grouped_mm`: bf16 tensor-core MMA, fp32 sums).
 
 Why: the CUDA FP4 GEMVs (engine/kernels/moe_fp4.py) convert a weight element once per tile of <= 16 pairs and read
-an expert once per tile; at 128 pairs an expert (8,192 tokens, 384 experts, top 6) they run at 65 TFLOP/s. Here an
-element is converted once per call (a stream: 0.53 B read, 2 B written) and the GEMM's tiles are the library's.
+an expert once per tile; at 128 pairs an expert (8,192 tokens, 384 experts, top 6) they run at 65 TFLOP/s. The bf16
+copies cost more than the GEMM they feed at prefill sizes (27 GB written and read again per call at the real
+shapes); the FP4 grouped GEMM reads a weight as half a byte and converts it once per 128 rows of its expert: on an
+H100 the routed experts of a 16,384-token chunk take 28.1 ms against 43.0 ms with the copies (2.7x at 4,096 tokens,
+1.16x at 32,768; benchmarks/RESULTS.md, thirteenth session).
 
 Math: moe_up / moe_down's (engine/kernels/moe.py), with the same exact products (A(x), A(h) and the dequantised
 weights are exact in bf16):
     g, u = bf16 of fp32 sums                      h = A(bf16(w silu(min(g, L)) clamp(u, -L, L)))
-    o    = bf16 of its fp32 sum                   (the grouped GEMM writes its input dtype; the golden rounds
-                                                   each expert's W2 output to bf16 before the combine too)
+    o    = bf16 of its fp32 sum                   (the grouped GEMMs write bf16; the golden rounds each expert's W2
+                                                   output to bf16 before the combine too)
 Only the fp32 summation order differs from the golden's.
 
 Steps of routed_grouped (no host synchronisation: every count stays on the device):
   1. the pairs sorted by expert (stable; dropped pairs, id -1, last), each expert's end row, and the first and
-     end row of each group of experts;
+     end row of each group of experts (fused: one group of all experts, cut into row blocks by row_blocks);
   2. A(x) once (fp8_act_qdq);
-  3. per group of experts (as many as staging_bytes holds in bf16: all of a rank's 48 at N = 8):
-     a. their W1|W3 and W2 dequantised into bf16 staging [G, 2I, D] and [G, D, I];
+  3. per group of experts (fused: the one group; else as many as staging_bytes holds in bf16: all of a rank's 48
+     at N = 8):
+     a. (copies only) their W1|W3 and W2 dequantised into bf16 staging [G, 2I, D] and [G, D, I];
      b. the group's rows of A(x) gathered in sorted order;
-     c. gu = grouped_mm(rows, W13^T)  bf16 [rows, 2I];
+     c. gu = rows x W13^T  bf16 [rows, 2I]  (fp4_grouped_gemm, or grouped_mm on the copies);
      d. h = the SwiGLU above with each row's routing weight, act-quantised per 32;
-     e. og = grouped_mm(h, W2^T)      bf16 [rows, D];
+     e. og = h x W2^T      bf16 [rows, D];
      f. o[pair] = og[row] in fp32 (moe_down's layout by pair, for the combine).
    Steps b, d and f launch one program per possible row and read the group's row range from the device.
-Memory traffic per call: each expert's 3·I·D weights read as FP4 (0.53 B), written and read again as bf16 (4 B):
-160 MB an expert at the real shapes; the activations: 2·P·D (gather) + P·(4I + 2I + 2D) + 4·P·D (o), P pairs.
-Transient device memory: the staging (staging_bytes, rounded down to whole experts) plus P·(8D + 6I) bytes of rows
-(~55 KB a pair at the real shapes: 2.7 GB for a chunk of 8,192 tokens at top 6, 10.8 GB for 32,768).
+Memory traffic per call: fused, each expert's 3·I·D weights read as FP4 (0.53 B an element) once per 128 of its
+rows, mostly from L2; with the copies, also written and read again as bf16 (4 B): 160 MB an expert at the real shapes.
+The activations: 2·P·D (gather) + P·(4I + 2I + 2D) + 4·P·D (o), P pairs.
+Transient device memory: P·(8D + 6I) bytes of rows (~55 KB a pair at the real shapes: 2.7 GB for a chunk of 8,192
+tokens at top 6, 10.8 GB for 32,768), plus with the copies the staging (staging_bytes, rounded down to whole
+experts).
 """
 
 from __future__ import annotations
@@ -39,6 +46,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
+from engine.kernels.fp4_grouped_gemm import BLOCK_M, fp4_grouped_gemm, row_blocks
 from engine.kernels.fp8_linear import fp8_act_qdq
 from engine.kernels.triton_common import (act_quant_blocks, bf16_bits, bf16_to_fp32, cdiv, e2m1_to_fp32, e8m0_to_fp32,
                                           round_bf16, swiglu)
@@ -46,6 +54,7 @@ from engine.kernels.triton_common import (act_quant_blocks, bf16_bits, bf16_to_f
 STAGING_BYTES = 4 << 30  # bf16 copies of the experts in flight: 60 experts of the real shapes (70.8 MB each)
 GROUPED_MIN_PAIRS = 128  # moe_forward takes this path from this many routed pairs an expert (on average): on an H100
 #   1.12x the CUDA GEMVs at 128 (8,192 tokens at top 6 of 384), 0.62x at 64 (benchmarks/RESULTS.md, issue 23)
+FUSED_DEQUANT = True  # routed_grouped's default: fp4_grouped_gemm instead of the bf16 copies + grouped_mm
 _ROW_BLOCK = 1024  # columns per program of the row kernels (a multiple of 32: whole act_quant blocks)
 _grouped_mm = getattr(F, "grouped_mm", None) or torch._grouped_mm  # the private name in torches without the public one
 
@@ -170,10 +179,13 @@ def grouped_applies(x: Tensor, num_pairs: int, num_experts: int) -> bool:
 
 
 def routed_grouped(x: Tensor, ids: Tensor, weights: Tensor, experts, limit: float,
-                   staging_bytes: int = STAGING_BYTES, want_h: bool = False) -> Tensor | tuple[Tensor, Tensor]:
+                   staging_bytes: int = STAGING_BYTES, want_h: bool = False,
+                   fused: bool | None = None) -> Tensor | tuple[Tensor, Tensor]:
     """The routed experts (module docstring): x bf16 [T, D], ids int32 [T, k] (this rank's expert ids, -1 dropped),
     weights fp32 [T, k] -> o fp32 [T*k, D] by pair, bf16-valued (rows of dropped pairs are not written). want_h
-    (tests): (o, h bf16 [T*k, I] by pair, the SwiGLU output before its act_quant)."""
+    (tests): (o, h bf16 [T*k, I] by pair, the SwiGLU output before its act_quant). fused: steps 3a/c/e as
+    fp4_grouped_gemm over all experts at once (no bf16 copies, no staging; staging_bytes is then unused); None:
+    FUSED_DEQUANT."""
     t, d = x.shape
     e, two_i, half_d = experts.w13.shape
     inter, k = two_i // 2, ids.size(1)
@@ -185,14 +197,19 @@ def routed_grouped(x: Tensor, ids: Tensor, weights: Tensor, experts, limit: floa
     h_by_pair = torch.empty(pairs, inter, dtype=torch.bfloat16, device=x.device) if want_h else None
     if pairs == 0:
         return (o, h_by_pair) if want_h else o
+    fused = FUSED_DEQUANT if fused is None else fused
     sorted_pairs, ends = sort_pairs(ids.contiguous(), e)
-    group = experts_per_group(experts, staging_bytes)
+    group = e if fused else experts_per_group(experts, staging_bytes)
     firsts = range(0, e, group)
     starts = torch.cat([ends.new_zeros(1), ends[group - 1:e - 1:group]])  # each group's first sorted row
     bounds = torch.stack([starts, torch.cat([starts[1:], ends[-1:]])], 1).contiguous()  # [groups, 2]: start, end
     xq = fp8_act_qdq(x).view(torch.int16)
-    w13 = torch.empty(min(group, e), two_i, d, dtype=torch.bfloat16, device=x.device)
-    w2 = torch.empty(min(group, e), d, inter, dtype=torch.bfloat16, device=x.device)
+    if fused:
+        block_m = BLOCK_M if x.is_cuda else 16  # (the interpreter: small tiles)
+        blocks = row_blocks(ends, pairs, block_m)
+    else:
+        w13 = torch.empty(min(group, e), two_i, d, dtype=torch.bfloat16, device=x.device)
+        w2 = torch.empty(min(group, e), d, inter, dtype=torch.bfloat16, device=x.device)
     rows_x = torch.empty(pairs, d, dtype=torch.bfloat16, device=x.device)
     h = torch.empty(pairs, inter, dtype=torch.bfloat16, device=x.device)
     raw = torch.empty_like(h) if want_h else h  # the kernel writes it only when asked
@@ -200,17 +217,24 @@ def routed_grouped(x: Tensor, ids: Tensor, weights: Tensor, experts, limit: floa
     for g, first in enumerate(firsts):
         last = min(first + group, e)
         n = last - first
-        dequant_fp4_bf16(experts.w13[first:last], experts.s13[first:last], w13[:n])
-        dequant_fp4_bf16(experts.w2[first:last], experts.s2[first:last], w2[:n])
+        if not fused:
+            dequant_fp4_bf16(experts.w13[first:last], experts.s13[first:last], w13[:n])
+            dequant_fp4_bf16(experts.w2[first:last], experts.s2[first:last], w2[:n])
         b = bounds[g]
         offs = (ends[first:last] - b[0]).int()
         _gather_kernel[(pairs, cdiv(d, _ROW_BLOCK))](xq, sorted_pairs, b, rows_x.view(torch.int16), d, k,
                                                      BLOCK=_ROW_BLOCK)
-        gu = _grouped_mm(rows_x, w13[:n].transpose(1, 2), offs=offs)  # [pairs, 2I], rows past the group unused
+        if fused:
+            gu = fp4_grouped_gemm(rows_x, experts.w13, experts.s13, blocks, block_m=block_m)
+        else:
+            gu = _grouped_mm(rows_x, w13[:n].transpose(1, 2), offs=offs)  # [pairs, 2I], rows past the group unused
         _swiglu_rows_kernel[(pairs, cdiv(inter, _ROW_BLOCK))](gu.view(torch.int16), flat_w, sorted_pairs, b,
                                                               h.view(torch.int16), raw.view(torch.int16), inter,
                                                               float(limit), BLOCK=_ROW_BLOCK, WANT_RAW=want_h)
-        og = _grouped_mm(h, w2[:n].transpose(1, 2), offs=offs)  # [pairs, D]
+        if fused:
+            og = fp4_grouped_gemm(h, experts.w2, experts.s2, blocks, block_m=block_m)
+        else:
+            og = _grouped_mm(h, w2[:n].transpose(1, 2), offs=offs)  # [pairs, D]
         _scatter_kernel[(pairs, cdiv(d, _ROW_BLOCK))](og.view(torch.int16), sorted_pairs, b, o, d, BLOCK=_ROW_BLOCK,
                                                       TO_FP32=True)
         if want_h:

@@ -99,17 +99,20 @@ def test_experts_per_group_counts_bf16_bytes():
     assert experts_per_group(ex, 1) == 1 and experts_per_group(ex, 10**15) == e
 
 
-@pytest.mark.parametrize("group_bytes", [None, "one", "three"])
+@pytest.mark.parametrize("group_bytes", [None, "one", "three", "fused"])
 def test_routed_grouped_matches_golden(group_bytes):
     """17 routed tokens over the tiny layer's 8 experts, in one group of experts, groups of one and of three (the
     last group short): o by pair within the stated tolerance."""
     moe, ex = tiny_moe(seed=21)
     per_expert = bf16_bytes_per_expert(ex)
-    staging = {None: 10**12, "one": per_expert, "three": 3 * per_expert}[group_bytes]
+    staging = {None: 10**12, "one": per_expert, "three": 3 * per_expert, "fused": 1}[group_bytes]
+    fused = group_bytes == "fused"  # fp4_grouped_gemm: no staging at all
     x = draw_tokens(17, moe, seed=22)
     w, ids = route(x, moe)
-    o = assert_grouped_close(x, ex, w, ids, CPU_EPS, f"grouped, staging {group_bytes}", staging_bytes=staging)
-    assert torch.equal(o, routed_grouped(x, ids, w, ex, LIMIT, staging_bytes=staging)), "want_h changed o"
+    o = assert_grouped_close(x, ex, w, ids, CPU_EPS, f"grouped, staging {group_bytes}", staging_bytes=staging,
+                             fused=fused)
+    again = routed_grouped(x, ids, w, ex, LIMIT, staging_bytes=staging, fused=fused)
+    assert torch.equal(o, again), "want_h changed o"
 
 
 def test_routed_grouped_repeats_dropped_slots_and_unused_experts():
@@ -120,7 +123,9 @@ def test_routed_grouped_repeats_dropped_slots_and_unused_experts():
     w = torch.rand(7, 2, generator=torch.Generator().manual_seed(1)) + 0.2
     per_expert = bf16_bytes_per_expert(ex)
     for staging in (10**12, 2 * per_expert):
-        assert_grouped_close(x, ex, w, ids, CPU_EPS, f"given routing, staging {staging}", staging_bytes=staging)
+        assert_grouped_close(x, ex, w, ids, CPU_EPS, f"given routing, staging {staging}", staging_bytes=staging,
+                             fused=False)
+    assert_grouped_close(x, ex, w, ids, CPU_EPS, "given routing, fused", fused=True)
     assert routed_grouped(x[:0], ids[:0], w[:0], ex, LIMIT).shape == (0, x.size(1))
 
 
@@ -137,17 +142,21 @@ def test_applies_only_on_cuda_with_many_pairs_per_expert():
 
 @gpu
 @needs_cuda
-@pytest.mark.parametrize("t,groups", [(2048, 1), (2048, 7), (FP4_MAX_TOKENS, 2)])
+@pytest.mark.parametrize("t,groups", [(2048, 1), (2048, 7), (FP4_MAX_TOKENS, 2), (2048, "fused"),
+                                      (FP4_MAX_TOKENS, "fused")])
 def test_routed_grouped_real_shapes_gpu(full_moe, t, groups):
-    """o against the golden at real shapes, with the experts in one group and in several (the last short)."""
+    """o against the golden at real shapes, with the experts in one group and in several (the last short), or on
+    fp4_grouped_gemm (no bf16 copies)."""
     moe, ex = full_moe
     e = ex.w13.size(0)
     per_expert = bf16_bytes_per_expert(ex)
+    fused = groups == "fused"
+    staging = per_expert if fused else -(-e // groups) * per_expert
     x = gpu_tokens(t, 500 + t)
     w, ids = route(x, moe)
-    o = assert_grouped_close(x, ex, w, ids, GPU_EPS, f"grouped T={t} in {groups} groups",
-                             staging_bytes=-(-e // groups) * per_expert)
-    again = routed_grouped(x, ids, w, ex, LIMIT, staging_bytes=-(-e // groups) * per_expert)
+    o = assert_grouped_close(x, ex, w, ids, GPU_EPS, f"grouped T={t} in {groups} groups", staging_bytes=staging,
+                             fused=fused)
+    again = routed_grouped(x, ids, w, ex, LIMIT, staging_bytes=staging, fused=fused)
     assert torch.equal(o, again), "not deterministic"
 
 
