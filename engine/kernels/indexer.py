@@ -52,10 +52,10 @@ from engine.kernels.triton_common import e2m1_to_fp32, round_bf16
 
 
 # index_scores_rows' launch defaults, from benchmarks/kernels.py --only indexer_rows (H100 and H200, 2026-12-07): MMAs
-# of 128 rows (4 queries x 32 heads at the real shape), 64-entry tiles, each tile's records decoded once for 32
-# queries, 4 warps, the MMA as keys x queries, rounding by casts two elements at a time (packed). 64 queries a program
-# measured 3-8% faster still (H200), but has not run the GPU correctness tests yet: not the default.
-ROWS_MMA_ROWS, ROWS_BLOCK_T, ROWS_QUERIES, ROWS_WARPS = 128, 64, 32, 4
+# of 128 rows (4 queries x 32 heads at the real shape), 64-entry tiles, each tile's records decoded once for 64
+# queries (3-8% faster than 32 on an H200; the GPU tests at real shapes passed at 16 and 64, 2026-12-07), 4 warps,
+# the MMA as keys x queries, rounding by casts two elements at a time (packed).
+ROWS_MMA_ROWS, ROWS_BLOCK_T, ROWS_QUERIES, ROWS_WARPS = 128, 64, 64, 4
 
 
 @triton.jit
