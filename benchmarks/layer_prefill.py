@@ -182,13 +182,15 @@ def kernel_report(profile: ChunkProfile, roles, top: int) -> str:
 
 
 def prefill_layers(engine: LLMEngine, prompt: list[int], rid: str, profile_last: bool = False
-                   ) -> tuple[dict[int, float], ChunkProfile | None]:
+                   ) -> tuple[dict[int, float], ChunkProfile | None, float]:
     """Each layer's time over one request's prefill (to its first token); with profile_last, also the last chunk's
-    kernels per layer (chunk_kernels)."""
+    kernels per layer (chunk_kernels); and the wall time from add_request to the first token (TTFT, host work
+    between and around the layers included)."""
     clock = LayerClock(engine)
     chunk = engine.config.max_num_batched_tokens
     steps = -(-len(prompt) // chunk)  # one request, one chunk a step; the last one samples the first token
     kernels: ChunkProfile | None = None
+    start = time.perf_counter()
     try:
         engine.add_request(rid, prompt, SamplingParams(max_tokens=1, ignore_eos=True))
         last, done = None, 0
@@ -208,6 +210,7 @@ def prefill_layers(engine: LLMEngine, prompt: list[int], rid: str, profile_last:
                 outs = engine.step()
             done += 1
             last = next((o for o in outs if o.request_id == rid), last)
+        wall_s = time.perf_counter() - start  # (the step that returns the first token synchronizes)
         totals = clock.totals_s()
     finally:
         clock.remove()
@@ -216,7 +219,7 @@ def prefill_layers(engine: LLMEngine, prompt: list[int], rid: str, profile_last:
                            f"runner {type(engine.executor.runner).__name__} kernels={engine.executor.runner.kernels}")
     if profile_last and (kernels is None or not kernels.spans):
         raise RuntimeError(f"the profiled chunk of request {rid} recorded no layer range ({steps} steps expected)")
-    return totals, kernels
+    return totals, kernels, wall_s
 
 
 def released_projection(measured: dict[tuple, float]) -> tuple[float, list[str]]:
@@ -256,6 +259,8 @@ def main(argv: list[str] | None = None) -> dict[int, dict[tuple, float]]:
     engine = LLMEngine.local(model, config, eos_token_id=-1)
     g = torch.Generator().manual_seed(0)
     prefill_layers(engine, torch.randint(0, 120000, (min(args.chunk, max(lengths)),), generator=g).tolist(), "warm")
+    print("TTFT below: wall time from add_request to the first token (host work between the layers included); "
+          "the layers' sum: their CUDA-event times", flush=True)
     longest = max(lengths)
     roles = model.cfg.roles
     device = torch.cuda.get_device_name() if torch.cuda.is_available() else "CPU"
@@ -263,10 +268,14 @@ def main(argv: list[str] | None = None) -> dict[int, dict[tuple, float]]:
     for n in lengths:
         profile = args.profile_kernels > 0 and n == longest
         per_layer: dict[int, float] = {}
+        ttfts: list[tuple[float, float]] = []  # per unprofiled run: (TTFT, the layers' sum)
         for run in range(args.runs):  # the profiled chunk only in the last run
-            times, kernels = prefill_layers(engine, torch.randint(0, 120000, (n,), generator=g).tolist(),
-                                            f"r{n}-{run}", profile_last=profile and run == args.runs - 1)
+            profiled = profile and run == args.runs - 1
+            times, kernels, wall_s = prefill_layers(engine, torch.randint(0, 120000, (n,), generator=g).tolist(),
+                                                    f"r{n}-{run}", profile_last=profiled)
             per_layer = {i: min(s, per_layer.get(i, s)) for i, s in times.items()}
+            if not profiled:
+                ttfts.append((wall_s, sum(times.values())))
         kinds: dict[tuple, list[float]] = defaultdict(list)
         print(f"\n{device}, {args.model} model, a {n:,}-token prompt in chunks of {args.chunk}"
               + (f", fastest of {args.runs} runs per layer" if args.runs > 1 else ""))
@@ -286,6 +295,11 @@ def main(argv: list[str] | None = None) -> dict[int, dict[tuple, float]]:
               f"(ideal split); x {ONE_MILLION / n:.0f} to 1M tokens: >= {one_gpu / GPUS * ONE_MILLION / n:.1f} s over "
               f"{GPUS} (Baseten: 11.7 s on 8xB300)" + (f"; not measured, left out: {', '.join(missing)}"
                                                        if missing else ""))
+        if ttfts:
+            wall_s, layers_s = min(ttfts)
+            print(f"TTFT {wall_s * 1e3:,.1f} ms (fastest unprofiled run of {len(ttfts)}): the layers' sum "
+                  f"{layers_s * 1e3:,.1f} ms, the rest {(wall_s - layers_s) * 1e3:,.1f} ms (embedding, head, host work "
+                  "the device waited for)")
         if profile:
             print(f"\nthe last chunk of the {n:,}-token prompt, under the profiler (layers synchronized):")
             print(kernel_report(kernels, roles, args.profile_kernels), flush=True)
