@@ -147,9 +147,11 @@ def check_layers_teacher_forced(model, plans, layout, device) -> None:
     golden, kernels = ModelRunner(model, golden_kv, kernels=False), KernelRunner(model, kernel_kv)
     worst = (0.0, None)
     for n, plan in enumerate(plans):
-        ins, outs = [], []
+        ins, outs, picks = [], [], {i: [] for i, layer in enumerate(model.layers) if layer.attn.indexer is not None}
         hooks = [layer.register_forward_pre_hook(lambda m, a: ins.append((a[0][0], a[1][0]))) for layer in model.layers]
         hooks += [layer.register_forward_hook(lambda m, a, o: outs.append(o[0][0])) for layer in model.layers]
+        hooks += [model.layers[i].attn.indexer.register_forward_hook(lambda m, a, o, i=i: picks[i].append(o))
+                  for i in picks]  # the golden's top-k per indexer call (a failure's report compares them)
         try:
             golden.execute(plan)
         finally:
@@ -171,8 +173,29 @@ def check_layers_teacher_forced(model, plans, layout, device) -> None:
                     worst = (rel.max().item(), (n, i, int(rel.argmax())))
                 assert rel.numel() == 0 or (rel.max() <= LAYER_REL_TOL and rel.mean() <= LAYER_MEAN_TOL), (
                     f"step {n} layer {i} ({layer.role.mode}, ratio {layer.role.ratio}): row {int(rel.argmax())} "
-                    f"rel {rel.max():.3e}, mean {rel.mean():.3e}")
+                    f"rel {rel.max():.3e}, mean {rel.mean():.3e}; "
+                    + pick_report(picks.get(layer.role.index_source, []), step, layer.role.index_source))
     print(f"worst per-layer rel error {worst[0]:.3e} at (step, layer, row) {worst[1]}")
+
+
+def pick_report(golden: list[torch.Tensor], step, source: int) -> str:
+    """For a failed layer: which query rows' top-k entry sets differ between the golden's indexer calls of its index
+    source (in call order) and the kernel path's per-chunk picks (step.shared[c].topk), best effort."""
+    if source is None:
+        return "no indexer"
+    kernel = [s.topk[source] for s in step.shared if source in s.topk]
+    if len(golden) != len(kernel):
+        return f"index source {source}: {len(golden)} golden indexer calls, {len(kernel)} kernel chunks with picks"
+    lines = []
+    for c, (g, k) in enumerate(zip(golden, kernel)):
+        g = g.reshape(-1, g.size(-1))
+        if g.shape != k.shape:
+            lines.append(f"chunk {c}: picks {tuple(g.shape)} (golden) / {tuple(k.shape)} (kernels)")
+            continue
+        differ = [r for r in range(g.size(0)) if set(g[r].tolist()) - {-1} != set(k[r].tolist()) - {-1}]
+        if differ:
+            lines.append(f"chunk {c}: query rows {differ[:8]} pick other entries ({len(differ)} of {g.size(0)})")
+    return "; ".join(lines) or f"index source {source}: every query row picks the golden's entries"
 
 
 def kernels_engram(layer, h: torch.Tensor, step) -> torch.Tensor:
