@@ -53,7 +53,9 @@ from engine.kernels.triton_common import (act_quant_blocks, bf16_bits, bf16_to_f
 
 STAGING_BYTES = 4 << 30  # bf16 copies of the experts in flight: 60 experts of the real shapes (70.8 MB each)
 GROUPED_MIN_PAIRS = 128  # moe_forward takes this path from this many routed pairs an expert (on average): on an H100
-#   1.12x the CUDA GEMVs at 128 (8,192 tokens at top 6 of 384), 0.62x at 64 (benchmarks/RESULTS.md, issue 23)
+#   1.12x the CUDA GEMVs at 128 (8,192 tokens at top 6 of 384), 0.62x at 64 (benchmarks/RESULTS.md, issue 23), both
+#   with the bf16 copies. With the FP4 GEMMs it took 12.5 ms at 64 pairs an expert (thirteenth session), against
+#   ~20 ms for the GEMVs in the ninth session's run: not compared in one run yet, so the threshold stays
 FUSED_DEQUANT = True  # routed_grouped's default: fp4_grouped_gemm instead of the bf16 copies + grouped_mm
 _ROW_BLOCK = 1024  # columns per program of the row kernels (a multiple of 32: whole act_quant blocks)
 _grouped_mm = getattr(F, "grouped_mm", None) or torch._grouped_mm  # the private name in torches without the public one
