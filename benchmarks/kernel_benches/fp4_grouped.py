@@ -4,7 +4,8 @@ expert dequantised to bf16 (dequant_fp4_bf16) and torch's grouped GEMM. The rele
 
     python benchmarks/kernels.py --only fp4_grouped
 
-Then routed_grouped whole (gather, both GEMMs, SwiGLU, scatter) with fused=False / True, and the fused GEMM's launch
+Then routed_grouped whole (gather, both GEMMs, SwiGLU, scatter) with fused=False / True; the CUDA FP4 GEMVs against
+routed_grouped at 1K-8K tokens (where moe_forward should switch, GROUPED_MIN_PAIRS); and the fused GEMM's launch
 shapes at 16,384 tokens.
 """
 
@@ -15,11 +16,13 @@ import torch.nn.functional as F
 
 from benchmarks.gpu_timing import eager_time_us, sweep
 from engine.kernels.fp4_grouped_gemm import fp4_grouped_gemm, row_blocks
-from engine.kernels.moe_grouped import dequant_fp4_bf16, routed_grouped, sort_pairs
+from engine.kernels.moe import routed_fp4
+from engine.kernels.moe_grouped import GROUPED_MIN_PAIRS, dequant_fp4_bf16, routed_grouped, sort_pairs
 from engine.presets import full_config
 from engine.tools.random_moe import random_moe
 
 T_VALUES = (4096, 16384, 32768)
+THRESHOLD_T = (1024, 2048, 4096, 8192)  # 16-128 pairs an expert
 SWEEP_T = 16384
 SWEEP = tuple((bm, bn, bk, w, st, True) for bm, bn, bk, w, st in (
     (128, 128, 64, 4, 2), (128, 128, 64, 4, 3), (128, 128, 64, 4, 4), (128, 64, 64, 4, 3), (64, 128, 64, 4, 3),
@@ -73,6 +76,16 @@ def bench(copy_bw: float) -> None:
         new = eager_time_us(lambda: routed_grouped(x, ids, wts, ex, limit, fused=True))
         print(f"| {t} | {old:.0f} | {new:.0f} | {old / new:.2f} |", flush=True)
         torch.cuda.empty_cache()
+    print(f"\n| T | pairs per expert | CUDA FP4 GEMVs us (moe_forward below {GROUPED_MIN_PAIRS} pairs an expert) | "
+          "routed_grouped on the FP4 GEMMs us | GEMVs / grouped |")
+    print("|---|---|---|---|---|")
+    for t in THRESHOLD_T:  # where moe_forward should switch (moe_grouped.GROUPED_MIN_PAIRS)
+        _, _, ids = _sorted_rows(t, k, e, 8, seed=t)
+        x = torch.randn(t, d, device="cuda").bfloat16()
+        wts = torch.rand(t, k, device="cuda") * 0.5 + 0.1
+        gemv = eager_time_us(lambda: routed_fp4(x, ids, wts, ex, limit, once_per_token=True))
+        grouped = eager_time_us(lambda: routed_grouped(x, ids, wts, ex, limit, fused=True))
+        print(f"| {t} | {t * k / e:.0f} | {gemv:.0f} | {grouped:.0f} | {gemv / grouped:.2f} |", flush=True)
     rows, ends, _ = _sorted_rows(SWEEP_T, k, e, d, seed=1)
     flops = 2 * rows.size(0) * ex.w13.size(1) * d
     print(f"\nLaunch shapes of the W1|W3 GEMM at T = {SWEEP_T} ((block_m, block_n, block_k, warps, stages, "
