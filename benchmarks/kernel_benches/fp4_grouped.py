@@ -38,6 +38,12 @@ def _sorted_rows(t: int, k: int, e: int, d: int, seed: int):
     return torch.randn(t * k, d, generator=g, device="cuda").bfloat16(), ends, ids
 
 
+def _routed_tokens(t: int, k: int, e: int, d: int, seed: int):
+    """routed_grouped's inputs: x bf16 [t, d], ids int32 [t, k] (random top-k routes), weights fp32 [t, k]."""
+    _, _, ids = _sorted_rows(t, k, e, 8, seed)
+    return torch.randn(t, d, device="cuda").bfloat16(), ids, torch.rand(t, k, device="cuda") * 0.5 + 0.1
+
+
 def _staged(rows, w, s, ends, staging):
     """The old path for one GEMM: all experts to bf16, then torch's grouped GEMM."""
     dequant_fp4_bf16(w, s, staging)
@@ -69,9 +75,7 @@ def bench(copy_bw: float) -> None:
     print("\n| T | routed_grouped (bf16 copies) us | fused us | speed-up |")
     print("|---|---|---|---|")
     for t in T_VALUES:
-        _, _, ids = _sorted_rows(t, k, e, 8, seed=t)
-        x = torch.randn(t, d, device="cuda").bfloat16()
-        wts = torch.rand(t, k, device="cuda") * 0.5 + 0.1
+        x, ids, wts = _routed_tokens(t, k, e, d, seed=t)
         old = eager_time_us(lambda: routed_grouped(x, ids, wts, ex, limit, fused=False))
         new = eager_time_us(lambda: routed_grouped(x, ids, wts, ex, limit, fused=True))
         print(f"| {t} | {old:.0f} | {new:.0f} | {old / new:.2f} |", flush=True)
@@ -80,9 +84,7 @@ def bench(copy_bw: float) -> None:
           "routed_grouped on the FP4 GEMMs us | GEMVs / grouped |")
     print("|---|---|---|---|---|")
     for t in THRESHOLD_T:  # where moe_forward should switch (moe_grouped.GROUPED_MIN_PAIRS)
-        _, _, ids = _sorted_rows(t, k, e, 8, seed=t)
-        x = torch.randn(t, d, device="cuda").bfloat16()
-        wts = torch.rand(t, k, device="cuda") * 0.5 + 0.1
+        x, ids, wts = _routed_tokens(t, k, e, d, seed=t)
         gemv = eager_time_us(lambda: routed_fp4(x, ids, wts, ex, limit, once_per_token=True))
         grouped = eager_time_us(lambda: routed_grouped(x, ids, wts, ex, limit, fused=True))
         print(f"| {t} | {t * k / e:.0f} | {gemv:.0f} | {grouped:.0f} | {gemv / grouped:.2f} |", flush=True)

@@ -178,7 +178,7 @@ def check_layers_teacher_forced(model, plans, layout, device) -> None:
     print(f"worst per-layer rel error {worst[0]:.3e} at (step, layer, row) {worst[1]}")
 
 
-def pick_report(golden: list[torch.Tensor], step, source: int) -> str:
+def pick_report(golden: list[torch.Tensor], step, source: int | None) -> str:
     """For a failed layer: which query rows' top-k entry sets differ between the golden's indexer calls of its index
     source (in call order) and the kernel path's per-chunk picks (step.shared[c].topk), best effort."""
     if source is None:
